@@ -1,0 +1,52 @@
+"""mpp's one command line: `accelerate launch launch.py STAGE [--config FILE] [key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mpp.errors import UserError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__)
+    stages = parser.add_subparsers(dest="stage", required=True)
+
+    pretrain = stages.add_parser("pretrain", help="masked patch prediction pretraining")
+    pretrain.add_argument("--config", help="YAML config (see configs/pretrain/); defaults apply to unset keys")
+    pretrain.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
+    pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
+
+    prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
+    prepare.add_argument("source", help="a folder of images (class = sub-folder), a Hugging Face dataset name or local path, "
+                                        "an MNIST-style *-images-idx3-ubyte file, or 'synthetic'")
+    prepare.add_argument("--out", required=True, help="directory for the shards and summary.json")
+    prepare.add_argument("--samples-per-shard", type=int, default=1000)
+    prepare.add_argument("--split", default="train", help="dataset split for Hugging Face sources")
+    prepare.add_argument("--count", type=int, default=20000, help="images to generate for 'synthetic'")
+    prepare.add_argument("--size", type=int, default=64, help="side in pixels of generated 'synthetic' images")
+    prepare.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.stage == "pretrain":
+            from mpp.config import load_config
+            from pipelines import pretrain
+
+            pretrain.run(load_config(args.config, args.overrides), resume=args.resume)
+        elif args.stage == "prepare":
+            from pipelines import prepare
+
+            prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
+                        count=args.count, split=args.split, overwrite=args.overwrite)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Typed run configuration: YAML files plus dotted `key=value` overrides, validated at load."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Literal
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from mpp.errors import UserError
+from mpp.model import parse_model_name
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(UserError):
+    """A user mistake in a config file or override; the message is one sentence with the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
+    val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning and few-shot evaluation.")
+    synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated under data/synthetic on first use.")
+    num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank that decode images.")
+    shuffle_buffer: int = Field(2000, ge=0, description="Samples held in the shuffle buffer of each worker (0 disables shuffling).")
+    resampled: bool = Field(True, description="Draw shards with replacement forever (no rank ever runs dry); false streams each pass over the shards exactly once per rank.")
+    crop_scale: tuple[float, float] = Field((0.08, 1.0), description="Area fraction range of the random-resized crop.")
+    hflip: bool = Field(True, description="Random horizontal flip during training.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"data.crop_scale must satisfy 0 < min <= max <= 1, got {list(self.crop_scale)}")
+        return self
+
+
+class ModelConfig(Section):
+    name: str = Field("vit_ti", description="ViT variant: vit_ti, vit_s, vit_b, vit_l or vit_h, optionally with the patch size appended (vit_b16).")
+    image_size: int = Field(224, gt=0, description="Input resolution in pixels (square).")
+    patch_size: int | None = Field(None, gt=0, description="Patch side in pixels; defaults to the number in model.name, else 16.")
+    width: int | None = Field(None, gt=0, description="Override the variant's embedding width.")
+    depth: int | None = Field(None, gt=0, description="Override the variant's number of Transformer blocks.")
+    heads: int | None = Field(None, gt=0, description="Override the variant's number of attention heads (must divide the width).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_patch_size(cls, raw: dict) -> dict:
+        if not isinstance(raw, dict):
+            return raw
+        name = raw.get("name", cls.model_fields["name"].default)
+        _, named_patch = parse_model_name(str(name))
+        patch = raw.get("patch_size")
+        if patch is not None and named_patch is not None and patch != named_patch:
+            raise ValueError(f"model.name {name} implies patch size {named_patch} but model.patch_size is {patch}; drop the number from the name or the override")
+        return {**raw, "patch_size": patch or named_patch or 16}
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"model.image_size {self.image_size} is not divisible by model.patch_size {self.patch_size}; pick sizes where it is (e.g. 224 and 16)")
+        size, _ = parse_model_name(self.name)
+        width, heads = self.width or size.width, self.heads or size.heads
+        if width % heads:
+            raise ValueError(f"model width {width} is not divisible by {heads} heads; set model.heads to a divisor of the width")
+        return self
+
+
+class MPPConfig(Section):
+    target: Literal["color", "color4x4", "pixels"] = Field("color", description="What a corrupted patch predicts: its 3-bit mean colour (512 classes), its 4x4-downsized 3-bit colours (16 x 512), or its pixels (L2).")
+    corrupt_rate: float = Field(0.5, gt=0, lt=1, description="Fraction of patch positions corrupted per image (paper: 0.5; 0.15 also tried).")
+    mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
+    random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
+    color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
+
+    @model_validator(mode="after")
+    def _check(self) -> MPPConfig:
+        if self.mask_prob + self.random_prob > 1:
+            raise ValueError(f"mpp.mask_prob + mpp.random_prob must be at most 1, got {self.mask_prob} + {self.random_prob}")
+        return self
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, gt=0, description="Optimiser steps in the whole run.")
+    batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimiser step.")
+    optimizer: Literal["adam", "adamw", "sgd"] = Field("adamw", description="Optimiser: adam, adamw or sgd (with momentum).")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate, reached after the warmup.")
+    weight_decay: float = Field(0.05, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd); not applied to biases, norms, tokens and position embeddings.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards.")
+    clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    seed: int = Field(0, description="Seed for model init, corruption and data order.")
+    checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be smaller than train.steps ({self.steps})")
+        return self
+
+
+class LogConfig(Section):
+    every: int = Field(10, gt=0, description="Log scalars to TensorBoard every N steps.")
+    images_every: int = Field(200, gt=0, description="Log the image panel (crops, corrupted view, true and predicted colours) every N steps.")
+
+
+class Config(Section):
+    objective: Literal["mpp"] = Field("mpp", description="Training objective: mpp (masked patch prediction).")
+    output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.")
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    mpp: MPPConfig = Field(default_factory=MPPConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+
+def _closest_key(section: type[BaseModel], prefix: str, key: str) -> str:
+    matches = difflib.get_close_matches(key, list(section.model_fields), n=1)
+    return f" (did you mean '{prefix}{matches[0]}'?)" if matches else ""
+
+
+def _section_at(loc: tuple) -> type[BaseModel]:
+    section: type[BaseModel] = Config
+    for part in loc:
+        field = section.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            break
+        section = field.annotation
+    return section
+
+
+def _explain(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    key = ".".join(str(p) for p in loc)
+    if first["type"] == "extra_forbidden":
+        prefix = "".join(f"{p}." for p in loc[:-1])
+        hint = _closest_key(_section_at(loc[:-1]), prefix, str(loc[-1]))
+        return f"unknown config key '{key}'{hint}; see the config reference in README.md"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "value_error":  # our own validators already name the keys and the fix
+        return msg
+    return f"invalid value for '{key}': {msg} (got {first.get('input')!r})"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- `a.b=value` overrides, validated into a Config."""
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as exc:
+            raise ConfigError(f"config file {path} is not valid YAML ({exc.__class__.__name__}); fix its syntax") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=1000)")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot merge config overrides: {exc}") from None
+    return validate_config(merged or {})
+
+
+def validate_config(raw: dict) -> Config:
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+    return cfg
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json")))

@@ -1,0 +1,5 @@
+"""Errors that are the user's to fix: the CLI prints their one-line message, without a traceback."""
+
+
+class UserError(Exception):
+    """A mistake in a config, a path or the data; the message names the thing and the fix."""

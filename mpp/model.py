@@ -1,0 +1,144 @@
+"""The Vision Transformer of Dosovitskiy et al. (2021): patches -> linear embedding -> pre-norm Transformer."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ViTSize:
+    width: int
+    depth: int
+    heads: int
+
+
+# The paper's Table 1 plus the DeiT Ti/S sizes that are customary for small-scale work.
+VIT_SIZES = {
+    "vit_ti": ViTSize(192, 12, 3),
+    "vit_s": ViTSize(384, 12, 6),
+    "vit_b": ViTSize(768, 12, 12),
+    "vit_l": ViTSize(1024, 24, 16),
+    "vit_h": ViTSize(1280, 32, 16),
+}
+
+_NAME = re.compile(r"^(vit_(?:ti|s|b|l|h))(\d+)?$")
+
+
+def parse_model_name(name: str) -> tuple[ViTSize, int | None]:
+    """'vit_b16' -> (ViT-B size, 16); 'vit_ti' -> (ViT-Ti size, None)."""
+    match = _NAME.match(name)
+    if not match:
+        raise ValueError(f"unknown model '{name}'; choose one of {', '.join(VIT_SIZES)}, optionally with a patch size (vit_b16)")
+    return VIT_SIZES[match.group(1)], int(match.group(2)) if match.group(2) else None
+
+
+class PatchEmbed(nn.Module):
+    """Linear projection of flattened P x P patches."""
+
+    def __init__(self, patch_size: int, dim: int, channels: int = 3):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Linear(channels * patch_size * patch_size, dim)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, N, D)
+        p = self.patch_size
+        return self.proj(rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D)
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer encoder block: x + MSA(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionTransformer(nn.Module):
+    """Backbone only: heads belong to the objectives that train it.
+
+    `embed_patches` and `encode` are separate so an objective can alter patch embeddings
+    (MPP corrupts them) after the projection and before position embeddings are added.
+    """
+
+    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int):
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"image size {image_size} is not divisible by patch size {patch_size}")
+        self.image_size, self.patch_size, self.width = image_size, patch_size, width
+        self.depth, self.heads = depth, heads
+        self.grid = image_size // patch_size
+        self.num_patches = self.grid * self.grid
+        self.patch_embed = PatchEmbed(patch_size, width)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches + 1, width))
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        trunc_normal(self.pos_embed)
+        trunc_normal(self.cls_token)
+        self.apply(init_weights)
+
+    def embed_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) float -> (B, N, D)
+        return self.patch_embed(images)
+
+    def encode(self, patch_tokens: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 1 + N, D)
+        cls = self.cls_token.expand(patch_tokens.shape[0], -1, -1)
+        x = torch.cat([cls, patch_tokens], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, 1 + N, D)
+        return self.encode(self.embed_patches(images))
+
+
+def trunc_normal(tensor: torch.Tensor, std: float = 0.02) -> None:
+    # torch's default bounds are +-2 in absolute terms, i.e. no truncation at std 0.02; cut at 2 std instead.
+    nn.init.trunc_normal_(tensor, std=std, a=-2 * std, b=2 * std)
+
+
+def init_weights(module: nn.Module) -> None:
+    """Truncated-normal linear weights, zero biases, unit LayerNorm: common ViT practice."""
+    if isinstance(module, nn.Linear):
+        trunc_normal(module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+def build_vit(name: str, image_size: int, patch_size: int | None = None, *, width: int | None = None,
+              depth: int | None = None, heads: int | None = None) -> VisionTransformer:
+    """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden."""
+    size, named_patch = parse_model_name(name)
+    return VisionTransformer(image_size, patch_size or named_patch or 16, width or size.width,
+                             depth or size.depth, heads or size.heads)

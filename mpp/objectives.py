@@ -1,0 +1,208 @@
+"""Training objectives over a ViT backbone. Each maps a uint8 batch to a loss and metrics; the loop is shared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from mpp.model import VisionTransformer, init_weights, trunc_normal
+
+# Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
+PIXEL_MEAN, PIXEL_STD = 0.5, 0.5
+
+MASK, RANDOM, KEEP = 0, 1, 2
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> float in [-1, 1]
+    return (images.float() / 255.0 - PIXEL_MEAN) / PIXEL_STD
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- targets
+
+
+def quantize_color_sums(sums: torch.Tensor, pixels: int, bits: int) -> torch.Tensor:
+    """Per-channel pixel sums (B, 3, ...) of `pixels` pixels -> colour class ids (B, ...).
+
+    Integer arithmetic on the sums, so a mean exactly on a bin edge (e.g. 32 for 3 bits) lands in the upper bin.
+    """
+    levels = 1 << bits
+    q = (sums.round().long() * levels) // (256 * pixels)  # floor(mean / (256 / levels))
+    return (q[:, 0] * levels + q[:, 1]) * levels + q[:, 2]
+
+
+def mean_color_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
+    """(B, 3, H, W) uint8 -> (B, N) class ids of each patch's mean colour, `bits` per channel."""
+    sums = F.avg_pool2d(images.float(), patch_size, divisor_override=1)  # exact integer sums
+    return rearrange(quantize_color_sums(sums, patch_size * patch_size, bits), "b h w -> b (h w)")
+
+
+def color4x4_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
+    """(B, 3, H, W) uint8 -> (B, N, 16) class ids of each patch downsized to 4 x 4."""
+    cell = patch_size // 4
+    sums = F.avg_pool2d(images.float(), cell, divisor_override=1)
+    classes = quantize_color_sums(sums, cell * cell, bits)  # (B, 4h, 4w)
+    return rearrange(classes, "b (h i) (w j) -> b (h w) (i j)", i=4, j=4)
+
+
+def pixel_targets(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, 3, H, W) uint8 -> (B, N, P*P*3) normalised pixels, in PatchEmbed's flattening order."""
+    p = patch_size
+    return rearrange(normalize(images), "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p)
+
+
+def color_class_to_rgb(classes: torch.Tensor, bits: int = 3) -> torch.Tensor:
+    """Class ids (...) -> uint8 RGB bin centres (..., 3)."""
+    levels = 1 << bits
+    rgb = torch.stack([classes // (levels * levels), (classes // levels) % levels, classes % levels], dim=-1)
+    return ((rgb * 256 + 128) // levels).to(torch.uint8)
+
+
+# ---------------------------------------------------------------- corruption
+
+
+@dataclass
+class Corruption:
+    positions: torch.Tensor  # (B, K) patch indices that were corrupted
+    kinds: torch.Tensor  # (B, K) MASK, RANDOM or KEEP
+    sources: torch.Tensor  # (B, K) flat index into (B * N) of the patch that supplied the embedding
+
+
+def num_corrupted(num_patches: int, rate: float) -> int:
+    """A fixed count per image keeps shapes static (one head matmul over B * K rows, compile-friendly)."""
+    return max(1, round(rate * num_patches))
+
+
+def corrupt_patches(
+    tokens: torch.Tensor, mask_embedding: torch.Tensor, rate: float, mask_prob: float, random_prob: float
+) -> tuple[torch.Tensor, Corruption]:
+    """BERT-style corruption of patch embeddings (B, N, D), as in the ViT paper's appendix B.1.2.
+
+    `rate` of the positions are chosen per image; of those, `mask_prob` get the [mask] embedding,
+    `random_prob` the embedding of a random other patch from the batch, and the rest stay as they are.
+    """
+    b, n, d = tokens.shape
+    k = num_corrupted(n, rate)
+    positions = torch.rand(b, n, device=tokens.device).argsort(dim=1)[:, :k]  # (B, K)
+    u = torch.rand(b, k, device=tokens.device)
+    kinds = torch.full_like(positions, KEEP)
+    kinds[u < mask_prob + random_prob] = RANDOM
+    kinds[u < mask_prob] = MASK
+
+    own = positions + torch.arange(b, device=tokens.device)[:, None] * n  # (B, K) flat indices
+    other = torch.randint(0, b * n - 1, (b, k), device=tokens.device)
+    other = other + (other >= own).long()  # skip the patch itself: uniform over the other B*N - 1
+    sources = torch.where(kinds == RANDOM, other, own)
+
+    flat = tokens.reshape(b * n, d)
+    replacement = torch.where((kinds == MASK)[..., None], mask_embedding.to(tokens.dtype), flat[sources])
+    corrupted = tokens.scatter(1, positions[..., None].expand(-1, -1, d), replacement)
+    return corrupted, Corruption(positions, kinds, sources)
+
+
+def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (B, N, ...) , (B, K) -> (B, K, ...)
+    index = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, index)
+
+
+# ---------------------------------------------------------------- the objective
+
+
+class MaskedPatchPrediction(nn.Module):
+    """Corrupt patch embeddings, encode, and predict each corrupted patch's target from its own output."""
+
+    def __init__(self, backbone: VisionTransformer, target: str = "color", corrupt_rate: float = 0.5,
+                 mask_prob: float = 0.8, random_prob: float = 0.1, color_bits: int = 3):
+        super().__init__()
+        p = backbone.patch_size
+        if target == "color4x4" and p % 4:
+            raise ValueError(f"target color4x4 needs a patch size divisible by 4, got {p}")
+        self.backbone = backbone
+        self.target, self.bits = target, color_bits
+        self.corrupt_rate, self.mask_prob, self.random_prob = corrupt_rate, mask_prob, random_prob
+        self.num_colors = 1 << (3 * color_bits)
+        out = {"color": self.num_colors, "color4x4": 16 * self.num_colors, "pixels": 3 * p * p}[target]
+        self.mask_embedding = nn.Parameter(torch.zeros(backbone.width))
+        trunc_normal(self.mask_embedding)
+        self.head = nn.Linear(backbone.width, out)
+        init_weights(self.head)
+
+    def targets(self, images: torch.Tensor) -> torch.Tensor:  # (B, N) or (B, N, 16) or (B, N, 3P^2)
+        p = self.backbone.patch_size
+        if self.target == "color":
+            return mean_color_targets(images, p, self.bits)
+        if self.target == "color4x4":
+            return color4x4_targets(images, p, self.bits)
+        return pixel_targets(images, p)
+
+    def predict(self, images: torch.Tensor) -> tuple[torch.Tensor, Corruption]:
+        """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out)."""
+        tokens = self.backbone.embed_patches(normalize(images))
+        tokens, corruption = corrupt_patches(tokens, self.mask_embedding, self.corrupt_rate, self.mask_prob, self.random_prob)
+        encoded = self.backbone.encode(tokens)[:, 1:]  # drop [class]
+        return self.head(gather_positions(encoded, corruption.positions)), corruption
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> StepOutput:
+        predictions, corruption = self.predict(images)
+        targets = gather_positions(self.targets(images), corruption.positions)
+        if self.target == "pixels":
+            loss = F.mse_loss(predictions.float(), targets)
+            prior = F.mse_loss(targets.mean(dim=(0, 1)).expand_as(targets), targets)
+            return StepOutput(loss, {"loss_prior": prior})
+        logits = predictions.float().reshape(-1, self.num_colors)
+        targets = targets.reshape(-1)
+        loss = F.cross_entropy(logits, targets)
+        accuracy = (logits.argmax(-1) == targets).float().mean()
+        prior = torch.bincount(targets, minlength=self.num_colors).max() / targets.numel()
+        return StepOutput(loss, {"color_acc": accuracy, "color_acc_prior": prior})
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """What model.safetensors holds after pretraining: the backbone alone."""
+        return self.backbone.state_dict()
+
+    @torch.no_grad()
+    def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Images for TensorBoard (each (B, 3, H, W) uint8): crops, corrupted view, true and predicted targets."""
+        predictions, corruption = self.predict(images)
+        true = self.render(self.targets(images))  # (B, N, P*P*3)
+        if self.target == "pixels":
+            predicted = predictions.float()
+        else:
+            predicted = predictions.float().unflatten(-1, (-1, self.num_colors)).argmax(-1).squeeze(-1)
+        mosaic = true.scatter(1, corruption.positions[..., None].expand(-1, -1, true.shape[-1]), self.render(predicted))
+        pixels = self.to_patches(images)
+        b, n, _ = pixels.shape
+        seen = pixels.reshape(b * n, -1)[corruption.sources]
+        seen[corruption.kinds == MASK] = 127
+        corrupted = pixels.scatter(1, corruption.positions[..., None].expand(-1, -1, pixels.shape[-1]), seen)
+        return {"crops": images, "corrupted": self.from_patches(corrupted),
+                "target": self.from_patches(true), "predicted": self.from_patches(mosaic)}
+
+    def render(self, targets: torch.Tensor) -> torch.Tensor:
+        """Targets (B, K[, 16]) or pixels (B, K, 3P^2) -> uint8 patches (B, K, P*P*3) for display."""
+        p = self.backbone.patch_size
+        if self.target == "pixels":
+            return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)
+        rgb = color_class_to_rgb(targets, self.bits)
+        if self.target == "color":
+            return rgb[:, :, None, :].expand(-1, -1, p * p, -1).flatten(2)
+        cells = rearrange(rgb, "b k (i j) c -> (b k) c i j", i=4)
+        cells = F.interpolate(cells.float(), scale_factor=p // 4, mode="nearest").to(torch.uint8)
+        return rearrange(cells, "(b k) c p1 p2 -> b k (p1 p2 c)", b=targets.shape[0])
+
+    def to_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, N, P*P*3)
+        p = self.backbone.patch_size
+        return rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p)
+
+    def from_patches(self, patches: torch.Tensor) -> torch.Tensor:  # (B, N, P*P*3) -> (B, 3, H, W)
+        p, g = self.backbone.patch_size, self.backbone.grid
+        return rearrange(patches, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=g, p1=p, p2=p)

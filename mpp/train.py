@@ -1,0 +1,255 @@
+"""The one training loop. Pretraining and fine-tuning differ only in the objective module and its evaluators."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from mpp.config import LogConfig, TrainConfig
+from mpp.data import Batch, StreamState
+
+CHECKPOINT_PREFIX = "step_"
+SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard")
+PANEL_IMAGES = 8
+NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")
+
+
+@dataclass
+class Evaluator:
+    """Runs on every process every `every` steps and at the end; returns scalars to log (name -> value)."""
+
+    every: int
+    run: Callable[[nn.Module, int], dict[str, float]]
+
+
+@dataclass
+class Progress:
+    """Checkpointed with the model: the step counter and the data stream's position."""
+
+    step: int = 0
+    stream: StreamState = field(default_factory=StreamState)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.stream.load_state_dict(state["stream"])
+
+
+def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
+    precision = cfg.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() else "no"
+    project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / "tensorboard"))
+    # Accelerate 1.x sets up gloo for a multi-process launch without GPUs only when told cpu=True;
+    # otherwise every process silently trains alone.
+    cpu_processes = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes,
+                       log_with="tensorboard", project_config=project)
+
+
+def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """No weight decay on biases, norms, tokens and position embeddings (common ViT practice)."""
+    decay, no_decay = [], []
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim <= 1 or name.split(".")[-1] in NO_DECAY else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = {"fused": True} if torch.cuda.is_available() else {}
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    optimizer = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return optimizer(groups, lr=cfg.lr, betas=cfg.betas, **fused)
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    return factor
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first; a save in progress lives under a temporary name and is ignored."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int) -> Path:
+    """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete."""
+    root = checkpoint_root(output_dir)
+    final, partial = root / f"{CHECKPOINT_PREFIX}{step:08d}", root / f".partial-{CHECKPOINT_PREFIX}{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for old in complete_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# ---------------------------------------------------------------- logging helpers
+
+
+def for_display(images: torch.Tensor, min_size: int = 128) -> torch.Tensor:
+    """Small crops are upscaled (nearest) so patches stay visible in TensorBoard."""
+    scale = max(1, min_size // images.shape[-1])
+    return F.interpolate(images.float(), scale_factor=scale, mode="nearest").to(torch.uint8).cpu()
+
+
+class Meter:
+    """Sums per-step scalars on the device; syncs with the host only when a log line is written."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, values: dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            value = value.detach().float()
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.count += 1
+
+    def means(self, accelerator: Accelerator) -> dict[str, float]:
+        if not self.sums:
+            return {}
+        names = sorted(self.sums)
+        stacked = accelerator.reduce(torch.stack([self.sums[n] for n in names]) / self.count, reduction="mean")
+        self.sums, self.count = {}, 0
+        return dict(zip(names, stacked.tolist()))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def next_batch(batches: Iterator[Batch], device: torch.device) -> Batch:
+    batch = next(batches)
+    return Batch(batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
+                 batch.skipped, batch.worker, batch.position)
+
+
+def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable[[StreamState], Iterable[Batch]],
+          cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume: bool = False,
+          evaluators: tuple[Evaluator, ...] = ()) -> dict[str, float]:
+    """Train `objective` (a module mapping (uint8 images, labels) to a StepOutput) for cfg.steps optimiser steps.
+
+    Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
+    `model.safetensors` (the objective's `export_weights()`) under output_dir.
+    """
+    output_dir = Path(output_dir)
+    optimizer = build_optimizer(objective, cfg)
+    objective, optimizer = accelerator.prepare(objective, optimizer)
+    # Stepped once per optimiser step on every process; not prepared, so Accelerate does not re-scale it.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
+    progress = Progress()
+    accelerator.register_for_checkpointing(scheduler, progress)
+
+    if resume and complete_checkpoints(output_dir):
+        latest = complete_checkpoints(output_dir)[-1]
+        accelerator.load_state(str(latest))
+        accelerator.print(f"resumed from {latest} at step {progress.step}")
+
+    batches = iter(make_batches(progress.stream))
+    meter, skipped = Meter(), Counter()
+    results: dict[str, float] = {}
+    bar = tqdm(total=cfg.steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
+    window_start, waited, images_seen = time.perf_counter(), 0.0, 0
+    objective.train()
+    while progress.step < cfg.steps:
+        for _ in range(cfg.grad_accum):
+            wait_start = time.perf_counter()
+            batch = next_batch(batches, accelerator.device)
+            waited += time.perf_counter() - wait_start
+            progress.stream.advance(batch)
+            skipped.update(batch.skipped)
+            images_seen += batch.images.shape[0]
+            with accelerator.accumulate(objective):
+                out = objective(batch.images, batch.labels)
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(objective.parameters(), cfg.clip_grad_norm or math.inf)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            meter.add({"loss": out.loss, **out.metrics})
+        scheduler.step()
+        progress.step += 1
+        meter.add({"grad_norm": grad_norm})
+        bar.update(1)
+        step = progress.step
+
+        if step % log.every == 0 or step == cfg.steps:
+            elapsed = time.perf_counter() - window_start
+            scalars = {f"train/{k}": v for k, v in meter.means(accelerator).items()}
+            counts = accelerator.reduce(torch.tensor([float(skipped[r]) for r in SKIP_REASONS], device=accelerator.device), reduction="sum")
+            scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, counts.tolist())})
+            scalars["train/lr"] = scheduler.get_last_lr()[0]
+            scalars["perf/images_per_sec"] = images_seen * accelerator.num_processes / elapsed
+            scalars["perf/data_wait_fraction"] = waited / elapsed
+            accelerator.log(scalars, step=step)
+            bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", refresh=False)
+            results.update(scalars)
+            window_start, waited, images_seen = time.perf_counter(), 0.0, 0
+
+        if (step % log.images_every == 0 or step == cfg.steps) and hasattr(accelerator.unwrap_model(objective), "panel"):
+            log_panel(accelerator, objective, batch, step)
+
+        for evaluator in evaluators:
+            if step % evaluator.every == 0 or step == cfg.steps:
+                scores = evaluator.run(accelerator.unwrap_model(objective), step)
+                objective.train()
+                accelerator.log(scores, step=step)
+                results.update(scores)
+
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)
+    bar.close()
+
+    if accelerator.is_main_process:
+        save_file(accelerator.unwrap_model(objective).export_weights(), str(output_dir / "model.safetensors"))
+    accelerator.wait_for_everyone()
+    return results
+
+
+def log_panel(accelerator: Accelerator, objective: nn.Module, batch: Batch, step: int) -> None:
+    if not accelerator.is_main_process:
+        return
+    module = accelerator.unwrap_model(objective)
+    module.eval()
+    with accelerator.autocast():
+        panel = module.panel(batch.images[:PANEL_IMAGES])
+    module.train()
+    tracker = accelerator.get_tracker("tensorboard", unwrap=True)
+    for name, images in panel.items():
+        tracker.add_images(f"panel/{name}", for_display(images), global_step=step)

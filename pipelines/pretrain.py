@@ -1,0 +1,39 @@
+"""Pretraining stage: masked patch prediction on (possibly unlabelled) shards."""
+
+from __future__ import annotations
+
+import time
+
+from accelerate.utils import set_seed
+
+from mpp.config import Config
+from mpp.objectives import MaskedPatchPrediction
+from mpp.train import make_accelerator, train
+from pipelines.common import build_backbone, check_output_dir, resolve_shards, start_tracking, train_loader
+
+
+def build_objective(cfg: Config) -> MaskedPatchPrediction:
+    m = cfg.mpp
+    return MaskedPatchPrediction(build_backbone(cfg), target=m.target, corrupt_rate=m.corrupt_rate,
+                                 mask_prob=m.mask_prob, random_prob=m.random_prob, color_bits=m.color_bits)
+
+
+def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
+    check_output_dir(cfg, resume)
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    set_seed(cfg.train.seed)
+    urls = resolve_shards(cfg.data.shards, cfg, accelerator)
+    objective = build_objective(cfg)
+    start_tracking(accelerator, cfg, "pretrain")
+    accelerator.print(
+        f"pretraining {cfg.model.name} ({sum(p.numel() for p in objective.backbone.parameters()) / 1e6:.1f}M params) "
+        f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}, "
+        f"global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+    started = time.perf_counter()
+    results = train(accelerator, objective, lambda state: train_loader(urls, cfg, accelerator, state),
+                    cfg.train, cfg.log, cfg.output_dir, resume=resume)
+    accelerator.end_training()
+    summary = ", ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in results.items() if k.startswith("train/") and k != "train/lr")
+    accelerator.print(f"done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): {summary}; "
+                      f"weights in {cfg.output_dir}/model.safetensors")
+    return results

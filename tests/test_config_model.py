@@ -1,0 +1,59 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpp.config import ConfigError, load_config
+from mpp.model import VIT_SIZES, build_vit
+
+CONFIGS = sorted(Path(__file__).parents[1].glob("configs/**/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    load_config(path)
+
+
+def test_overrides_win_over_file_and_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 50\n  warmup_steps: 5\nmodel:\n  name: vit_s16\n")
+    cfg = load_config(path, ["train.steps=70", "model.image_size=32"])
+    assert (cfg.train.steps, cfg.train.warmup_steps, cfg.model.patch_size, cfg.model.image_size) == (70, 5, 16, 32)
+    assert cfg.train.batch_size == 64  # default
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.stpes=3"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["model.image_size=30", "model.patch_size=4"], "not divisible by model.patch_size 4"),
+    (["model.name=vit_b16", "model.patch_size=8"], "implies patch size 16"),
+    (["train.batch_size=zero"], "invalid value for 'train.batch_size'"),
+    (["mpp.target=edges"], "invalid value for 'mpp.target'"),
+    (["mpp.mask_prob=0.95"], "mpp.mask_prob + mpp.random_prob must be at most 1"),
+    (["steps"], "not of the form key=value"),
+])
+def test_bad_config_is_one_clear_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("name, width, depth, heads", [
+    ("vit_ti", 192, 12, 3), ("vit_s", 384, 12, 6), ("vit_b", 768, 12, 12), ("vit_l", 1024, 24, 16), ("vit_h", 1280, 32, 16)])
+def test_paper_sizes(name, width, depth, heads):
+    size = VIT_SIZES[name]
+    assert (size.width, size.depth, size.heads) == (width, depth, heads)
+
+
+def test_vit_shapes_and_init():
+    vit = build_vit("vit_ti", 32, 4, depth=2)
+    out = vit(torch.randn(3, 3, 32, 32))
+    assert out.shape == (3, 1 + 64, 192)
+    assert vit.blocks[0].mlp[0].out_features == 4 * 192
+    assert torch.all(vit.blocks[0].attn.qkv.bias == 0)
+    assert vit.patch_embed.proj.weight.abs().max() <= 2 * 0.02 + 1e-6  # truncated normal, std 0.02
+    assert build_vit("vit_b16", 224).num_patches == 196

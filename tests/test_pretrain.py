@@ -1,0 +1,80 @@
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mpp.config import load_config
+from mpp.train import complete_checkpoints
+from pipelines import pretrain
+
+from conftest import ROOT
+
+TINY = ["model.name=vit_ti", "model.width=64", "model.depth=2", "model.heads=2", "model.image_size=16",
+        "model.patch_size=4", "data.num_workers=0", "data.shuffle_buffer=50", "log.every=5", "log.images_every=50"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def config(tmp_path, shards, *overrides):
+    return load_config(None, [f"data.shards={shards}", f"output_dir={tmp_path / 'run'}", *TINY, *overrides])
+
+
+def test_short_pretrain_learns_and_beats_the_colour_prior(tmp_path, make_shards):
+    make_shards([100] * 4, size=32)
+    cfg = config(tmp_path, tmp_path / "shards", "train.steps=200", "train.warmup_steps=10", "train.batch_size=32",
+                 "train.lr=2e-3", "log.every=10", "train.checkpoint_every=200")
+    results = pretrain.run(cfg)
+    events = list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
+    assert events, "no TensorBoard events written"
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0}).Reload()
+    losses = [e.value for e in acc.Scalars("train/loss")]
+    assert losses[-1] < losses[0] - 0.5, losses  # the first value already averages 10 steps of learning
+    assert results["train/color_acc"] > 2 * results["train/color_acc_prior"], results
+    for tag in ("train/lr", "train/grad_norm", "perf/images_per_sec", "perf/data_wait_fraction"):
+        assert tag in acc.Tags()["scalars"]
+    assert {"panel/crops", "panel/corrupted", "panel/target", "panel/predicted"} <= set(acc.Tags()["images"])
+    weights = load_file(tmp_path / "run" / "model.safetensors")
+    assert "pos_embed" in weights and not any(k.startswith("head") for k in weights)
+    assert (tmp_path / "run" / "config.yaml").read_text().count("vit_ti") == 1
+
+
+def test_resume_continues_to_the_same_weights(tmp_path, make_shards):
+    make_shards([40] * 3, size=32)
+    common = ["train.steps=6", "train.warmup_steps=2", "train.batch_size=8", "train.checkpoint_every=3",
+              "train.keep_checkpoints=5", "data.num_workers=1"]
+    pretrain.run(config(tmp_path, tmp_path / "shards", *common))
+    uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
+    checkpoints = complete_checkpoints(tmp_path / "run")
+    assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]
+
+    shutil.rmtree(checkpoints[-1])  # as if the run had died after step 3's checkpoint
+    (tmp_path / "run" / "model.safetensors").unlink()
+    AcceleratorState._reset_state(True)
+    pretrain.run(config(tmp_path, tmp_path / "shards", *common), resume=True)
+    resumed = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_two_processes_on_cpu_with_accelerate_launch(tmp_path, make_shards):
+    make_shards([20] * 3, size=32)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}",
+           *TINY, "train.steps=4", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=4"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"with 2 process\(es\)", proc.stdout), proc.stdout[-2000:]
+    assert "global batch 8" in proc.stdout
+    assert (tmp_path / "run" / "model.safetensors").is_file()

@@ -1,0 +1,69 @@
+import torch
+from einops import rearrange
+
+from mpp.objectives import color4x4_targets, color_class_to_rgb, mean_color_targets, normalize, pixel_targets
+
+
+def solid_patches(colors, patch):
+    """A 1-row image of solid patches (3, patch, patch * len(colors)) as a batch of one."""
+    cols = [torch.tensor(c, dtype=torch.uint8)[:, None, None].expand(3, patch, patch) for c in colors]
+    return torch.cat(cols, dim=2)[None]
+
+
+def color_id(r, g, b):
+    return r * 64 + g * 8 + b
+
+
+def test_mean_color_bins_at_edges():
+    # 3 bits: bins of width 32, so 31 is the last value of bin 0 and 32 the first of bin 1.
+    colors = [(0, 31, 32), (63, 64, 255), (223, 224, 128), (255, 255, 255)]
+    images = solid_patches(colors, 4)
+    expected = [color_id(0, 0, 1), color_id(1, 2, 7), color_id(6, 7, 4), color_id(7, 7, 7)]
+    assert mean_color_targets(images, 4).tolist() == [expected]
+
+
+def test_mean_color_of_mixed_patch():
+    img = torch.zeros(1, 3, 4, 8, dtype=torch.uint8)
+    img[:, :, :, 0:2] = 64  # patch 0: half 0, half 64 -> mean 32 -> bin 1 exactly on the edge
+    img[:, :, :, 4:6] = 63  # patch 1: mean 31.5 -> bin 0
+    img[:, 0, 0, 4] = 255  # red channel of patch 1 gains (255 - 63) / 16 = 12 -> mean 43.5 -> bin 1
+    assert mean_color_targets(img, 4).tolist() == [[color_id(1, 1, 1), color_id(1, 0, 0)]]
+
+
+def test_mean_color_grid_order_is_row_major():
+    img = torch.zeros(1, 3, 8, 8, dtype=torch.uint8)
+    img[:, 2, 0:4, 4:8] = 255  # top-right patch blue
+    img[:, 0, 4:8, 0:4] = 255  # bottom-left patch red
+    assert mean_color_targets(img, 4).tolist() == [[0, color_id(0, 0, 7), color_id(7, 0, 0), 0]]
+
+
+def test_color_bits_change_the_class_count():
+    img = solid_patches([(255, 128, 0)], 2)
+    assert mean_color_targets(img, 2, bits=1).tolist() == [[1 * 4 + 1 * 2 + 0]]
+
+
+def test_color4x4_targets_shape_and_values():
+    # one 8x8 patch: 4x4 cells of 2x2 pixels, cell (i, j) coloured (32 i, 32 j, 255)
+    img = torch.zeros(2, 3, 8, 16, dtype=torch.uint8)
+    for i in range(4):
+        for j in range(4):
+            img[:, 0, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = 32 * i
+            img[:, 1, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = 32 * j
+            img[:, 2, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = 255
+    targets = color4x4_targets(img, 8)
+    assert targets.shape == (2, 2, 16)
+    assert targets[0, 0].tolist() == [color_id(i, j, 7) for i in range(4) for j in range(4)]
+    assert targets[0, 1].tolist() == [0] * 16
+
+
+def test_pixel_targets_follow_patch_embedding_order():
+    img = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    targets = pixel_targets(img, 4)
+    assert targets.shape == (2, 4, 4 * 4 * 3)
+    patch = normalize(img)[1, :, 4:8, 0:4]  # bottom-left patch of image 1 -> index 2
+    assert torch.allclose(targets[1, 2], rearrange(patch, "c p1 p2 -> (p1 p2 c)"))
+    assert targets.min() >= -1 and targets.max() <= 1
+
+
+def test_class_to_rgb_returns_bin_centres():
+    assert color_class_to_rgb(torch.tensor([color_id(0, 7, 3)])).tolist() == [[16, 240, 112]]
