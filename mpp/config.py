@@ -96,6 +96,7 @@ class TrainConfig(Section):
     warmup_steps: int = Field(100, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards.")
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model (inductor); auto: on GPU only, where it pays for its compile time.")
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.")

@@ -59,8 +59,10 @@ def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
     # Accelerate 1.x sets up gloo for a multi-process launch without GPUs only when told cpu=True;
     # otherwise every process silently trains alone.
     cpu_processes = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    compile_model = torch.cuda.is_available() if cfg.compile == "auto" else cfg.compile
     return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes,
-                       log_with="tensorboard", project_config=project)
+                       dynamo_backend="inductor" if compile_model else "no", log_with="tensorboard",
+                       project_config=project)
 
 
 def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
