@@ -1,0 +1,366 @@
+"""Write WebDataset shards: plain tars of `KEY.jpg|png|webp` plus optional `KEY.cls` (ASCII digits).
+
+Sources (a folder of images, a Hugging Face dataset, MNIST-style IDX files, the synthetic corpus)
+yield `Sample`s; `write_shards` packs them into `out_dir/{prefix}-000000.tar, ...` and records
+`summary.json` last, so a directory with a summary holds a complete shard set. Folder and Hugging
+Face sources come out in a fixed shuffled order, so every shard mixes classes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import re
+from collections.abc import Callable, Collection, Iterable, Iterator, Sized
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
+
+from mpp.errors import UserError
+from mpp.synthetic import CLASS_NAMES, synthetic_image
+
+IMAGE_EXTS = ("jpg", "png", "webp")  # what the shards hold; the reader converts every image to RGB
+_FORMAT_EXTS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+_IMAGE_SUFFIXES = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm"}
+_ORDER_SEED = 0  # fixed, so preparing the same source twice gives identical shards
+
+
+class SourceError(UserError, ValueError):
+    """A source or output that cannot be used as given; the message names it and the fix."""
+
+
+class SourceNotFoundError(UserError, FileNotFoundError):
+    """A source path that does not exist; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    key: str  # unique within a shard set, without dots (webdataset splits member names at the first dot)
+    image: bytes  # an encoded image file
+    ext: str  # one of IMAGE_EXTS
+    label: int | None = None
+
+
+@dataclass
+class Source:
+    """Samples from one place, plus what summary.json should say about them.
+
+    `read` yields None for an input that turned out unreadable; iterating counts those in `skipped`.
+    """
+
+    name: str
+    length: int  # inputs, readable or not
+    read: Callable[[], Iterator[Sample | None]]
+    class_names: list[str] | None = None
+    skipped: int = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[Sample]:
+        self.skipped = 0
+        for sample in self.read():
+            if sample is None:
+                self.skipped += 1
+            else:
+                yield sample
+
+
+def write_shards(
+    samples: Iterable[Sample],
+    out_dir: str | os.PathLike,
+    *,
+    samples_per_shard: int = 1000,
+    prefix: str = "shard",
+    overwrite: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Pack samples into tar shards under out_dir and write out_dir/summary.json; returns the summary.
+
+    overwrite=True replaces the .tar files and summary.json already in out_dir.
+    """
+    if samples_per_shard < 1:
+        raise SourceError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
+    out = Path(out_dir)
+    stale = _stale_outputs(out, overwrite)
+    name = samples.name if isinstance(samples, Source) else "samples"
+    stream = iter(tqdm(samples, total=len(samples) if isinstance(samples, Sized) else None,
+                       disable=not progress, unit="img", desc="writing shards"))
+    first = next(stream, None)  # before touching out_dir, so an empty source leaves it as it was
+    if first is None:
+        raise SourceError(f"{name} holds no readable images; point the source at images or a non-empty dataset")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in stale:  # the summary first: a half-rewritten directory must not look complete
+        path.unlink(missing_ok=True)
+    count, labels = _write_tars(chain([first], stream), out / f"{prefix}-%06d.tar", samples_per_shard)
+    shards = sorted(out.glob(f"{prefix}-*.tar"))
+    summary = {
+        "samples": count,
+        "classes": len(labels),
+        "labels": bool(labels),
+        "shards": len(shards),
+        "bytes": sum(p.stat().st_size for p in shards),
+        "source": name,
+        "skipped": samples.skipped if isinstance(samples, Source) else 0,
+    }
+    if isinstance(samples, Source) and samples.class_names is not None:
+        summary["class_names"] = samples.class_names
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _write_tars(samples: Iterable[Sample], pattern: Path, samples_per_shard: int) -> tuple[int, set[int]]:
+    """Write the shards; returns the sample count and the distinct labels."""
+    count, labels = 0, set()
+    # A fixed mtime makes the tars byte-identical across runs; encoder=False because records are bytes already.
+    with wds.ShardWriter(str(pattern), maxcount=samples_per_shard, verbose=0, encoder=False, mtime=0) as sink:
+        for sample in samples:
+            sink.write(_record(sample))
+            count += 1
+            if sample.label is not None:
+                labels.add(sample.label)
+    return count, labels
+
+
+def _stale_outputs(out: Path, overwrite: bool) -> list[Path]:
+    """What a rewrite of out must delete; refuses to go on if that includes shards and overwrite is off."""
+    shards = sorted(out.glob("*.tar"))
+    if shards and not overwrite:
+        raise SourceError(f"{out} already holds {len(shards)} .tar files; choose an empty output directory or pass overwrite (--overwrite) to replace them")
+    return [out / "summary.json", *shards]
+
+
+def _record(sample: Sample) -> dict:
+    if not sample.key or "." in sample.key:
+        raise SourceError(f"sample key '{sample.key}' is empty or has a dot; webdataset keys must be non-empty and dot-free")
+    if sample.ext not in IMAGE_EXTS:
+        raise SourceError(f"sample {sample.key} has image type '{sample.ext}'; use one of {', '.join(IMAGE_EXTS)}")
+    record = {"__key__": sample.key, sample.ext: sample.image}
+    if sample.label is not None:
+        if sample.label < 0:
+            raise SourceError(f"sample {sample.key} has label {sample.label}; labels must be non-negative (None for none)")
+        record["cls"] = str(sample.label).encode("ascii")
+    return record
+
+
+def is_saved_dataset(path: str | os.PathLike) -> bool:
+    """A directory written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
+    path = Path(path)
+    return (path / "dataset_dict.json").is_file() or ((path / "dataset_info.json").is_file() and (path / "state.json").is_file())
+
+
+def _jpeg(image: Image.Image, quality: int) -> bytes:
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _encoded(data: bytes, keep: Collection[str]) -> tuple[bytes, str] | None:
+    """(bytes, ext) to store: files in a `keep` format as they are, others re-encoded as JPEG.
+
+    None if PIL cannot decode the data. Everything is decoded once here, so a truncated file is
+    dropped now rather than failing a training run; JPEGs decode at 1/8 scale, which still reads every byte.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format in keep:
+                image.draft(image.mode, (1, 1))
+                image.load()
+                return data, _FORMAT_EXTS[image.format]
+            return _jpeg(image, 95), "jpg"
+    except Exception:  # PIL's plugins raise many types (OSError, SyntaxError, ValueError, ...) for broken files
+        return None
+
+
+def _safe_keys(names: list[str]) -> list[str]:
+    """Dot-free, slash-free keys from relative paths, made unique with a numeric suffix where they collide."""
+    keys, seen = [], set()
+    for name in names:
+        base = re.sub(r"[^A-Za-z0-9_-]", "_", name)
+        key, n = base, 1
+        while key in seen:
+            key, n = f"{base}_{n}", n + 1
+        seen.add(key)
+        keys.append(key)
+    return keys
+
+
+def _shuffled(items: list, seed: int = _ORDER_SEED) -> list:
+    """Sources are often sorted by class; shards must mix classes for a shuffle buffer to do its job."""
+    return [items[i] for i in np.random.default_rng(seed).permutation(len(items))]
+
+
+def folder_samples(root: str | os.PathLike) -> Source:
+    """Images under root: class = first-level sub-folder (sorted names -> 0..K-1), or unlabelled if all
+    images sit directly in root. Non-image files are ignored; unreadable images are skipped and counted."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise SourceNotFoundError(f"image folder {root} does not exist; pass an existing directory of images")
+    files = _image_files(root)
+    if not files:
+        raise SourceError(f"image folder {root} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))}); point it at a folder of images")
+    classes = sorted({f.parts[0] for f in files if len(f.parts) > 1})
+    if classes and any(len(f.parts) == 1 for f in files):
+        raise SourceError(f"image folder {root} has images both directly inside and in class sub-folders; move the loose images into a class folder or elsewhere")
+    ids = {name: i for i, name in enumerate(classes)}
+    keys = _safe_keys([f.with_suffix("").as_posix() for f in files])
+    entries = _shuffled([(root / f, key, ids[f.parts[0]] if classes else None) for f, key in zip(files, keys)])
+
+    def read() -> Iterator[Sample | None]:
+        for path, key, label in entries:
+            encoded = _encoded(path.read_bytes(), keep=_FORMAT_EXTS)
+            yield None if encoded is None else Sample(key, *encoded, label)
+
+    return Source(f"folder {root}", len(entries), read, class_names=classes or None)
+
+
+def _image_files(root: Path) -> list[Path]:
+    """Image files under root as sorted relative paths, ignoring hidden files and folders (.ipynb_checkpoints)."""
+    found = []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        rel = Path(folder).relative_to(root)
+        found += [rel / n for n in names if not n.startswith(".") and Path(n).suffix.lower() in _IMAGE_SUFFIXES]
+    return sorted(found)
+
+
+def synthetic_samples(n: int, size: int = 64) -> Source:
+    """The first n images of the embedded synthetic corpus, as JPEG (quality 90)."""
+    if n < 1 or size < 1:
+        raise SourceError(f"the synthetic corpus needs a positive count and size, got {n} images of {size} px")
+
+    def read() -> Iterator[Sample]:
+        for i in range(n):
+            image, label = synthetic_image(i, size)
+            yield Sample(f"{i:08d}", _jpeg(image, 90), "jpg", label)
+
+    return Source(f"synthetic ({n} images, {size} px)", n, read, class_names=list(CLASS_NAMES))
+
+
+def idx_samples(images_idx_path: str | os.PathLike, labels_idx_path: str | os.PathLike) -> Source:
+    """MNIST-style IDX files (raw or gzip), each image stored as a grayscale PNG."""
+    images, labels = _read_idx(Path(images_idx_path), ndim=3), _read_idx(Path(labels_idx_path), ndim=1)
+    if len(images) != len(labels):
+        raise SourceError(f"{images_idx_path} holds {len(images)} images but {labels_idx_path} holds {len(labels)} labels; pass the matching pair")
+    if not len(images):
+        raise SourceError(f"{images_idx_path} holds no images; pass a non-empty IDX file")
+
+    def read() -> Iterator[Sample]:
+        for i, (pixels, label) in enumerate(zip(images, labels.tolist())):
+            buffer = io.BytesIO()
+            Image.fromarray(pixels, "L").save(buffer, "PNG")
+            yield Sample(f"{i:08d}", buffer.getvalue(), "png", label)
+
+    return Source(f"idx {images_idx_path}", len(images), read)
+
+
+def _read_idx(path: Path, ndim: int) -> np.ndarray:
+    """An unsigned-byte IDX array: two zero bytes, type 0x08, ndim, big-endian int32 sizes, then the data."""
+    if not path.is_file():
+        raise SourceNotFoundError(f"IDX file {path} does not exist; pass an existing *-idx{ndim}-ubyte(.gz) file")
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":  # gzip magic: accept compressed files whatever their name
+        data = gzip.decompress(data)
+    if len(data) < 4 + 4 * ndim or data[:4] != bytes([0, 0, 0x08, ndim]):
+        raise SourceError(f"{path} is not an unsigned-byte IDX file with {ndim} dimension(s); pass an MNIST-style idx{ndim}-ubyte file")
+    shape = tuple(int(s) for s in np.frombuffer(data, ">i4", count=ndim, offset=4))
+    values = np.frombuffer(data, np.uint8, offset=4 + 4 * ndim)
+    if values.size != np.prod(shape):
+        raise SourceError(f"{path} declares shape {shape} but holds {values.size} values; the file is truncated or corrupt")
+    return values.reshape(shape)
+
+
+def hf_samples(name_or_path: str | os.PathLike, split: str = "train", image_key: str | None = None, label_key: str | None = None) -> Source:
+    """A Hugging Face dataset: a hub name, a local dataset directory, or a save_to_disk directory.
+
+    The image column is the datasets.Image feature and the label the ClassLabel one, unless named.
+    Stored JPEGs are kept as they are; other images are re-encoded as RGB JPEG (quality 95).
+    """
+    import datasets  # slow to import; only this source needs it
+
+    ds = _load_hf(str(name_or_path), split)
+    image_key = image_key or _pick_column(_columns_of(ds, datasets.Image), "image", name_or_path)
+    if not isinstance(ds.features.get(image_key), datasets.Image):
+        raise SourceError(f"column '{image_key}' of {name_or_path} is not an image column; pass one of {_columns_of(ds, datasets.Image)}")
+    label_key = label_key or _default_label(ds, name_or_path)
+    label_feature = ds.features.get(label_key)
+    if label_key is not None and not _is_integer(label_feature):
+        integers = [key for key, feature in ds.features.items() if _is_integer(feature)]
+        raise SourceError(f"column '{label_key}' of {name_or_path} is not an integer label column; pass one of {integers} or none")
+    # Undecoded images give the stored bytes: JPEGs need no re-encoding and every image is decoded once.
+    ds = ds.select_columns([image_key] + ([label_key] if label_key else [])).cast_column(image_key, datasets.Image(decode=False))
+    order = _shuffled(list(range(len(ds))))
+
+    def read() -> Iterator[Sample | None]:
+        for start in range(0, len(order), 256):  # batched reads: far faster than row by row on Arrow tables
+            rows = order[start:start + 256]
+            batch = ds[rows]
+            labels = batch[label_key] if label_key else [None] * len(rows)
+            for row, image, label in zip(rows, batch[image_key], labels):
+                encoded = _encoded(image["bytes"] or Path(image["path"]).read_bytes(), keep=("JPEG",))
+                known = label if label is not None and label >= 0 else None  # ClassLabel marks a missing label -1
+                yield None if encoded is None else Sample(f"{row:08d}", *encoded, known)
+
+    names = label_feature.names if isinstance(label_feature, datasets.ClassLabel) else None
+    return Source(f"hf {name_or_path} ({split})", len(ds), read, class_names=names)
+
+
+def _load_hf(name: str, split: str):
+    import datasets
+
+    path = Path(name).expanduser()
+    if not path.exists() and (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1):
+        raise SourceNotFoundError(f"{name} does not exist; pass an existing path or a Hugging Face dataset name such as uoft-cs/cifar10")
+    if path.is_dir() and is_saved_dataset(path):
+        loaded = datasets.load_from_disk(str(path))
+    else:
+        try:
+            loaded = datasets.load_dataset(str(path) if path.exists() else name, split=split)
+        except FileNotFoundError as exc:
+            raise SourceNotFoundError(f"{name} is neither a local path nor a dataset on the Hugging Face hub ({exc}); check the name") from None
+        except ConnectionError as exc:
+            raise SourceError(f"cannot reach the Hugging Face hub for {name} ({exc}); check the network or pass a local path") from None
+        except ValueError as exc:  # an unknown split, mostly
+            raise SourceError(f"cannot load split '{split}' of {name}: {exc}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise SourceError(f"{name} has no split '{split}'; pass one of {list(loaded)}")
+        loaded = loaded[split]
+    if len(loaded) == 0:
+        raise SourceError(f"split '{split}' of {name} is empty; pick a split that holds images")
+    return loaded
+
+
+def _is_integer(feature) -> bool:
+    import datasets
+
+    return isinstance(feature, datasets.ClassLabel) or (isinstance(feature, datasets.Value) and "int" in feature.dtype)
+
+
+def _columns_of(ds, kind: type) -> list[str]:
+    return [key for key, feature in ds.features.items() if isinstance(feature, kind)]
+
+
+def _default_label(ds, name) -> str | None:
+    """The ClassLabel column, else an integer column called label(s), else None (unlabelled)."""
+    import datasets
+
+    candidates = _columns_of(ds, datasets.ClassLabel) or [k for k in ("label", "labels") if _is_integer(ds.features.get(k))]
+    return _pick_column(candidates, "label", name) if candidates else None
+
+
+def _pick_column(candidates: list[str], role: str, name) -> str:
+    """The only candidate, or the one named after its role among several."""
+    if len(candidates) == 1:
+        return candidates[0]
+    if role in candidates:
+        return role
+    found = ", ".join(candidates) or "none"
+    raise SourceError(f"cannot tell which column of {name} holds the {role} (candidates: {found}); name it with {role}_key")

@@ -1,0 +1,162 @@
+import gzip
+import io
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from mpp.shards import folder_samples, idx_samples, write_shards
+from mpp.synthetic import NUM_CLASSES, synthetic_image
+from pipelines import prepare
+
+
+def read_shards(out: Path) -> dict[str, dict]:
+    """Every sample in out's shards by key, read with plain webdataset; fails on a repeated key."""
+    samples = {}
+    for sample in wds.WebDataset(sorted(str(p) for p in out.glob("*.tar")), shardshuffle=False):
+        assert sample["__key__"] not in samples, f"{sample['__key__']} written twice"
+        samples[sample["__key__"]] = sample
+    return samples
+
+
+def label_of(sample: dict) -> int | None:
+    return int(sample["cls"]) if "cls" in sample else None
+
+
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def test_synthetic_images_are_deterministic_and_cover_all_classes():
+    first, label = synthetic_image(123)
+    again, label_again = synthetic_image(123)
+    assert first.mode == "RGB" and first.size == (64, 64)
+    assert np.array_equal(np.asarray(first), np.asarray(again)) and label == label_again
+    assert not np.array_equal(np.asarray(first), np.asarray(synthetic_image(124)[0]))
+    assert {synthetic_image(i, 32)[1] for i in range(3 * NUM_CLASSES)} == set(range(NUM_CLASSES))
+    for i in range(NUM_CLASSES):  # hidden patches must differ in (3-bit) mean colour for the task to mean anything
+        pixels = np.asarray(synthetic_image(i)[0], dtype=np.float32)
+        means = pixels.reshape(4, 16, 4, 16, 3).mean(axis=(1, 3)).reshape(-1, 3)
+        assert len({tuple(c) for c in (means // 32).astype(int)}) > 1
+
+
+def test_folder_round_trip(tmp_path):
+    root = tmp_path / "images"
+    files = {  # relative path -> (format, expected label); class ids follow sorted folder names
+        "cat/a.png": ("PNG", 0), "cat/b.jpg": ("JPEG", 0), "cat/c.bmp": ("BMP", 0),
+        "dog/d.jpeg": ("JPEG", 1), "dog/e.png": ("PNG", 1),
+    }
+    for i, (name, (fmt, _)) in enumerate(files.items()):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(encoded(synthetic_image(i, 16)[0], fmt))
+    (root / "dog" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    (root / "cat" / "notes.txt").write_text("not an image")
+
+    out = tmp_path / "shards"
+    summary = prepare.run(str(root), str(out), samples_per_shard=2)
+
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary == {"samples": 5, "classes": 2, "labels": True, "shards": 3, "skipped": 1,
+                       "bytes": sum(p.stat().st_size for p in out.glob("*.tar")),
+                       "source": f"folder {root}", "class_names": ["cat", "dog"]}
+    samples = read_shards(out)
+    assert sorted(samples) == ["cat_a", "cat_b", "cat_c", "dog_d", "dog_e"]
+    for name, (fmt, label) in files.items():
+        sample = samples[name.split(".")[0].replace("/", "_")]
+        assert label_of(sample) == label
+        if fmt == "BMP":  # not a shard format: re-encoded
+            assert Image.open(io.BytesIO(sample["jpg"])).format == "JPEG"
+        else:  # already a shard format: stored byte for byte
+            assert sample["png" if fmt == "PNG" else "jpg"] == (root / name).read_bytes()
+
+
+def write_idx(path: Path, array: np.ndarray, compress: bool) -> None:
+    data = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+    path.write_bytes(gzip.compress(data) if compress else data)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_idx_round_trip(tmp_path, compress):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (7, 5, 4), dtype=np.uint8)
+    labels = rng.integers(0, 3, 7, dtype=np.uint8)
+    suffix = ".gz" if compress else ""
+    write_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", images, compress)
+    write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", labels, compress)
+
+    summary = prepare.run(str(tmp_path / f"t10k-images-idx3-ubyte{suffix}"), str(tmp_path / "out"), samples_per_shard=3)
+
+    assert (summary["samples"], summary["shards"], summary["classes"]) == (7, 3, len(set(labels.tolist())))
+    samples = read_shards(tmp_path / "out")
+    assert len(samples) == 7
+    for i in range(7):
+        sample = samples[f"{i:08d}"]
+        image = Image.open(io.BytesIO(sample["png"]))
+        assert image.mode == "L" and np.array_equal(np.asarray(image), images[i])
+        assert label_of(sample) == labels[i]
+
+
+def test_idx_count_mismatch_is_refused(tmp_path):
+    write_idx(tmp_path / "images", np.zeros((3, 2, 2), np.uint8), compress=False)
+    write_idx(tmp_path / "labels", np.zeros(2, np.uint8), compress=False)
+    with pytest.raises(ValueError, match="3 images but .* 2 labels"):
+        idx_samples(tmp_path / "images", tmp_path / "labels")
+
+
+def test_existing_shards_are_refused_unless_overwriting(tmp_path):
+    out = tmp_path / "out"
+    assert prepare.run("synthetic", str(out), count=6, size=16, samples_per_shard=2)["shards"] == 3
+    with pytest.raises(ValueError, match="already holds 3 .tar files"):
+        prepare.run("synthetic", str(out), count=6, size=16)
+    summary = prepare.run("synthetic", str(out), count=4, size=16, samples_per_shard=4, overwrite=True)
+    assert summary["shards"] == 1 and len(list(out.glob("*.tar"))) == 1
+    assert sorted(read_shards(out)) == [f"{i:08d}" for i in range(4)]
+
+
+def test_missing_and_empty_sources_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        prepare.run(str(tmp_path / "nowhere" / "images"), str(tmp_path / "out"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "readme.txt").write_text("no images here")
+    with pytest.raises(ValueError, match="holds no images"):
+        folder_samples(tmp_path / "empty")
+    (tmp_path / "empty" / "bad.png").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="no readable images"):
+        write_shards(folder_samples(tmp_path / "empty"), tmp_path / "out")
+
+
+def test_unlabelled_folder(tmp_path):
+    for i in range(3):
+        synthetic_image(i, 16)[0].save(tmp_path / f"{i}.png")
+    summary = prepare.run(str(tmp_path), str(tmp_path / "out"))
+    assert (summary["samples"], summary["labels"], summary["classes"]) == (3, False, 0)
+    assert all("cls" not in s for s in read_shards(tmp_path / "out").values())
+
+
+def test_saved_hf_dataset_round_trip(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40)]
+    labels = [2, 0, 1, -1]  # -1: ClassLabel's "no label"
+    features = datasets.Features({"picture": datasets.Image(), "kind": datasets.ClassLabel(names=["a", "b", "c"]),
+                                  "note": datasets.Value("string")})
+    images = [Image.new("RGB", (12, 10), colour) for colour in colours]
+    dataset = datasets.Dataset.from_dict({"picture": images, "kind": labels, "note": ["x"] * 4}, features=features)
+    dataset.save_to_disk(str(tmp_path / "saved"))
+
+    summary = prepare.run(str(tmp_path / "saved"), str(tmp_path / "out"))
+
+    assert (summary["samples"], summary["classes"], summary["labels"]) == (4, 3, True)
+    assert summary["class_names"] == ["a", "b", "c"]
+    samples = read_shards(tmp_path / "out")
+    for i, (colour, label) in enumerate(zip(colours, labels)):
+        sample = samples[f"{i:08d}"]
+        assert label_of(sample) == (label if label >= 0 else None)
+        image = Image.open(io.BytesIO(sample["jpg"]))
+        assert image.format == "JPEG" and image.size == (12, 10)
+        assert np.abs(np.asarray(image.convert("RGB"), dtype=int) - colour).max() <= 8  # JPEG quality 95
