@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from mpp.errors import UserError
+from mpp.train import Preempted
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -43,9 +44,17 @@ def main(argv: list[str] | None = None) -> int:
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
+    except Preempted as stop:
+        print(stop, file=sys.stderr)
     return 0
+
+
+def one_line(err: Exception) -> str:
+    """A UserError raised in a dataloader worker arrives wrapped with the worker's traceback: keep its message."""
+    last = str(err).strip().splitlines()[-1]
+    return last.split(": ", 1)[1] if last.startswith(("mpp.", "pipelines.")) and ": " in last else last
 
 
 if __name__ == "__main__":

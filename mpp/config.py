@@ -30,6 +30,7 @@ class DataConfig(Section):
     resampled: bool = Field(True, description="Draw shards with replacement forever (no rank ever runs dry); false streams each pass over the shards exactly once per rank.")
     crop_scale: tuple[float, float] = Field((0.08, 1.0), description="Area fraction range of the random-resized crop.")
     hflip: bool = Field(True, description="Random horizontal flip during training.")
+    max_skip_fraction: float = Field(0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples read are unusable (corrupt, missing image, unreadable shard).")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -100,6 +101,7 @@ class TrainConfig(Section):
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.")
+    max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped).")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

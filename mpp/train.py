@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -20,7 +23,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mpp.config import LogConfig, TrainConfig
-from mpp.data import Batch, StreamState
+from mpp.data import Batch, DataError, StreamState
+from mpp.errors import UserError
 
 CHECKPOINT_PREFIX = "step_"
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard")
@@ -136,21 +140,21 @@ class Meter:
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.count = 0
+        self.counts: Counter = Counter()
 
     def add(self, values: dict[str, torch.Tensor]) -> None:
         for name, value in values.items():
             value = value.detach().float()
             self.sums[name] = self.sums[name] + value if name in self.sums else value
-        self.count += 1
+            self.counts[name] += 1
 
     def means(self, accelerator: Accelerator) -> dict[str, float]:
         if not self.sums:
             return {}
         names = sorted(self.sums)
-        stacked = accelerator.reduce(torch.stack([self.sums[n] for n in names]) / self.count, reduction="mean")
-        self.sums, self.count = {}, 0
-        return dict(zip(names, stacked.tolist()))
+        stacked = torch.stack([self.sums[n] / self.counts[n] for n in names])
+        self.sums, self.counts = {}, Counter()
+        return dict(zip(names, accelerator.reduce(stacked, reduction="mean").tolist()))
 
 
 # ---------------------------------------------------------------- the loop
@@ -162,13 +166,56 @@ def next_batch(batches: Iterator[Batch], device: torch.device) -> Batch:
                  batch.skipped, batch.worker, batch.position)
 
 
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; the message says how to resume."""
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class StopOnSignal:
+    """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.requested = True
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this step "
+              "(send it again to exit at once)", file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator: Accelerator) -> bool:
+        """Every rank stops at the same step, even if only one of them got the signal."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        return bool(accelerator.reduce(torch.tensor(float(self.requested), device=accelerator.device), "sum") > 0)
+
+
 def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable[[StreamState], Iterable[Batch]],
           cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume: bool = False,
-          evaluators: tuple[Evaluator, ...] = ()) -> dict[str, float]:
+          evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0,
+          resume_hint: str = "the same command with --resume") -> dict[str, float]:
     """Train `objective` (a module mapping (uint8 images, labels) to a StepOutput) for cfg.steps optimiser steps.
 
     Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
-    `model.safetensors` (the objective's `export_weights()`) under output_dir.
+    `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
+    a checkpoint when signalled, TrainingDiverged after cfg.max_nonfinite_steps bad steps in a row, and
+    DataError when more than `max_skip_fraction` of the samples read could not be used.
     """
     output_dir = Path(output_dir)
     optimizer = build_optimizer(objective, cfg)
@@ -187,61 +234,98 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
     meter, skipped = Meter(), Counter()
     results: dict[str, float] = {}
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
-    window_start, waited, images_seen = time.perf_counter(), 0.0, 0
+    window_start, waited, images_seen, images_total = time.perf_counter(), 0.0, 0, 0
+    nonfinite_total, nonfinite_run = 0, 0
     objective.train()
-    while progress.step < cfg.steps:
-        for _ in range(cfg.grad_accum):
-            wait_start = time.perf_counter()
-            batch = next_batch(batches, accelerator.device)
-            waited += time.perf_counter() - wait_start
-            progress.stream.advance(batch)
-            skipped.update(batch.skipped)
-            images_seen += batch.images.shape[0]
-            with accelerator.accumulate(objective):
-                out = objective(batch.images, batch.labels)
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(objective.parameters(), cfg.clip_grad_norm or math.inf)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            meter.add({"loss": out.loss, **out.metrics})
-        scheduler.step()
-        progress.step += 1
-        meter.add({"grad_norm": grad_norm})
-        bar.update(1)
-        step = progress.step
+    with StopOnSignal() as stop:
+        while progress.step < cfg.steps:
+            outputs = []
+            for _ in range(cfg.grad_accum):
+                wait_start = time.perf_counter()
+                batch = next_batch(batches, accelerator.device)
+                waited += time.perf_counter() - wait_start
+                progress.stream.advance(batch)
+                skipped.update(batch.skipped)
+                images_seen += batch.images.shape[0]
+                with accelerator.accumulate(objective):
+                    out = objective(batch.images, batch.labels)
+                    accelerator.backward(out.loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(objective.parameters(), cfg.clip_grad_norm or math.inf)
+                        # The one host sync per step: a NaN/inf gradient must not reach the weights or Adam's moments.
+                        finite = bool(torch.isfinite(grad_norm))
+                        if finite:
+                            optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                outputs.append(out)
+            scheduler.step()
+            progress.step += 1
+            step = progress.step
+            bar.update(1)
+            if finite:
+                for out in outputs:
+                    meter.add({"loss": out.loss, **out.metrics})
+                meter.add({"grad_norm": grad_norm})
+                nonfinite_run = 0
+            else:
+                nonfinite_total, nonfinite_run = nonfinite_total + 1, nonfinite_run + 1
+                if nonfinite_run >= cfg.max_nonfinite_steps:
+                    raise TrainingDiverged(
+                        f"{nonfinite_run} consecutive steps had a non-finite loss or gradient, the last at step {step} "
+                        f"(lr {scheduler.get_last_lr()[0]:.3g}); lower train.lr, lengthen train.warmup_steps, keep "
+                        f"train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
 
-        if step % log.every == 0 or step == cfg.steps:
-            elapsed = time.perf_counter() - window_start
-            scalars = {f"train/{k}": v for k, v in meter.means(accelerator).items()}
-            counts = accelerator.reduce(torch.tensor([float(skipped[r]) for r in SKIP_REASONS], device=accelerator.device), reduction="sum")
-            scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, counts.tolist())})
-            scalars["train/lr"] = scheduler.get_last_lr()[0]
-            scalars["perf/images_per_sec"] = images_seen * accelerator.num_processes / elapsed
-            scalars["perf/data_wait_fraction"] = waited / elapsed
-            accelerator.log(scalars, step=step)
-            bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", refresh=False)
-            results.update(scalars)
-            window_start, waited, images_seen = time.perf_counter(), 0.0, 0
+            if step % log.every == 0 or step == cfg.steps:
+                elapsed = time.perf_counter() - window_start
+                scalars = {f"train/{k}": v for k, v in meter.means(accelerator).items()}
+                images_total += images_seen
+                totals = accelerator.reduce(torch.tensor([float(skipped[r]) for r in SKIP_REASONS] + [float(images_total)],
+                                                         device=accelerator.device), reduction="sum").tolist()
+                scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
+                scalars["train/nonfinite_steps"] = nonfinite_total
+                scalars["train/lr"] = scheduler.get_last_lr()[0]
+                scalars["perf/images_per_sec"] = images_seen * accelerator.num_processes / elapsed
+                scalars["perf/data_wait_fraction"] = waited / elapsed
+                accelerator.log(scalars, step=step)
+                if "train/loss" in scalars:
+                    bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", refresh=False)
+                results.update(scalars)
+                window_start, waited, images_seen = time.perf_counter(), 0.0, 0
+                check_skip_rate(sum(totals[:-1]), totals[-1], max_skip_fraction)
 
-        if (step % log.images_every == 0 or step == cfg.steps) and hasattr(accelerator.unwrap_model(objective), "panel"):
-            log_panel(accelerator, objective, batch, step)
+            if (step % log.images_every == 0 or step == cfg.steps) and hasattr(accelerator.unwrap_model(objective), "panel"):
+                log_panel(accelerator, objective, batch, step)
 
-        for evaluator in evaluators:
-            if step % evaluator.every == 0 or step == cfg.steps:
-                scores = evaluator.run(accelerator.unwrap_model(objective), step)
-                objective.train()
-                accelerator.log(scores, step=step)
-                results.update(scores)
+            for evaluator in evaluators:
+                if step % evaluator.every == 0 or step == cfg.steps:
+                    scores = evaluator.run(accelerator.unwrap_model(objective), step)
+                    objective.train()
+                    accelerator.log(scores, step=step)
+                    results.update(scores)
 
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)
+            stopping = stop.agreed(accelerator)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
+                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)
+            if stopping and step < cfg.steps:
+                bar.close()
+                accelerator.end_training()
+                raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "
+                                f"continue with {resume_hint}")
     bar.close()
 
     if accelerator.is_main_process:
         save_file(accelerator.unwrap_model(objective).export_weights(), str(output_dir / "model.safetensors"))
     accelerator.wait_for_everyone()
     return results
+
+
+def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
+    """Stop rather than train on a trickle: judged once a few hundred samples have been read."""
+    read = skipped + used
+    if read >= 200 and skipped / read > max_fraction:
+        raise DataError(f"{skipped:.0f} of {read:.0f} samples read ({skipped / read:.0%}) could not be used, over "
+                        f"data.max_skip_fraction={max_fraction}; check the shards (data/skipped_* in TensorBoard "
+                        f"says why) or raise the threshold")
 
 
 def log_panel(accelerator: Accelerator, objective: nn.Module, batch: Batch, step: int) -> None:

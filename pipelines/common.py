@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from omegaconf import OmegaConf
 
 from mpp.config import Config, config_to_yaml
 from mpp.data import StreamState, TrainTransform, expand_shards, make_loader
@@ -43,9 +46,26 @@ def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: 
 
 
 def check_output_dir(cfg: Config, resume: bool) -> None:
-    """Refuse to mix two runs' checkpoints in one directory."""
-    if not resume and complete_checkpoints(cfg.output_dir):
+    """Refuse to mix two runs' checkpoints in one directory, or to resume one with another model or objective."""
+    if not complete_checkpoints(cfg.output_dir):
+        return
+    if not resume:
         raise UserError(f"output_dir {cfg.output_dir} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
+    saved = Path(cfg.output_dir) / "config.yaml"
+    if saved.is_file():
+        before = OmegaConf.to_container(OmegaConf.load(saved))
+        now = cfg.model_dump(mode="json")
+        for section in ("objective", "model", "mpp"):
+            if before.get(section) != now.get(section):
+                raise UserError(f"output_dir {cfg.output_dir} holds a run with a different '{section}' config ({before.get(section)}); "
+                                f"resume with the same settings (see its config.yaml) or set output_dir to a new directory")
+
+
+def resume_command() -> str:
+    args = [a for a in sys.argv if a != "--resume"]
+    args.insert(args.index(next(a for a in args if a in ("pretrain", "finetune"))) + 1 if any(a in ("pretrain", "finetune") for a in args) else len(args), "--resume")
+    runner = "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python"
+    return f"`{runner} {' '.join(args)}`"
 
 
 def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str) -> None:

@@ -9,7 +9,8 @@ from accelerate.utils import set_seed
 from mpp.config import Config
 from mpp.objectives import MaskedPatchPrediction
 from mpp.train import make_accelerator, train
-from pipelines.common import build_backbone, check_output_dir, resolve_shards, start_tracking, train_loader
+from pipelines.common import (build_backbone, check_output_dir, resolve_shards, resume_command, start_tracking,
+                              train_loader)
 
 
 def build_objective(cfg: Config) -> MaskedPatchPrediction:
@@ -21,7 +22,7 @@ def build_objective(cfg: Config) -> MaskedPatchPrediction:
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     check_output_dir(cfg, resume)
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    set_seed(cfg.train.seed)
+    set_seed(cfg.train.seed, device_specific=True)  # ranks draw different corruptions; DDP syncs the weights
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     objective = build_objective(cfg)
     start_tracking(accelerator, cfg, "pretrain")
@@ -31,9 +32,11 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
         f"global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
     started = time.perf_counter()
     results = train(accelerator, objective, lambda state: train_loader(urls, cfg, accelerator, state),
-                    cfg.train, cfg.log, cfg.output_dir, resume=resume)
+                    cfg.train, cfg.log, cfg.output_dir, resume=resume, max_skip_fraction=cfg.data.max_skip_fraction,
+                    resume_hint=resume_command())
     accelerator.end_training()
     summary = ", ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in results.items() if k.startswith("train/") and k != "train/lr")
+    skipped = ", ".join(f"{v:.0f} {k.removeprefix('data/skipped_')}" for k, v in results.items() if k.startswith("data/skipped_") and v)
     accelerator.print(f"done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): {summary}; "
-                      f"weights in {cfg.output_dir}/model.safetensors")
+                      f"skipped: {skipped or 'none'}; weights in {cfg.output_dir}/model.safetensors")
     return results
