@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from mpp.errors import UserError
 from mpp.train import Preempted
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -14,7 +17,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     stages = parser.add_subparsers(dest="stage", required=True)
 
     pretrain = stages.add_parser("pretrain", help="masked patch prediction pretraining")
-    pretrain.add_argument("--config", help="YAML config (see configs/pretrain/); defaults apply to unset keys")
+    pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
+                          help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
     pretrain.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 

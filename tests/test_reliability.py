@@ -1,0 +1,256 @@
+"""Injected faults and what the pipeline does about them (docs/reliability.md lists them)."""
+
+import io
+from collections import Counter
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import webdataset as wds
+from accelerate.state import AcceleratorState, GradientState
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mpp.config import load_config
+from mpp.data import EvalTransform, expand_shards, make_loader
+from mpp.objectives import MaskedPatchPrediction
+from mpp.train import TrainingDiverged, complete_checkpoints, make_accelerator, train
+from pipelines.common import build_backbone, start_tracking, train_loader
+
+from conftest import ROOT
+from test_pretrain import TINY
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def launch(*args, timeout=300):
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def losses_by_step(run_dir):
+    acc = EventAccumulator(str(next((run_dir / "tensorboard").glob("pretrain")))).Reload()
+    return {e.step: e.value for e in acc.Scalars("train/loss")}
+
+
+# ---------------------------------------------------------------- preemption and exact resume
+
+
+def run_until_signalled(args, at_step, signals=1):
+    proc = subprocess.Popen([sys.executable, "launch.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+
+    def read():
+        for chunk in iter(lambda: proc.stderr.read(1), ""):
+            seen.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        steps = [int(m) for m in re.findall(r"\|\s*(\d+)/\d+ \[", "".join(seen))]
+        if steps and max(steps) >= at_step:
+            break
+        time.sleep(0.05)
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+    stdout, _ = proc.communicate(timeout=120)
+    reader.join(timeout=5)
+    return proc.returncode, stdout, "".join(seen)
+
+
+def test_sigterm_saves_and_resume_replays_the_same_losses(tmp_path, make_shards):
+    make_shards([60] * 4, size=32)
+    common = [f"data.shards={tmp_path / 'shards'}", *TINY, "train.steps=150", "train.warmup_steps=5",
+              "train.batch_size=16", "train.checkpoint_every=1000", "log.every=1", "data.num_workers=2"]
+    reference = launch("pretrain", *common, f"output_dir={tmp_path / 'ref'}")
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    run = tmp_path / "run"
+    code, _, stderr = run_until_signalled(["pretrain", *common, f"output_dir={run}"], at_step=20)
+    assert code == 0, stderr[-2000:]
+    stopped = int(re.search(r"stopped at step (\d+) of 150", stderr).group(1))
+    assert 20 <= stopped < 150 and "--resume" in stderr
+    assert [c.name for c in complete_checkpoints(run)] == [f"step_{stopped:08d}"]
+
+    resumed = launch("pretrain", *common, f"output_dir={run}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    expected, got = losses_by_step(tmp_path / "ref"), losses_by_step(run)
+    assert sorted(got) == sorted(expected) == list(range(1, 151))
+    assert all(abs(got[s] - expected[s]) < 1e-5 for s in expected), [(s, got[s], expected[s]) for s in expected if got[s] != expected[s]][:5]
+
+
+def test_second_signal_exits_at_once(tmp_path, make_shards):
+    make_shards([60] * 2, size=32)
+    args = ["pretrain", f"data.shards={tmp_path / 'shards'}", *TINY, "train.steps=100000", "train.warmup_steps=5",
+            "train.batch_size=16", f"output_dir={tmp_path / 'run'}"]
+    code, _, stderr = run_until_signalled(args, at_step=3, signals=2)
+    assert code == -signal.SIGTERM  # killed by the second signal, not an orderly exit 0
+    assert "stopped at step" not in stderr
+
+
+def test_partial_checkpoint_is_ignored_on_resume(tmp_path, make_shards):
+    make_shards([40] * 2, size=32)
+    common = [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=4",
+              "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=2"]
+    assert launch("pretrain", *common).returncode == 0
+    partial = tmp_path / "run" / "checkpoints" / ".partial-step_00000006"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half written")
+    resumed = launch("pretrain", *common[:-4], "train.steps=6", "train.warmup_steps=1", "train.batch_size=8",
+                     "train.checkpoint_every=2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step_00000004 at step 4" in resumed.stdout
+    assert [c.name for c in complete_checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000004", "step_00000006"]
+
+
+# ---------------------------------------------------------------- bad data
+
+
+def encoded(image, fmt, **kw):
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def write_bad_shards(directory):
+    directory.mkdir()
+    rgb = Image.new("RGB", (20, 20), (200, 30, 30))
+    good = encoded(rgb, "JPEG")
+    samples = {
+        "good": {"jpg": good},
+        "truncated_jpeg": {"jpg": good[: len(good) // 2]},
+        "not_an_image": {"jpg": b"<html>404 not found</html>"},
+        "cmyk": {"jpg": encoded(rgb.convert("CMYK"), "JPEG")},
+        "rgba": {"png": encoded(Image.new("RGBA", (20, 20), (0, 200, 0, 128)), "PNG")},
+        "palette": {"png": encoded(rgb.convert("P"), "PNG")},
+        "grayscale": {"png": encoded(rgb.convert("L"), "PNG")},
+        "smaller_than_a_patch": {"png": encoded(Image.new("RGB", (2, 2), (9, 9, 9)), "PNG")},
+        "no_image_key": {"txt": b"caption only"},
+    }
+    with wds.TarWriter(str(directory / "a.tar")) as sink:
+        for key, fields in samples.items():
+            sink.write({"__key__": key, "cls": b"1", **fields})
+    whole = (directory / "a.tar").read_bytes()
+    (directory / "b-truncated.tar").write_bytes(whole[: len(whole) // 2 + 100])
+    (directory / "c-garbage.tar").write_bytes(b"this is not a tar file" * 50)
+    return samples
+
+
+def test_bad_samples_are_converted_or_skipped_and_counted(tmp_path):
+    write_bad_shards(tmp_path / "bad")
+    shards = sorted(str(p) for p in (tmp_path / "bad").glob("*.tar"))
+    with pytest.warns(UserWarning, match="skipping samples"):
+        batches = list(make_loader(shards, EvalTransform(8), 64, num_workers=0, resampled=False, loop=False))
+    images = torch.cat([b.images for b in batches])
+    skipped = sum((b.skipped for b in batches), start=Counter())
+    # a.tar: 6 usable (good, CMYK, RGBA, palette, grayscale, tiny) of 9; the truncated copy yields its first few.
+    assert images.shape[1:] == (3, 8, 8) and images.dtype == torch.uint8
+    assert skipped["undecodable_image"] >= 2 and skipped["missing_image"] >= 1
+    assert skipped["unreadable_shard"] >= 2  # the truncated tar's tail and the garbage file
+    assert images.shape[0] >= 6
+
+
+def test_training_stops_when_too_much_data_is_bad(tmp_path):
+    write_bad_shards(tmp_path / "bad")
+    result = launch("pretrain", f"data.shards={tmp_path / 'bad'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                    "train.steps=200", "train.warmup_steps=1", "train.batch_size=8", "data.num_workers=0")
+    assert result.returncode == 2
+    assert "could not be used, over data.max_skip_fraction=0.05" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_training_tolerates_bad_data_under_the_threshold(tmp_path):
+    write_bad_shards(tmp_path / "bad")
+    result = launch("pretrain", f"data.shards={tmp_path / 'bad'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                    "train.steps=30", "train.warmup_steps=1", "train.batch_size=8", "data.num_workers=0",
+                    "data.max_skip_fraction=0.9", "log.every=5")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"skipped: .*\d+ undecodable_image", result.stdout), result.stdout
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "pretrain")).Reload()
+    assert acc.Scalars("data/skipped_undecodable_image")[-1].value > 0
+
+
+# ---------------------------------------------------------------- numerics
+
+
+class NaNOnCalls(MaskedPatchPrediction):
+    """Injects a NaN loss on chosen forward calls."""
+
+    def __init__(self, backbone, bad_calls):
+        super().__init__(backbone)
+        self.bad_calls, self.calls = set(bad_calls), 0
+
+    def forward(self, images, labels=None):
+        out = super().forward(images, labels)
+        self.calls += 1
+        if self.calls in self.bad_calls:
+            out.loss = out.loss * float("nan")
+        return out
+
+
+def tiny_run(tmp_path, make_shards, objective_calls, steps, max_nonfinite=3):
+    make_shards([40] * 2, size=32)
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                             f"train.steps={steps}", "train.warmup_steps=1", "train.batch_size=8",
+                             f"train.max_nonfinite_steps={max_nonfinite}", "log.every=1"])
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    objective = NaNOnCalls(build_backbone(cfg), objective_calls)
+    start_tracking(accelerator, cfg, "pretrain")
+    urls = expand_shards(cfg.data.shards)
+
+    def batches(state):
+        return train_loader(urls, cfg, accelerator, state)
+
+    return objective, lambda: train(accelerator, objective, batches, cfg.train, cfg.log, cfg.output_dir)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, make_shards):
+    objective, run = tiny_run(tmp_path, make_shards, {3}, steps=5)
+    results = run()
+    assert results["train/nonfinite_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in objective.parameters())
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, make_shards):
+    _, run = tiny_run(tmp_path, make_shards, {2, 3, 4}, steps=10, max_nonfinite=3)
+    with pytest.raises(TrainingDiverged, match=r"3 consecutive steps had a non-finite loss or gradient, the last at step 4 \(lr"):
+        run()
+
+
+# ---------------------------------------------------------------- bad configs and paths: one line, no traceback
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.stpes=3"], "error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["model.image_size=30"], "error: model.image_size 30 is not divisible by model.patch_size 4"),
+    (["train.batch_size=-1"], "error: invalid value for 'train.batch_size'"),
+    (["data.shards=/nonexistent/x-{0..3}.tar"], "error: shard /nonexistent/x-0.tar (and 3 more) does not exist"),
+    (["--config", "/nonexistent.yaml"], "error: config file /nonexistent.yaml does not exist"),
+])
+def test_bad_invocations_fail_with_one_line(args, message):
+    result = launch("pretrain", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and message in result.stderr, result.stderr
+
+
+def test_output_dir_of_another_run_is_refused(tmp_path, make_shards):
+    make_shards([20], size=32)
+    common = [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2",
+              "train.warmup_steps=1", "train.batch_size=4"]
+    assert launch("pretrain", *common).returncode == 0
+    again = launch("pretrain", *common)
+    assert again.returncode == 2 and "already holds checkpoints of a run; pass --resume" in again.stderr
+    other_model = launch("pretrain", *common, "model.depth=3", "--resume")
+    assert other_model.returncode == 2 and "holds a run with a different 'model' config" in other_model.stderr
