@@ -88,6 +88,7 @@ class MPPConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(1000, gt=0, description="Optimiser steps in the whole run.")
     batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")
+    global_batch_size: int | None = Field(None, gt=0, description="Images per optimiser step over all processes; when set, it replaces train.batch_size, which becomes global / (processes x grad_accum) and must come out whole.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimiser step.")
     optimizer: Literal["adam", "adamw", "sgd"] = Field("adamw", description="Optimiser: adam, adamw or sgd (with momentum).")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate, reached after the warmup.")
@@ -108,6 +109,17 @@ class TrainConfig(Section):
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be smaller than train.steps ({self.steps})")
         return self
+
+    def for_processes(self, processes: int) -> TrainConfig:
+        """This config with train.batch_size derived from train.global_batch_size, if that is set."""
+        if self.global_batch_size is None:
+            return self
+        share, rest = divmod(self.global_batch_size, processes * self.grad_accum)
+        if rest or not share:
+            raise ConfigError(f"train.global_batch_size {self.global_batch_size} does not split evenly over {processes} process(es) "
+                              f"x {self.grad_accum} accumulation step(s); make it a multiple of {processes * self.grad_accum} "
+                              f"or set train.batch_size per process instead")
+        return self.model_copy(update={"batch_size": share})
 
 
 class LogConfig(Section):

@@ -22,6 +22,7 @@ def build_objective(cfg: Config) -> MaskedPatchPrediction:
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     check_output_dir(cfg, resume)
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    cfg.train = cfg.train.for_processes(accelerator.num_processes)
     set_seed(cfg.train.seed, device_specific=True)  # ranks draw different corruptions; DDP syncs the weights
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     objective = build_objective(cfg)

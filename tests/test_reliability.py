@@ -236,6 +236,8 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path, make_shards):
     (["train.stpes=3"], "error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
     (["model.image_size=30"], "error: model.image_size 30 is not divisible by model.patch_size 4"),
     (["train.batch_size=-1"], "error: invalid value for 'train.batch_size'"),
+    (["train.global_batch_size=7", "train.grad_accum=2"],
+     "error: train.global_batch_size 7 does not split evenly over 1 process(es) x 2 accumulation step(s)"),
     (["data.shards=/nonexistent/x-{0..3}.tar"], "error: shard /nonexistent/x-0.tar (and 3 more) does not exist"),
     (["--config", "/nonexistent.yaml"], "error: config file /nonexistent.yaml does not exist"),
 ])

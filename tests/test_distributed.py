@@ -1,0 +1,67 @@
+"""Two processes on CPU (gloo) through `accelerate launch`: no hangs, the same numbers as one process, exact resume."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from mpp.train import complete_checkpoints
+
+from conftest import ROOT
+from test_pretrain import TINY
+
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+
+
+def run(cmd, timeout=240):
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_two_processes_match_one_process_with_twice_the_batch_or_accumulation(tmp_path):
+    script = str(ROOT / "tests" / "distributed_equivalence.py")
+    two = run([*TWO_PROCESSES, script, str(tmp_path / "two"), "4", "1"])
+    assert "trained with 2 process(es)" in two.stdout
+    run([sys.executable, script, str(tmp_path / "one_big"), "4", "1"])
+    run([sys.executable, script, str(tmp_path / "one_accum"), "4", "2"])
+    reference = load_file(tmp_path / "two" / "model.safetensors")
+    for layout in ("one_big", "one_accum"):
+        weights = load_file(tmp_path / layout / "model.safetensors")
+        worst = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+        assert worst < 1e-5, (layout, worst)
+
+
+def pretrain_two_processes(tmp_path, *overrides, resume=False):
+    return run([*TWO_PROCESSES, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
+                f"output_dir={tmp_path / 'run'}", *TINY, *overrides, *(["--resume"] if resume else [])])
+
+
+def test_uneven_shards_over_two_processes_do_not_hang(tmp_path, make_shards):
+    make_shards([25, 7, 3], size=32)  # rank 0 streams shards 0 and 2 (28 samples), rank 1 shard 1 (7)
+    proc = pretrain_two_processes(tmp_path, "data.resampled=false", "train.steps=12", "train.warmup_steps=1",
+                                  "train.global_batch_size=8", "train.checkpoint_every=12")
+    assert "with 2 process(es)" in proc.stdout and "global batch 8" in proc.stdout
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_two_process_run_resumes_to_the_same_weights(tmp_path, make_shards):
+    make_shards([30] * 4, size=32)
+    common = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=3",
+              "train.keep_checkpoints=5", "data.num_workers=1"]
+    pretrain_two_processes(tmp_path, *common)
+    uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
+    checkpoints = complete_checkpoints(tmp_path / "run")
+    assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]
+    shutil.rmtree(checkpoints[-1])  # as if both processes had died after step 3's checkpoint
+    (tmp_path / "run" / "model.safetensors").unlink()
+
+    proc = pretrain_two_processes(tmp_path, *common, resume=True)
+    assert re.search(r"resumed from .*step_00000003 at step 3", proc.stdout)
+    resumed = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
