@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from itertools import chain
@@ -68,6 +69,8 @@ class Source:
         self.skipped = 0
         for sample in self.read():
             if sample is None:
+                if not self.skipped:
+                    warnings.warn(f"skipping unreadable images in {self.name}; the count is in summary.json", stacklevel=2)
                 self.skipped += 1
             else:
                 yield sample

@@ -59,7 +59,8 @@ def test_folder_round_trip(tmp_path):
     (root / "cat" / "notes.txt").write_text("not an image")
 
     out = tmp_path / "shards"
-    summary = prepare.run(str(root), str(out), samples_per_shard=2)
+    with pytest.warns(UserWarning, match="skipping unreadable images"):
+        summary = prepare.run(str(root), str(out), samples_per_shard=2)
 
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary == {"samples": 5, "classes": 2, "labels": True, "shards": 3, "skipped": 1,
