@@ -3,7 +3,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpp.config import ConfigError, load_config
+from pydantic import BaseModel
+
+from mpp.config import Config, ConfigError, load_config
 from mpp.model import VIT_SIZES, build_vit
 
 CONFIGS = sorted(Path(__file__).parents[1].glob("configs/**/*.yaml"))
@@ -57,3 +59,19 @@ def test_vit_shapes_and_init():
     assert torch.all(vit.blocks[0].attn.qkv.bias == 0)
     assert vit.patch_embed.proj.weight.abs().max() <= 2 * 0.02 + 1e-6  # truncated normal, std 0.02
     assert build_vit("vit_b16", 224).num_patches == 196
+
+
+def dotted_keys(section, prefix=""):
+    for name, field in section.model_fields.items():
+        inner = field.annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            yield from dotted_keys(inner, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.description
+
+
+def test_readme_documents_every_config_key():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for key, description in dotted_keys(Config):
+        assert description, f"{key} has no description"
+        assert f"| `{key}` |" in readme and description in readme, f"README's config reference lacks {key}"
