@@ -31,6 +31,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--count", type=int, default=20000, help="images to generate for 'synthetic'")
     prepare.add_argument("--size", type=int, default=64, help="side in pixels of generated 'synthetic' images")
     prepare.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    prepare.add_argument("--short-side", type=int, default=None,
+                         help="store images whose short side is longer downsized to this many pixels (JPEG at --quality): "
+                              "faster decoding in training; keep it at least the training crop size")
+    prepare.add_argument("--quality", type=int, default=90, help="JPEG quality of images downsized by --short-side")
     return parser.parse_args(argv)
 
 
@@ -46,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             from pipelines import prepare
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
-                        count=args.count, split=args.split, overwrite=args.overwrite)
+                        count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
+                        quality=args.quality)
     except UserError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2

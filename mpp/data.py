@@ -14,9 +14,11 @@ from glob import glob
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import webdataset as wds
 from webdataset.tariterators import tarfile_samples
 from braceexpand import braceexpand
+from einops import rearrange
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -88,8 +90,12 @@ def center_box(width: int, height: int) -> tuple[int, int, int, int]:
     return x, y, x + side, y + side
 
 
-def crop_resize(img: Image.Image, box: tuple[int, int, int, int], size: int) -> Image.Image:
-    """Decode only what the crop needs: JPEG draft at a reduced DCT scale, then one resize over the box."""
+def crop_resize(img: Image.Image, box: tuple[int, int, int, int], size: int) -> torch.Tensor:
+    """The box of `img` resized to (3, size, size) uint8, decoding only what the crop needs.
+
+    JPEGs decode at a reduced DCT scale (draft) when the crop is at least twice the output; the resize is torch's
+    uint8 antialiased bilinear kernel, which follows PIL's filter to within a grey level at 2-3x its speed.
+    """
     width, height = img.size
     shrink = min((box[2] - box[0]) / size, (box[3] - box[1]) / size)
     if img.format == "JPEG" and shrink >= 2:
@@ -98,11 +104,11 @@ def crop_resize(img: Image.Image, box: tuple[int, int, int, int], size: int) -> 
         box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
     if img.mode != "RGB":
         img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "LA", "PA") else img.convert("RGB")
-    return img.resize((size, size), Image.BILINEAR, box=box)
-
-
-def to_uint8_chw(img: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+    left, top = min(round(box[0]), img.size[0] - 1), min(round(box[1]), img.size[1] - 1)
+    right, bottom = max(round(box[2]), left + 1), max(round(box[3]), top + 1)
+    pixels = torch.from_numpy(np.array(img, dtype=np.uint8))[top:bottom, left:right]  # (h, w, 3)
+    crop = rearrange(pixels, "h w c -> 1 c h w")  # a channels-last view: the layout torch's fast kernel wants
+    return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 @dataclass(frozen=True)
@@ -112,10 +118,8 @@ class TrainTransform:
     hflip: bool = True
 
     def __call__(self, img: Image.Image, rng: random.Random) -> torch.Tensor:
-        img = crop_resize(img, random_resized_box(*img.size, self.crop_scale, rng), self.size)
-        if self.hflip and rng.random() < 0.5:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        return to_uint8_chw(img)
+        image = crop_resize(img, random_resized_box(*img.size, self.crop_scale, rng), self.size)
+        return image.flip(-1) if self.hflip and rng.random() < 0.5 else image
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ class EvalTransform:
     size: int
 
     def __call__(self, img: Image.Image, rng: random.Random) -> torch.Tensor:
-        return to_uint8_chw(crop_resize(img, center_box(*img.size), self.size))
+        return crop_resize(img, center_box(*img.size), self.size)
 
 
 # ---------------------------------------------------------------- streaming

@@ -94,9 +94,8 @@ def corrupt_patches(
     k = num_corrupted(n, rate)
     positions = torch.rand(b, n, device=tokens.device).argsort(dim=1)[:, :k]  # (B, K)
     u = torch.rand(b, k, device=tokens.device)
-    kinds = torch.full_like(positions, KEEP)
-    kinds[u < mask_prob + random_prob] = RANDOM
-    kinds[u < mask_prob] = MASK
+    # torch.where, not boolean-index assignment: no data-dependent shapes, so no host sync on GPU.
+    kinds = torch.where(u < mask_prob, MASK, torch.where(u < mask_prob + random_prob, RANDOM, KEEP))
 
     own = positions + torch.arange(b, device=tokens.device)[:, None] * n  # (B, K) flat indices
     other = torch.randint(0, b * n - 1, (b, k), device=tokens.device)
@@ -162,7 +161,9 @@ class MaskedPatchPrediction(nn.Module):
         targets = targets.reshape(-1)
         loss = F.cross_entropy(logits, targets)
         accuracy = (logits.argmax(-1) == targets).float().mean()
-        prior = torch.bincount(targets, minlength=self.num_colors).max() / targets.numel()
+        # scatter_add, not bincount: bincount sizes its output from the data, a host sync on GPU.
+        counts = torch.zeros(self.num_colors, device=targets.device).scatter_add_(0, targets, torch.ones_like(logits[:, 0]))
+        prior = counts.max() / targets.numel()
         return StepOutput(loss, {"color_acc": accuracy, "color_acc_prior": prior})
 
     def export_weights(self) -> dict[str, torch.Tensor]:

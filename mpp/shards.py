@@ -182,6 +182,35 @@ def _encoded(data: bytes, keep: Collection[str]) -> tuple[bytes, str] | None:
         return None
 
 
+def bound_short_side(source: Source, short_side: int, quality: int = 90) -> Source:
+    """`source` with every image's short side at most `short_side` px: larger images are downsized (aspect kept)
+    and stored as JPEG at `quality`; the rest pass unchanged. Training crops then decode a fraction of the pixels."""
+    if short_side < 1 or not 1 <= quality <= 100:
+        raise SourceError(f"the short-side bound must be a positive number of pixels and the JPEG quality 1-100, got {short_side} and {quality}")
+
+    def read() -> Iterator[Sample | None]:
+        for sample in source.read():
+            if sample is None:
+                yield None
+                continue
+            image = bound_short_side_bytes(sample.image, short_side, quality)
+            yield sample if image is sample.image else Sample(sample.key, image, "jpg", sample.label)
+
+    return Source(f"{source.name}, short side <= {short_side} px", source.length, read, source.class_names)
+
+
+def bound_short_side_bytes(data: bytes, short_side: int, quality: int) -> bytes:
+    """An encoded image -> itself if its short side is within `short_side`, else a downsized JPEG of it."""
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+        if min(width, height) <= short_side:
+            return data
+        scale = short_side / min(width, height)
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        image.draft("RGB", size)  # JPEG: decode at the smallest DCT scale still at least `size`
+        return _jpeg(image.convert("RGB").resize(size, Image.LANCZOS), quality)
+
+
 def _safe_keys(names: list[str]) -> list[str]:
     """Dot-free, slash-free keys from relative paths, made unique with a numeric suffix where they collide."""
     keys, seen = [], set()

@@ -76,11 +76,26 @@ def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimize
         if param.requires_grad:
             (no_decay if param.ndim <= 1 or name.split(".")[-1] in NO_DECAY else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = {"fused": True} if torch.cuda.is_available() else {}
+    # Fused kernels (CPU and CUDA): one pass over all parameters, and they honour `found_inf` (see apply_gradients).
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
     optimizer = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return optimizer(groups, lr=cfg.lr, betas=cfg.betas, **fused)
+    return optimizer(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
+
+
+def apply_gradients(accelerator: Accelerator, objective: nn.Module, optimizer, clip_grad_norm: float | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip, then step unless the gradient is non-finite; returns (grad_norm, finite) as device tensors.
+
+    No host sync: a fused optimiser given `found_inf` leaves weights, moments and step count untouched when it
+    is set, so a NaN/inf gradient never reaches them and the GPU never waits for the CPU to decide.
+    """
+    grad_norm = accelerator.clip_grad_norm_(objective.parameters(), clip_grad_norm or math.inf)
+    finite = torch.isfinite(grad_norm)
+    torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
+    torch_optimizer.found_inf = (~finite).float()
+    optimizer.step()
+    return grad_norm, finite
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
@@ -136,25 +151,30 @@ def for_display(images: torch.Tensor, min_size: int = 128) -> torch.Tensor:
 
 
 class Meter:
-    """Sums per-step scalars on the device; syncs with the host only when a log line is written."""
+    """Sums per-step scalars on the device; syncs with the host only when a log line is written.
+
+    `keep` (a device bool) drops a step's values without a sync: skipped non-finite steps are not averaged in.
+    """
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.counts: Counter = Counter()
+        self.counts: dict[str, torch.Tensor] = {}
 
-    def add(self, values: dict[str, torch.Tensor]) -> None:
+    def add(self, values: dict[str, torch.Tensor], keep: torch.Tensor) -> None:
         for name, value in values.items():
-            value = value.detach().float()
+            value = torch.where(keep, value.detach().float(), 0.0)
             self.sums[name] = self.sums[name] + value if name in self.sums else value
-            self.counts[name] += 1
+            self.counts[name] = self.counts[name] + keep.float() if name in self.counts else keep.float()
 
     def means(self, accelerator: Accelerator) -> dict[str, float]:
+        """Means over the kept steps of every rank; a name with no kept step is left out."""
         if not self.sums:
             return {}
         names = sorted(self.sums)
-        stacked = torch.stack([self.sums[n] / self.counts[n] for n in names])
-        self.sums, self.counts = {}, Counter()
-        return dict(zip(names, accelerator.reduce(stacked, reduction="mean").tolist()))
+        stacked = torch.stack([torch.stack([self.sums[n], self.counts[n]]) for n in names])  # (names, 2)
+        self.sums, self.counts = {}, {}
+        totals = accelerator.reduce(stacked, reduction="sum").tolist()
+        return {n: s / c for n, (s, c) in zip(names, totals) if c > 0}
 
 
 # ---------------------------------------------------------------- the loop
@@ -235,7 +255,8 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
     results: dict[str, float] = {}
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
     window_start, waited, images_seen, images_total = time.perf_counter(), 0.0, 0, 0
-    nonfinite_total, nonfinite_run = 0, 0
+    # Device-side counters of skipped (non-finite) steps, read only when a log line is written.
+    nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
     objective.train()
     with StopOnSignal() as stop:
         while progress.step < cfg.steps:
@@ -251,38 +272,37 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
                     out = objective(batch.images, batch.labels)
                     accelerator.backward(out.loss)
                     if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(objective.parameters(), cfg.clip_grad_norm or math.inf)
-                        # The one host sync per step: a NaN/inf gradient must not reach the weights or Adam's moments.
-                        finite = bool(torch.isfinite(grad_norm))
-                        if finite:
-                            optimizer.step()
+                        grad_norm, finite = apply_gradients(accelerator, objective, optimizer, cfg.clip_grad_norm)
                     optimizer.zero_grad(set_to_none=True)
                 outputs.append(out)
             scheduler.step()
             progress.step += 1
             step = progress.step
             bar.update(1)
-            if finite:
-                for out in outputs:
-                    meter.add({"loss": out.loss, **out.metrics})
-                meter.add({"grad_norm": grad_norm})
-                nonfinite_run = 0
-            else:
-                nonfinite_total, nonfinite_run = nonfinite_total + 1, nonfinite_run + 1
-                if nonfinite_run >= cfg.max_nonfinite_steps:
-                    raise TrainingDiverged(
-                        f"{nonfinite_run} consecutive steps had a non-finite loss or gradient, the last at step {step} "
-                        f"(lr {scheduler.get_last_lr()[0]:.3g}); lower train.lr, lengthen train.warmup_steps, keep "
-                        f"train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
+            for out in outputs:
+                meter.add({"loss": out.loss, **out.metrics}, keep=finite)
+            meter.add({"grad_norm": grad_norm}, keep=finite)
+            nonfinite["total"] += ~finite
+            nonfinite["run"] = torch.where(finite, 0, nonfinite["run"] + 1)
+            reached = (nonfinite["run"] >= cfg.max_nonfinite_steps) & (nonfinite["diverged_at"] == 0)
+            nonfinite["diverged_at"] = torch.where(reached, step, nonfinite["diverged_at"])
 
             if step % log.every == 0 or step == cfg.steps:
+                # Checked here, not every step, to keep the host from waiting on the GPU; the skipped steps in
+                # between left the weights untouched.
+                diverged_at = int(nonfinite["diverged_at"])
+                if diverged_at:
+                    raise TrainingDiverged(
+                        f"{cfg.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
+                        f"{diverged_at} (lr {scheduler.get_last_lr()[0]:.3g}); lower train.lr, lengthen train.warmup_steps, "
+                        f"keep train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
                 elapsed = time.perf_counter() - window_start
                 scalars = {f"train/{k}": v for k, v in meter.means(accelerator).items()}
                 images_total += images_seen
                 totals = accelerator.reduce(torch.tensor([float(skipped[r]) for r in SKIP_REASONS] + [float(images_total)],
                                                          device=accelerator.device), reduction="sum").tolist()
                 scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
-                scalars["train/nonfinite_steps"] = nonfinite_total
+                scalars["train/nonfinite_steps"] = int(nonfinite["total"])
                 scalars["train/lr"] = scheduler.get_last_lr()[0]
                 scalars["perf/images_per_sec"] = images_seen * accelerator.num_processes / elapsed
                 scalars["perf/data_wait_fraction"] = waited / elapsed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mpp.shards import Source, folder_samples, hf_samples, idx_samples, is_saved_dataset, synthetic_samples, write_shards
+from mpp.shards import Source, bound_short_side, folder_samples, hf_samples, idx_samples, is_saved_dataset, synthetic_samples, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 
@@ -19,13 +19,19 @@ def run(
     count: int = 20000,
     split: str = "train",
     overwrite: bool = False,
+    short_side: int | None = None,
+    quality: int = 90,
 ) -> dict:
     """Write `source` as shards into `out`, print a one-line summary and return summary.json's content.
 
     source: 'synthetic' (count images of size px), a save_to_disk directory, a folder of images,
     an MNIST-style *-images-idx3-ubyte(.gz) file (labels beside it), or a Hugging Face dataset name.
+    short_side: store images whose short side exceeds it downsized to it, as JPEG at `quality`.
     """
-    summary = write_shards(open_source(source, size=size, count=count, split=split), out,
+    samples = open_source(source, size=size, count=count, split=split)
+    if short_side is not None:
+        samples = bound_short_side(samples, short_side, quality)
+    summary = write_shards(samples, out,
                            samples_per_shard=samples_per_shard, overwrite=overwrite, progress=True)
     skipped = f", skipped {summary['skipped']} unreadable" if summary["skipped"] else ""
     print(f"wrote {summary['samples']} samples ({summary['classes']} classes{skipped}) in {summary['shards']} shards, "

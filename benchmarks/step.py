@@ -1,0 +1,187 @@
+"""Time one MPP training step: ours against lucidrains' vit-pytorch MPP, side by side in one process.
+
+    python benchmarks/step.py --device cpu --model vit_ti --depth 6 --patch-size 4 --image-size 32 --batch-size 64
+    python benchmarks/step.py --device cuda --model vit_b16 --image-size 224 --batch-size 256 --peak-tflops 989
+
+Both take uint8 images already on the device and run forward, backward, gradient clipping at norm 1 and a fused
+AdamW step, at the paper's rates (50% of patches corrupted, 80/10/10). Ours is the training loop's own step
+(Accelerate, `apply_gradients`, the same precision and torch.compile settings as `train.*`); the peer runs eager
+under the same autocast. Rounds alternate between the two, so background load hits both alike; the table gives
+medians over rounds. MFU counts 3x the forward FLOPs of our model (backbone plus the head at corrupted positions)
+for both, so the MFU ratio equals the throughput ratio.
+
+The peer is a benchmark-only install: `pip install --no-deps vit-pytorch`. Its package __init__ imports
+torchvision, so `vit.py` and `mpp.py` are loaded from the installed package directly; nothing of it is copied here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mpp.config import TrainConfig  # noqa: E402
+from mpp.model import VisionTransformer, build_vit  # noqa: E402
+from mpp.objectives import MaskedPatchPrediction, num_corrupted  # noqa: E402
+from mpp.train import apply_gradients, build_optimizer, make_accelerator  # noqa: E402
+
+PEER_INSTALL = "pip install --no-deps vit-pytorch"
+RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1
+COLORS = 512
+
+
+def forward_flops(vit: VisionTransformer, head_positions: int, head_out: int = COLORS) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one image's forward pass: patch projection, blocks, head."""
+    n, d, p = vit.num_patches, vit.width, vit.patch_size
+    t = n + 1
+    block = 2 * t * d * 3 * d + 2 * 2 * t * t * d + 2 * t * d * d + 2 * 2 * t * d * 4 * d  # qkv, QK^T and AV, proj, MLP
+    return 2 * n * 3 * p * p * d + vit.depth * block + 2 * head_positions * d * head_out
+
+
+def load_peer():
+    """(ViT, MPP) classes from the installed vit-pytorch, or None when it is not installed."""
+    spec = importlib.util.find_spec("vit_pytorch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    modules = {}
+    for name in ("vit", "mpp"):
+        file_spec = importlib.util.spec_from_file_location(f"peer_vit_pytorch_{name}", root / f"{name}.py")
+        module = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(module)
+        modules[name] = module
+    return modules["vit"].ViT, modules["mpp"].MPP
+
+
+def build_peer(classes, vit: VisionTransformer) -> nn.Module:
+    """The peer's MPP around its own ViT of the same size, configured to the paper's rates."""
+    peer_vit_cls, peer_mpp_cls = classes
+    d = vit.width
+    peer_vit = peer_vit_cls(image_size=vit.image_size, patch_size=vit.patch_size, num_classes=0, dim=d, depth=vit.depth,
+                            heads=vit.heads, mlp_dim=4 * d, dim_head=d // vit.heads)
+    # Its MPP indexes these two with a leading batch axis that its current ViT no longer has.
+    peer_vit.cls_token = nn.Parameter(peer_vit.cls_token.detach().reshape(1, 1, d))
+    peer_vit.pos_embedding = nn.Parameter(peer_vit.pos_embedding.detach().reshape(1, -1, d))
+    return peer_mpp_cls(transformer=peer_vit, patch_size=vit.patch_size, dim=d, mask_prob=RATE,
+                        replace_prob=MASK_PROB, random_patch_prob=RANDOM_PROB)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default="vit_b16", help="ViT variant, as model.name (vit_b16, vit_ti, ...)")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--patch-size", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="auto: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile ours (auto: on cuda only, as train.compile)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per implementation, interleaved")
+    parser.add_argument("--steps", type=int, default=5, help="steps per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps each before the first round (compilation happens here)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak at this precision, for MFU (H100 SXM bf16: 989)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-peer", action="store_true", help="time ours only")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no CUDA device")
+    torch.manual_seed(0)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    precision = args.precision if args.precision != "auto" else ("bf16" if args.device == "cuda" else "no")
+    compile_ours = {"auto": "auto", "on": True, "off": False}[args.compile]
+    cfg = TrainConfig(lr=1e-4, warmup_steps=0, clip_grad_norm=1.0, mixed_precision=precision, compile=compile_ours,
+                      optimizer="adamw", batch_size=args.batch_size)
+    accelerator = make_accelerator(cfg, tempfile.mkdtemp(prefix="mpp-bench-"))
+    if accelerator.device.type != args.device:
+        parser.error(f"Accelerate picked {accelerator.device}, not {args.device}")
+    device = accelerator.device
+
+    vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads)
+    ours = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
+    ours_optimizer = build_optimizer(ours, cfg)
+    ours, ours_optimizer = accelerator.prepare(ours, ours_optimizer)
+    ours.train()
+
+    def our_step(images: torch.Tensor) -> None:
+        out = ours(images, None)
+        accelerator.backward(out.loss)
+        apply_gradients(accelerator, ours, ours_optimizer, cfg.clip_grad_norm)
+        ours_optimizer.zero_grad(set_to_none=True)
+
+    steps = {"ours (mpp)": our_step}
+    classes = None if args.no_peer else load_peer()
+    if classes is not None:
+        peer = build_peer(classes, vit).to(device).train()
+        peer_optimizer = torch.optim.AdamW(peer.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+        def peer_step(images: torch.Tensor) -> None:
+            with autocast:
+                loss = peer(images.float() / 255)  # the peer takes floats in [0, 1]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0)
+            peer_optimizer.step()
+            peer_optimizer.zero_grad(set_to_none=True)
+
+        steps["peer (vit-pytorch)"] = peer_step
+
+    images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8, device=device)
+    setup = {}
+    for name, step in steps.items():
+        started = time.perf_counter()
+        for _ in range(args.warmup):
+            step(images)
+        sync(device)
+        setup[name] = time.perf_counter() - started
+    rates: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            sync(device)
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                step(images)
+            sync(device)
+            rates[name].append(args.steps * args.batch_size / (time.perf_counter() - started))
+
+    flops = 3 * forward_flops(vit, num_corrupted(vit.num_patches, RATE))
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else f", {torch.cuda.get_device_name()}"
+    print(f"{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
+          f"batch {args.batch_size}, {device.type}{threads}, precision {precision}, compile ours "
+          f"{accelerator.state.dynamo_plugin.backend.value.lower() != 'no'}; {args.rounds} rounds x {args.steps} steps, medians; "
+          f"model FLOPs per image {flops / 1e9:.3g} GFLOP (3x forward)")
+    print(f"{'':20s} {'images/s':>10s} {'min':>9s} {'max':>9s} {'vs peer':>8s} {'MFU':>7s} {'warmup s':>9s}")
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    peer_rate = medians.get("peer (vit-pytorch)")
+    for name, r in rates.items():
+        ratio = f"{medians[name] / peer_rate:.2f}x" if peer_rate else "-"
+        mfu = f"{medians[name] * flops / (args.peak_tflops * 1e12):.1%}" if args.peak_tflops else "-"
+        print(f"{name:20s} {medians[name]:10.1f} {min(r):9.1f} {max(r):9.1f} {ratio:>8s} {mfu:>7s} {setup[name]:9.1f}")
+    if classes is None and not args.no_peer:
+        print(f"peer not timed: vit-pytorch is not installed; `{PEER_INSTALL}` adds it (benchmark only, needs torch and einops)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
