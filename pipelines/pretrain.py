@@ -11,6 +11,7 @@ from mpp.objectives import MaskedPatchPrediction
 from mpp.train import make_accelerator, train
 from pipelines.common import (build_backbone, check_output_dir, resolve_shards, resume_command, start_tracking,
                               train_loader)
+from pipelines.fewshot import training_evaluator
 
 
 def build_objective(cfg: Config) -> MaskedPatchPrediction:
@@ -30,10 +31,11 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
         f"pretraining {cfg.model.name} ({sum(p.numel() for p in objective.backbone.parameters()) / 1e6:.1f}M params) "
         f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}, "
         f"global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+    evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
     started = time.perf_counter()
     results = train(accelerator, objective, lambda state: train_loader(urls, cfg, accelerator, state),
                     cfg.train, cfg.log, cfg.output_dir, resume=resume, max_skip_fraction=cfg.data.max_skip_fraction,
-                    resume_hint=resume_command())
+                    evaluators=evaluators, resume_hint=resume_command())
     accelerator.end_training()
     summary = ", ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in results.items() if k.startswith("train/") and k != "train/lr")
     skipped = ", ".join(f"{v:.0f} {k.removeprefix('data/skipped_')}" for k, v in results.items() if k.startswith("data/skipped_") and v)
