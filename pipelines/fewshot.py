@@ -9,6 +9,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from torch import nn
 
+from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.data import EvalTransform, make_loader
 from mpp.fewshot import FewShotError, LabelledImages, few_shot_accuracy
@@ -61,8 +62,6 @@ def training_evaluator(cfg: Config, accelerator: Accelerator) -> Evaluator:
 
 def run(cfg: Config, *, ckpt: str) -> dict:
     """Evaluate the backbone in `ckpt`; print the accuracies and write them to output_dir/fewshot.json."""
-    from mpp.checkpoint import load_backbone
-
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
     backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
     fewshot = FewShot(cfg, accelerator)

@@ -47,3 +47,37 @@ def test_exported_classifier_gives_our_logits(tmp_path):
         got = theirs(pixel_values=normalize(images)).logits
     assert torch.allclose(got, expected, atol=1e-5)
     assert theirs.config.id2label[3] == "class3"
+
+
+def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_shards, capsys):
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file
+
+    import launch
+    from mpp.checkpoint import load_backbone
+    from mpp.config import load_config
+    from pipelines import finetune
+    from test_pretrain import TINY
+
+    make_shards([30, 30], size=32)
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'shards'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "model.num_classes=10", "train.steps=3",
+                             "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=3", "finetune.eval_every=3"])
+    try:
+        finetune.run(cfg, ckpt=None)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert "ViTForImageClassification" in capsys.readouterr().out
+    theirs = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    ours = load_backbone(tmp_path / "run", cfg.model).eval()
+    head = load_file(tmp_path / "run" / "model.safetensors")
+    images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+    with torch.no_grad():
+        expected = ours(normalize(images))[:, 0] @ head["head.weight"].T + head["head.bias"]
+        got = theirs(pixel_values=normalize(images)).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "onnx", str(tmp_path / "x")]) == 2
+    assert "unknown export format 'onnx'" in capsys.readouterr().err
