@@ -22,6 +22,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     pretrain.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
+    finetune = stages.add_parser("finetune", help="fine-tune a pretrained backbone (or a fresh one) with a linear head")
+    finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
+                                         "from pretrain (either objective) or finetune; omit it to train from scratch")
+    finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
+                          help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
+    finetune.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
+    finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
+
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
     prepare.add_argument("source", help="a folder of images (class = sub-folder), a Hugging Face dataset name or local path, "
                                         "an MNIST-style *-images-idx3-ubyte file, or 'synthetic'")
@@ -42,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             from pipelines import pretrain
 
             pretrain.run(load_config(args.config, args.overrides), resume=args.resume)
+        elif args.stage == "finetune":
+            from mpp.config import load_config
+            from pipelines import finetune
+
+            finetune.run(load_config(args.config, args.overrides), ckpt=args.ckpt, resume=args.resume)
         elif args.stage == "prepare":
             from pipelines import prepare
 

@@ -47,6 +47,7 @@ class ModelConfig(Section):
     width: int | None = Field(None, gt=0, description="Override the variant's embedding width.")
     depth: int | None = Field(None, gt=0, description="Override the variant's number of Transformer blocks.")
     heads: int | None = Field(None, gt=0, description="Override the variant's number of attention heads (must divide the width).")
+    num_classes: int | None = Field(None, gt=0, description="Classes of the classification head (supervised pretraining, fine-tuning); null reads them from summary.json beside the training shards.")
 
     @model_validator(mode="before")
     @classmethod
@@ -134,14 +135,19 @@ class FewShotConfig(Section):
         return self
 
 
+class FinetuneConfig(Section):
+    eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).")
+
+
 class Config(Section):
-    objective: Literal["mpp"] = Field("mpp", description="Training objective: mpp (masked patch prediction).")
+    objective: Literal["mpp", "supervised"] = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
     output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     mpp: MPPConfig = Field(default_factory=MPPConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     fewshot: FewShotConfig = Field(default_factory=FewShotConfig)
 
 
