@@ -231,21 +231,13 @@ def test_supervised_pretraining_lowers_its_loss(tmp_path):
 # ---------------------------------------------------------------- results and resume
 
 
-def test_results_json_reports_exact_top1_and_top5(tmp_path, labelled_data):
-    finetune.run(finetune_config(tmp_path, "train.steps=7", "log.every=7"), ckpt=None)
-    results = json.loads((tmp_path / "ft" / "results.json").read_text())
-    assert {"top1", "top5", "steps", "ckpt", "images_seen", "wall_time_s", "history"} <= results.keys()
-    assert results["steps"] == 7 and results["images_seen"] == 7 * 8 and results["ckpt"] is None
-    assert [step for step, _ in results["history"]] == [3, 6, 7]
-    assert results["history"][-1][1] == results["top1"] and results["wall_time_s"] > 0
-
-    # Recount by hand over all 15 evaluation images with the exported weights.
-    weights = load_file(tmp_path / "ft" / "model.safetensors")
-    backbone = VisionTransformer(16, 4, 64, 2, 2)
-    classifier = Classification(backbone, finetuning_head(64, 10), export_head=True)
+def recount(run_dir, val_dir):
+    """Top-1 and top-5 of a fine-tuned run's exported weights over every evaluation image, in one process."""
+    weights = load_file(run_dir / "model.safetensors")
+    classifier = Classification(VisionTransformer(16, 4, 64, 2, 2), finetuning_head(64, 10), export_head=True)
     classifier.load_state_dict({k if k.startswith("head.") else f"backbone.{k}": v for k, v in weights.items()})
     classifier.eval()
-    urls = sorted(str(p) for p in (tmp_path / "val").glob("*.tar"))
+    urls = sorted(str(p) for p in val_dir.glob("*.tar"))
     top1 = top5 = total = 0
     with torch.no_grad():
         for batch in make_loader(urls, EvalTransform(16), 4, num_workers=0, resampled=False, loop=False):
@@ -254,7 +246,34 @@ def test_results_json_reports_exact_top1_and_top5(tmp_path, labelled_data):
             top5 += (ranked == batch.labels[:, None]).any(-1).sum().item()
             total += len(batch.labels)
     assert total == 15
-    assert results["top1"] == pytest.approx(top1 / total) and results["top5"] == pytest.approx(top5 / total)
+    return top1 / total, top5 / total
+
+
+def test_results_json_reports_exact_top1_and_top5(tmp_path, labelled_data):
+    finetune.run(finetune_config(tmp_path, "train.steps=7", "log.every=7"), ckpt=None)
+    results = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert {"top1", "top5", "steps", "ckpt", "images_seen", "wall_time_s", "history"} <= results.keys()
+    assert results["steps"] == 7 and results["images_seen"] == 7 * 8 and results["ckpt"] is None
+    assert [step for step, _ in results["history"]] == [3, 6, 7]
+    assert results["history"][-1][1] == results["top1"] and results["wall_time_s"] > 0
+    top1, top5 = recount(tmp_path / "ft", tmp_path / "val")
+    assert results["top1"] == pytest.approx(top1) and results["top5"] == pytest.approx(top5)
+
+
+def test_evaluation_is_exact_over_two_processes_with_uneven_shards(tmp_path, labelled_data):
+    # 3 evaluation shards of 7, 5 and 3 images: rank 0 reads 10 of them, rank 1 reads 5.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
+           "finetune", f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}",
+           f"output_dir={tmp_path / 'ft'}", *TINY, "model.num_classes=10", "train.steps=2", "train.warmup_steps=1",
+           "train.batch_size=4", "finetune.eval_every=2"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "with 2 process(es)" in proc.stdout, proc.stdout[-2000:]
+    results = json.loads((tmp_path / "ft" / "results.json").read_text())
+    top1, top5 = recount(tmp_path / "ft", tmp_path / "val")
+    assert results["images_seen"] == 2 * 4 * 2
+    assert results["top1"] == pytest.approx(top1) and results["top5"] == pytest.approx(top5)
 
 
 def test_finetuning_resumes_to_the_same_weights_and_history(tmp_path, labelled_data):
