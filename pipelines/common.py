@@ -12,7 +12,8 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from mpp.config import Config, config_to_yaml
+from mpp.checkpoint import resolve_checkpoint
+from mpp.config import Config, config_to_yaml, load_config
 from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
@@ -118,3 +119,11 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str) -> None
         (Path(cfg.output_dir) / "config.yaml").write_text(text)
         accelerator.get_tracker("tensorboard", unwrap=True).add_text("config", f"```\n{text}\n```")
 
+
+def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
+    """--config if given, else the config.yaml of the run that wrote `ckpt` (its model and data carry over); then overrides."""
+    if config is None:
+        weights = resolve_checkpoint(ckpt)
+        run_dir = weights.parent.parent.parent if weights.parent.parent.name == "checkpoints" else weights.parent
+        config = run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else None
+    return load_config(config, overrides)

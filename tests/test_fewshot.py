@@ -8,7 +8,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mpp.config import load_config
 from mpp.fewshot import FewShotError, few_shot_accuracy, fit_ridge
-from pipelines import fewshot, pretrain
+import launch
+from pipelines import pretrain
 
 from test_pretrain import TINY
 
@@ -78,14 +79,15 @@ def test_evaluator_runs_inside_pretraining_logs_and_leaves_training_unchanged(tm
     assert [e.step for e in acc.Scalars("fewshot/2shot")] == [3, 6]
 
 
-def test_fewshot_stage_scores_a_saved_backbone(tmp_path, make_shards):
+def test_fewshot_command_scores_a_saved_backbone(tmp_path, make_shards, capsys):
     make_shards([40] * 3, size=32)
     pretrain.run(tiny(tmp_path))
     AcceleratorState._reset_state(True)
-    cfg = tiny(tmp_path, f"output_dir={tmp_path / 'eval'}", "fewshot.features=mean")
-    result = fewshot.run(cfg, ckpt=str(tmp_path / "run"))
+    # The run's own config.yaml supplies the model and the shards; the command line changes the rest.
+    assert launch.main(["fewshot", "--ckpt", str(tmp_path / "run"), f"output_dir={tmp_path / 'eval'}", "fewshot.features=mean"]) == 0
+    assert "1-shot" in capsys.readouterr().out
     written = json.loads((tmp_path / "eval" / "fewshot.json").read_text())
-    assert written == result
+    assert written["features"] == "mean" and written["ckpt"] == str(tmp_path / "run")
     assert set(written["accuracy"]) == {"1", "2"} and written["eval_images"] == 40 and written["train_images"] == 60
     assert all(0 < a <= 1 for a in written["accuracy"].values())
 
