@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from mpp.fewshot import FewShotError, few_shot_accuracy, fit_ridge
 import launch
 from pipelines import pretrain
 
+from conftest import ROOT
 from test_pretrain import TINY
 
 
@@ -104,3 +108,16 @@ def test_fewshot_refuses_unlabelled_shards(tmp_path, make_shards):
     make_shards([20], size=32, labels=False)
     with pytest.raises(FewShotError, match="no class label"):
         pretrain.run(tiny(tmp_path, "fewshot.every=3"))
+
+
+def test_fewshot_command_with_two_processes_gathers_every_image(tmp_path, make_shards):
+    make_shards([25, 15, 20], size=32)  # uneven: rank 0 reads shards 0 and 2, rank 1 shard 1
+    pretrain.run(tiny(tmp_path))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py", "fewshot",
+           "--ckpt", str(tmp_path / "run"), f"output_dir={tmp_path / 'eval'}", "fewshot.train_images=50", "fewshot.eval_images=60"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads((tmp_path / "eval" / "fewshot.json").read_text())
+    assert written["train_images"] == 50 and written["eval_images"] == 60  # 50 of the 60, in rank order; all 60
+    assert proc.stdout.count("few-shot linear accuracy") == 1 and "2 process(es)" in proc.stdout, proc.stdout[-2000:]
