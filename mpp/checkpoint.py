@@ -55,7 +55,7 @@ def saved_heads(weights_file: Path) -> int | None:
         return None
     model = OmegaConf.to_container(OmegaConf.load(config)).get("model") or {}
     try:
-        return model.get("heads") or parse_model_name(str(model.get("name"))).heads
+        return model.get("heads") or parse_model_name(str(model.get("name")))[0].heads
     except ValueError:
         return None
 
@@ -80,7 +80,7 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
         raise CheckpointError(f"{path} has patch embedding weights of shape {proj} (patch size {patch}) but model.patch_size={model_cfg.patch_size} "
                               f"needs {expected}; set model.patch_size={patch} (a ViT cannot change its patch size)")
     depth = len({k.split(".")[1] for k in weights if k.startswith("blocks.")})
-    heads = saved_heads(path) or model_cfg.heads or parse_model_name(model_cfg.name).heads
+    heads = saved_heads(path) or model_cfg.heads or parse_model_name(model_cfg.name)[0].heads
     if width % heads:
         raise CheckpointError(f"{path} has width {width}, which {heads} attention heads do not divide; set model.heads to the pretraining run's value")
 
