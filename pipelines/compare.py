@@ -2,8 +2,8 @@
 
 Stages, each in its own directory under output_dir (so `tensorboard --logdir output_dir` shows every run):
 pretrain_mpp, pretrain_supervised -> [split: a dev split held out of the downstream training shards] ->
-finetune_<arm>_lr<lr> for every arm and learning rate -> [test_<arm>: the dev-picked run on the evaluation
-shards] -> fewshot_<arm> -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is
+finetune_<arm>_lr<lr> for every arm and learning rate -> [test_<arm>_lr<lr>: the dev-picked run on the
+evaluation shards] -> fewshot_<arm> -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is
 skipped when the command is repeated; an interrupted training stage resumes from its newest checkpoint.
 """
 
@@ -30,6 +30,7 @@ from webdataset.tariterators import tarfile_samples
 from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError, Section, validate_config
 from mpp.data import IMAGE_KEYS, expand_shards
+from mpp.errors import UserError
 from mpp.shards import Sample, write_shards
 from mpp.train import make_accelerator
 from pipelines import finetune, pretrain
@@ -86,15 +87,26 @@ def stage_config(cc: CompareConfig, section: str, **keys) -> Config:
         raise ConfigError(f"in the comparison's '{section}' runs (common + {section}): {err}") from None
 
 
-def stage(directory: Path, name: str, work: Callable[[], dict]) -> dict:
-    """Run `work` unless a previous invocation finished it; record what it returns in directory/stage.json."""
+class CompareError(UserError):
+    """A comparison directory that holds stages finished with other settings."""
+
+
+def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) -> dict:
+    """Run `work` unless a previous invocation finished it with the same `inputs` (settings, as JSON);
+    record those and what `work` returns in directory/stage.json."""
     marker = directory / STAGE_DONE
+    inputs = json.loads(json.dumps(inputs, default=str))
     if marker.is_file():
+        done = json.loads(marker.read_text())
+        if done.get("inputs") != inputs:
+            changed = sorted(k for k in {*inputs, *(done.get("inputs") or {})} if inputs.get(k) != (done.get("inputs") or {}).get(k))
+            raise CompareError(f"{directory} holds a {name} finished with other settings ({', '.join(changed)}); "
+                               f"set output_dir to a new directory, or delete {directory} to redo that stage")
         print(f"[compare] {name}: finished before, skipped ({marker})", flush=True)
-        return json.loads(marker.read_text())
+        return done
     print(f"[compare] {name}: running in {directory}", flush=True)
     started = time.perf_counter()
-    info = work()
+    info = {**work(), "inputs": inputs}
     info["stage_wall_time_s"] = time.perf_counter() - started
     # Each stage builds its own Accelerator (its own precision, accumulation, trackers and project directory).
     AcceleratorState._reset_state(True)
@@ -115,7 +127,8 @@ def run(cc: CompareConfig) -> dict:
     for arm in ("mpp", "supervised"):
         if arm in cc.arms:
             cfg = stage_config(cc, "pretrain", objective=arm, output_dir=out / f"pretrain_{arm}")
-            pretrained[arm] = stage(out / f"pretrain_{arm}", f"{arm} pretraining", lambda cfg=cfg: pretrain_stage(cfg))
+            pretrained[arm] = stage(out / f"pretrain_{arm}", f"{arm} pretraining", settings(cfg),
+                                  lambda cfg=cfg: pretrain_stage(cfg))
 
     base = stage_config(cc, "finetune")
     lrs = cc.lrs or [base.train.lr]
@@ -123,6 +136,7 @@ def run(cc: CompareConfig) -> dict:
     train_shards, val_shards = base.data.shards, base.data.val_shards
     if select_on_dev:
         split = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
+                      {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
                       lambda: split_stage(base.data.shards, out / "split", cc.dev_fraction))
         train_shards, val_shards = split["train"], split["dev"]
 
@@ -133,20 +147,23 @@ def run(cc: CompareConfig) -> dict:
             directory = out / f"finetune_{arm}_lr{lr:g}"
             cfg = stage_config(cc, "finetune", output_dir=directory, **{"train.lr": lr, "data.shards": train_shards,
                                                                         "data.val_shards": val_shards})
-            runs[lr] = stage(directory, f"{arm} fine-tuning at lr {lr:g}", lambda cfg=cfg, ckpt=ckpt: finetune_stage(cfg, ckpt))
+            runs[lr] = stage(directory, f"{arm} fine-tuning at lr {lr:g}", {**settings(cfg), "ckpt": ckpt},
+                            lambda cfg=cfg, ckpt=ckpt: finetune_stage(cfg, ckpt))
         best = max(lrs, key=lambda lr: runs[lr]["top1"])
         chosen = out / f"finetune_{arm}_lr{best:g}"
         entry = {"objective": OBJECTIVE[arm], "lr": best, "lrs": {f"{lr:g}": runs[lr]["top1"] for lr in lrs},
                  "finetune": runs[best], "pretrain": pretrained.get(arm)}
         if select_on_dev:
             entry["dev_top1"] = runs[best]["top1"]
-            test_cfg = stage_config(cc, "finetune", output_dir=out / f"test_{arm}")
-            entry["test"] = stage(out / f"test_{arm}", f"{arm}: the dev-picked run (lr {best:g}) on {val_shards_name(base)}",
-                                  lambda cfg=test_cfg: test_stage(cfg, chosen))
+            # Named by the pick, so a run with a longer lr grid that picks another lr scores that one.
+            directory = out / f"test_{arm}_lr{best:g}"
+            test_cfg = stage_config(cc, "finetune", output_dir=directory)
+            entry["test"] = stage(directory, f"{arm}: the dev-picked run (lr {best:g}) on {val_shards_name(base)}",
+                                  {**settings(test_cfg), "run": chosen}, lambda cfg=test_cfg: test_stage(cfg, chosen))
         else:
             entry["test"] = {"top1": runs[best]["top1"], **({"top5": runs[best]["top5"]} if "top5" in runs[best] else {})}
         fewshot_cfg = stage_config(cc, "finetune", output_dir=out / f"fewshot_{arm}")
-        entry["fewshot"] = stage(out / f"fewshot_{arm}", f"{arm} few-shot evaluation",
+        entry["fewshot"] = stage(out / f"fewshot_{arm}", f"{arm} few-shot evaluation", {**settings(fewshot_cfg), "ckpt": ckpt},
                                  lambda cfg=fewshot_cfg, ckpt=ckpt: fewshot_stage(cfg, ckpt))
         report["arms"][arm] = entry
 
@@ -160,6 +177,11 @@ def run(cc: CompareConfig) -> dict:
         print(f"[compare] report in {out / 'report.md'}, plot in {out / 'comparison.png'}, "
               f"all runs in TensorBoard: tensorboard --logdir {out}")
     return report
+
+
+def settings(cfg: Config) -> dict:
+    """What a stage's result depends on: its run config, less the directory it writes to and how often it logs."""
+    return {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
 
 
 def val_shards_name(cfg: Config) -> str:

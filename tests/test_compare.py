@@ -77,6 +77,13 @@ def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
     assert "scratch few-shot evaluation: running" in log and log.count("finished before, skipped") == 1
 
 
+def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
+    compare.run(tiny(tmp_path, "arms=[scratch]", "lrs=[]"))
+    AcceleratorState._reset_state(True)
+    with pytest.raises(compare.CompareError, match=r"finetune_scratch_lr0.01 holds a scratch fine-tuning .* \(train\)"):
+        compare.run(tiny(tmp_path, "arms=[scratch]", "lrs=[]", "finetune.train.steps=5"))
+
+
 def test_compare_config_mistakes_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"'finetune' runs .*train.stepz"):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["finetune.train.stepz=3"])
