@@ -299,3 +299,18 @@ def test_resume_command_puts_resume_after_the_stage(monkeypatch):
     assert resume_command() == "`python launch.py finetune --resume --ckpt runs/pre train.steps=9`"
     monkeypatch.setattr(sys, "argv", ["train.py", "x=1"])
     assert resume_command() == "`python train.py x=1 --resume`"
+
+
+def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_shards):
+    from mpp.shards import synthetic_samples, write_shards
+    from pipelines.common import num_classes
+
+    write_shards(synthetic_samples(20, 16), tmp_path / "syn")
+    urls = [str(p) for p in sorted((tmp_path / "syn").glob("*.tar"))]
+    assert num_classes(load_config(None, [f"data.shards={tmp_path / 'syn'}"]), urls) == len(json.loads(
+        (tmp_path / "syn" / "summary.json").read_text())["class_names"])
+    assert num_classes(load_config(None, ["model.num_classes=3"]), urls) == 3
+    unlabelled = make_shards([5], labels=False)
+    (tmp_path / "shards" / "summary.json").write_text(json.dumps({"samples": 5, "classes": 0, "labels": False}))
+    with pytest.raises(UserError, match="have no cls labels"):
+        num_classes(load_config(None, [f"data.shards={tmp_path / 'shards'}"]), unlabelled)
