@@ -314,3 +314,10 @@ def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_
     (tmp_path / "shards" / "summary.json").write_text(json.dumps({"samples": 5, "classes": 0, "labels": False}))
     with pytest.raises(UserError, match="have no cls labels"):
         num_classes(load_config(None, [f"data.shards={tmp_path / 'shards'}"]), unlabelled)
+
+
+def test_heads_come_from_the_model_name_when_nothing_else_says(tmp_path):
+    save_file(VisionTransformer(16, 4, 96, 1, 3).state_dict(), str(tmp_path / "bare.safetensors"))  # no config.yaml
+    cfg = load_config(None, ["model.name=vit_ti", "model.image_size=16", "model.patch_size=4"])  # vit_ti: 3 heads
+    backbone = load_backbone(str(tmp_path / "bare.safetensors"), cfg.model)
+    assert (backbone.width, backbone.depth, backbone.heads) == (96, 1, 3)
