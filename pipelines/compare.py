@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field, ValidationError
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from webdataset.tariterators import tarfile_samples
 
 from mpp.checkpoint import load_backbone
@@ -254,7 +255,20 @@ PAPER = ("The paper (Dosovitskiy et al., 2021, section 4.6): ViT-B/16 pretrained
          "86M-parameter model, orders of magnitude beyond the runs above.")
 
 
+def training_time(run_dir: Path) -> float:
+    """Seconds between the first and last logged training step of run_dir, summed over its TensorBoard event
+    files (one per invocation), so a resumed run counts all its parts and not the pause between them."""
+    total = 0.0
+    for events in run_dir.rglob("events.out.tfevents*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0}).Reload()
+        if "train/lr" in accumulator.Tags()["scalars"]:
+            times = [e.wall_time for e in accumulator.Scalars("train/lr")]
+            total += max(times) - min(times)
+    return total
+
+
 def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
+    out = Path(cc.output_dir)
     shots = sorted({int(n) for e in report["arms"].values() for n in e["fewshot"] if n.isdigit()})
     evaluated_on = "the dev split" if report["select_on_dev"] else val_shards_name(base)
     head = ["run", "pretraining objective", "pretraining images seen", "fine-tuning lr", "fine-tuning images seen",
@@ -272,7 +286,7 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, e in report["arms"].items():
         pre = e["pretrain"] or {}
-        wall = (pre.get("wall_time_s") or 0) + e["finetune"]["wall_time_s"]
+        wall = (training_time(out / f"pretrain_{arm}") if pre else 0) + training_time(out / f"finetune_{arm}_lr{e['lr']:g}")
         row = [arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", f"{e['lr']:g}",
                f"{e['finetune']['images_seen']:,}", f"{wall:.0f}",
                *([f"{100 * e['dev_top1']:.2f}%"] if report["select_on_dev"] else []), f"{100 * e['test']['top1']:.2f}%",
@@ -281,8 +295,8 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     lines += ["", "Dev top-1 of every learning rate tried: "
               + "; ".join(f"{arm}: " + ", ".join(f"{lr} -> {100 * t:.2f}%" for lr, t in e["lrs"].items())
                           for arm, e in report["arms"].items()) if report["select_on_dev"] else "",
-              "", f"Wall time: pretraining plus the chosen fine-tuning run, as measured by the invocation that finished "
-              f"each stage. Curves ({evaluated_on}) in comparison.png; every run in TensorBoard "
+              "", f"Wall time: pretraining plus the chosen fine-tuning run, from the first to the last logged training step "
+              f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png; every run in TensorBoard "
               f"(`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]
     return "\n".join(lines)
 
