@@ -80,4 +80,5 @@ def run(cfg: Config, *, ckpt: str) -> dict:
         shown = ", ".join(f"{n}-shot {100 * a:.1f}% (+-{100 * result['accuracy_std'][n]:.1f})" for n, a in result["accuracy"].items())
         print(f"few-shot linear accuracy of {ckpt} ({c.features} features, {c.draws} draws, "
               f"{fewshot.eval.total} evaluation images, {accelerator.num_processes} process(es)): {shown}; written to {out}")
+    accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
     return result
