@@ -30,7 +30,7 @@ from webdataset.tariterators import tarfile_samples
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError, Section, validate_config
-from mpp.data import IMAGE_KEYS, expand_shards
+from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
 from mpp.shards import Sample, write_shards
 from mpp.train import make_accelerator
@@ -138,7 +138,7 @@ def run(cc: CompareConfig) -> dict:
     if select_on_dev:
         split = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
                       {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
-                      lambda: split_stage(base.data.shards, out / "split", cc.dev_fraction))
+                      lambda: split_stage(base, out / "split", cc.dev_fraction))
         train_shards, val_shards = split["train"], split["dev"]
 
     for arm in cc.arms:
@@ -209,10 +209,13 @@ def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
     return json.loads((Path(cfg.output_dir) / "results.json").read_text())
 
 
-def split_stage(shards: str, out: Path, dev_fraction: float) -> dict:
-    """Copy the downstream training shards into out/train and out/dev; an image's side depends on its key alone."""
+def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
+    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev; an image's side depends
+    on its key alone."""
+    urls = resolve_shards(cfg.data.shards, cfg, PartialState())  # 'synthetic' is generated here if needed
+
     def part(dev: bool) -> Iterator[Sample]:
-        for sample in tarfile_samples({"url": url} for url in expand_shards(shards)):
+        for sample in tarfile_samples({"url": url} for url in urls):
             key = sample["__key__"].replace(".", "_")
             ext = next((k for k in IMAGE_KEYS if k in sample), None)
             if ext is None or "cls" not in sample:

@@ -89,3 +89,13 @@ def test_compare_config_mistakes_are_one_line(tmp_path):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["finetune.train.stepz=3"])
     with pytest.raises(ConfigError, match="dev_fraction"):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["dev_fraction=1.5"])
+
+
+def test_shipped_tiny_plan_runs_on_the_synthetic_corpus(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the synthetic corpus is generated under ./data
+    cc = compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
+        f"output_dir={tmp_path / 'cmp'}", "common.data.synthetic_size=120", "arms=[mpp,scratch]", *TINY_RUNS])
+    report = compare.run(cc)
+    assert set(report["arms"]) == {"mpp", "scratch"} and (tmp_path / "cmp" / "report.md").is_file()
+    split = json.loads((tmp_path / "cmp" / "split" / "stage.json").read_text())
+    assert split["train_images"] + split["dev_images"] == 120
