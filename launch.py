@@ -22,6 +22,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     pretrain.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
+    finetune = stages.add_parser("finetune", help="fine-tune a pretrained backbone (or a fresh one) with a linear head")
+    finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
+                                         "from pretrain (either objective) or finetune; omit it to train from scratch")
+    finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
+                          help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
+    finetune.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
+    finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
+
+    fewshot = stages.add_parser("fewshot", help="few-shot linear evaluation of a backbone's frozen features")
+    fewshot.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
+    fewshot.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    fewshot.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR fewshot.shots=[5]")
+
+    export = stages.add_parser("export", help="write a checkpoint as a Hugging Face transformers ViT")
+    export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
+    export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
+    export.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    export.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.image_size=64")
+
+    compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
+    compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML (default: %(default)s)")
+    compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
+
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
     prepare.add_argument("source", help="a folder of images (class = sub-folder), a Hugging Face dataset name or local path, "
                                         "an MNIST-style *-images-idx3-ubyte file, or 'synthetic'")
@@ -46,6 +69,25 @@ def main(argv: list[str] | None = None) -> int:
             from pipelines import pretrain
 
             pretrain.run(load_config(args.config, args.overrides), resume=args.resume)
+        elif args.stage == "finetune":
+            from mpp.config import load_config
+            from pipelines import finetune
+
+            finetune.run(load_config(args.config, args.overrides), ckpt=args.ckpt, resume=args.resume)
+        elif args.stage == "fewshot":
+            from pipelines import fewshot
+            from pipelines.common import checkpoint_config
+
+            fewshot.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+        elif args.stage == "export":
+            from pipelines import export
+            from pipelines.common import checkpoint_config
+
+            export.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
+        elif args.stage == "compare":
+            from pipelines import compare
+
+            compare.run(compare.load_compare_config(args.config, args.overrides))
         elif args.stage == "prepare":
             from pipelines import prepare
 

@@ -47,6 +47,7 @@ class ModelConfig(Section):
     width: int | None = Field(None, gt=0, description="Override the variant's embedding width.")
     depth: int | None = Field(None, gt=0, description="Override the variant's number of Transformer blocks.")
     heads: int | None = Field(None, gt=0, description="Override the variant's number of attention heads (must divide the width).")
+    num_classes: int | None = Field(None, gt=0, description="Classes of the classification head (supervised pretraining, fine-tuning); null reads them from summary.json beside the training shards.")
 
     @model_validator(mode="before")
     @classmethod
@@ -127,14 +128,39 @@ class LogConfig(Section):
     images_every: int = Field(200, gt=0, description="Log the image panel (crops, corrupted view, true and predicted colours) every N steps.")
 
 
+class FewShotConfig(Section):
+    every: int = Field(0, ge=0, description="During pretraining, run the few-shot evaluation every N steps and at the end (0 = off).")
+    shots: list[int] = Field([1, 5, 10, 25], min_length=1, description="Labelled examples per class given to the linear classifier; one accuracy per entry.")
+    draws: int = Field(5, gt=0, description="Random draws of the examples per shot count; the accuracy is their mean.")
+    features: Literal["cls", "mean"] = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
+    l2: float = Field(1.0, gt=0, description="Ridge penalty of the closed-form least squares (on standardised features).")
+    shards: str | None = Field(None, description="Labelled shards the examples are drawn from; defaults to data.shards.")
+    train_images: int = Field(2000, gt=0, description="Images read from the front of the labelled shards to draw the examples from.")
+    eval_images: int = Field(2000, gt=0, description="Images read from the front of data.val_shards to score the classifiers on.")
+    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
+    seed: int = Field(0, description="Seed of the example draws (independent of train.seed and of the training run's RNG).")
+
+    @model_validator(mode="after")
+    def _check(self) -> FewShotConfig:
+        if any(n <= 0 for n in self.shots):
+            raise ValueError(f"fewshot.shots must be positive counts, got {self.shots}")
+        return self
+
+
+class FinetuneConfig(Section):
+    eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).")
+
+
 class Config(Section):
-    objective: Literal["mpp"] = Field("mpp", description="Training objective: mpp (masked patch prediction).")
+    objective: Literal["mpp", "supervised"] = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
     output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     mpp: MPPConfig = Field(default_factory=MPPConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    fewshot: FewShotConfig = Field(default_factory=FewShotConfig)
 
 
 def _closest_key(section: type[BaseModel], prefix: str, key: str) -> str:

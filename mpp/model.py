@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -118,6 +119,22 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, 1 + N, D)
         return self.encode(self.embed_patches(images))
+
+
+def resize_pos_embed(pos_embed: torch.Tensor, grid: int) -> torch.Tensor:
+    """(1, 1 + g*g, D) -> (1, 1 + grid*grid, D): the paper's 2-D interpolation for a new resolution.
+
+    The patch positions are resampled bicubically as an image over their g x g grid; [class] keeps its embedding.
+    """
+    cls, patches = pos_embed[:, :1], pos_embed[:, 1:]
+    old = math.isqrt(patches.shape[1])
+    if old * old != patches.shape[1]:
+        raise ValueError(f"position embeddings of {patches.shape[1]} patches do not form a square grid")
+    if old == grid:
+        return pos_embed
+    image = rearrange(patches, "1 (h w) d -> 1 d h w", h=old)
+    resized = F.interpolate(image.float(), size=(grid, grid), mode="bicubic", align_corners=False).to(pos_embed.dtype)
+    return torch.cat([cls, rearrange(resized, "1 d h w -> 1 (h w) d")], dim=1)
 
 
 def trunc_normal(tensor: torch.Tensor, std: float = 0.02) -> None:

@@ -207,3 +207,47 @@ class MaskedPatchPrediction(nn.Module):
     def from_patches(self, patches: torch.Tensor) -> torch.Tensor:  # (B, N, P*P*3) -> (B, 3, H, W)
         p, g = self.backbone.patch_size, self.backbone.grid
         return rearrange(patches, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=g, p1=p, p2=p)
+
+
+# ---------------------------------------------------------------- classification
+
+
+def pretraining_head(width: int, num_classes: int) -> nn.Sequential:
+    """The paper's head for supervised pretraining: an MLP with one (tanh) hidden layer on the [class] token."""
+    head = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, num_classes))
+    head.apply(init_weights)
+    return head
+
+
+def finetuning_head(width: int, num_classes: int) -> nn.Linear:
+    """The paper's head for fine-tuning: one zero-initialised D x K linear layer."""
+    head = nn.Linear(width, num_classes)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class Classification(nn.Module):
+    """Cross-entropy on the [class] token's output: supervised pretraining and fine-tuning differ only in the head.
+
+    `export_head` says whether model.safetensors keeps the head (fine-tuning: a usable classifier, keys
+    `head.weight` and `head.bias` beside the backbone's) or holds the backbone alone (pretraining).
+    """
+
+    def __init__(self, backbone: VisionTransformer, head: nn.Module, *, export_head: bool):
+        super().__init__()
+        self.backbone, self.head, self.export_head = backbone, head, export_head
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> (B, K)
+        return self.head(self.backbone(normalize(images))[:, 0])
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
+        logits = self.logits(images).float()
+        loss = F.cross_entropy(logits, labels)
+        return StepOutput(loss, {"accuracy": (logits.argmax(-1) == labels).float().mean()})
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        weights = self.backbone.state_dict()
+        if self.export_head:
+            weights.update({f"head.{name}": value for name, value in self.head.state_dict().items()})
+        return weights

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from mpp.config import Config, config_to_yaml
-from mpp.data import StreamState, TrainTransform, expand_shards, make_loader
+from mpp.checkpoint import resolve_checkpoint
+from mpp.config import Config, config_to_yaml, load_config
+from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
 from mpp.shards import synthetic_samples, write_shards
@@ -45,6 +48,33 @@ def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: 
         pin_memory=torch.cuda.is_available(), state=state)
 
 
+def num_classes(cfg: Config, urls: list[str]) -> int:
+    """model.num_classes, else the class count in the summary.json that `launch.py prepare` wrote beside the shards."""
+    if cfg.model.num_classes:
+        return cfg.model.num_classes
+    summary_path = Path(urls[0]).parent / "summary.json"
+    if not summary_path.is_file():
+        raise DataError(f"no summary.json beside the shards of {cfg.data.shards} to read the class count from; set model.num_classes")
+    summary = json.loads(summary_path.read_text())
+    if not summary.get("labels"):
+        raise DataError(f"the shards of {cfg.data.shards} have no cls labels ({summary_path} says so); "
+                        f"supervised training needs labelled shards (write them with `launch.py prepare` from labelled images)")
+    return len(summary["class_names"]) if summary.get("class_names") else int(summary["classes"])
+
+
+def labelled(batches: Iterable[Batch], classes: int, what: str) -> Iterator[Batch]:
+    """Batches whose labels are all in [0, classes), checked on the host before they reach the device."""
+    for batch in batches:
+        labels = batch.labels
+        if labels.numel() and labels.min() < 0:
+            raise DataError(f"{what} holds images without a cls label; supervised pretraining and "
+                            f"fine-tuning need a label for every image (use labelled shards, or objective=mpp)")
+        if labels.numel() and labels.max() >= classes:
+            raise DataError(f"{what} holds label {int(labels.max())} but the head has {classes} classes; "
+                            f"set model.num_classes to the number of classes")
+        yield batch
+
+
 def check_output_dir(cfg: Config, resume: bool) -> None:
     """Refuse to mix two runs' checkpoints in one directory, or to resume one with another model or objective."""
     if not complete_checkpoints(cfg.output_dir):
@@ -62,8 +92,10 @@ def check_output_dir(cfg: Config, resume: bool) -> None:
 
 
 def resume_command() -> str:
+    """This process's command line with --resume right after the stage name (or at the end if there is none)."""
     args = [a for a in sys.argv if a != "--resume"]
-    args.insert(args.index(next(a for a in args if a in ("pretrain", "finetune"))) + 1 if any(a in ("pretrain", "finetune") for a in args) else len(args), "--resume")
+    stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
+    args.insert(stage + 1, "--resume")
     runner = "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python"
     return f"`{runner} {' '.join(args)}`"
 
@@ -86,3 +118,12 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str) -> None
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / "config.yaml").write_text(text)
         accelerator.get_tracker("tensorboard", unwrap=True).add_text("config", f"```\n{text}\n```")
+
+
+def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
+    """--config if given, else the config.yaml of the run that wrote `ckpt` (its model and data carry over); then overrides."""
+    if config is None:
+        weights = resolve_checkpoint(ckpt)
+        run_dir = weights.parent.parent.parent if weights.parent.parent.name == "checkpoints" else weights.parent
+        config = run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else None
+    return load_config(config, overrides)

@@ -1,21 +1,26 @@
-"""Pretraining stage: masked patch prediction on (possibly unlabelled) shards."""
+"""Pretraining stage: masked patch prediction on (possibly unlabelled) shards, or supervised on labelled ones."""
 
 from __future__ import annotations
 
 import time
 
 from accelerate.utils import set_seed
+from torch import nn
 
 from mpp.config import Config
-from mpp.objectives import MaskedPatchPrediction
+from mpp.objectives import Classification, MaskedPatchPrediction, pretraining_head
 from mpp.train import make_accelerator, train
-from pipelines.common import (build_backbone, check_output_dir, resolve_shards, resume_command, start_tracking,
-                              train_loader)
+from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, resolve_shards, resume_command,
+                              start_tracking, train_loader)
+from pipelines.fewshot import training_evaluator
 
 
-def build_objective(cfg: Config) -> MaskedPatchPrediction:
+def build_objective(cfg: Config, classes: int | None) -> nn.Module:
+    backbone = build_backbone(cfg)
+    if cfg.objective == "supervised":
+        return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False)
     m = cfg.mpp
-    return MaskedPatchPrediction(build_backbone(cfg), target=m.target, corrupt_rate=m.corrupt_rate,
+    return MaskedPatchPrediction(backbone, target=m.target, corrupt_rate=m.corrupt_rate,
                                  mask_prob=m.mask_prob, random_prob=m.random_prob, color_bits=m.color_bits)
 
 
@@ -25,16 +30,23 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     cfg.train = cfg.train.for_processes(accelerator.num_processes)
     set_seed(cfg.train.seed, device_specific=True)  # ranks draw different corruptions; DDP syncs the weights
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
-    objective = build_objective(cfg)
+    classes = num_classes(cfg, urls) if cfg.objective == "supervised" else None
+    objective = build_objective(cfg, classes)
     start_tracking(accelerator, cfg, "pretrain")
     accelerator.print(
-        f"pretraining {cfg.model.name} ({sum(p.numel() for p in objective.backbone.parameters()) / 1e6:.1f}M params) "
+        f"{cfg.objective} pretraining of {cfg.model.name} ({sum(p.numel() for p in objective.backbone.parameters()) / 1e6:.1f}M params) "
         f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}, "
         f"global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+    evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
     started = time.perf_counter()
-    results = train(accelerator, objective, lambda state: train_loader(urls, cfg, accelerator, state),
+
+    def batches(state):
+        loader = train_loader(urls, cfg, accelerator, state)
+        return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
+
+    results = train(accelerator, objective, batches,
                     cfg.train, cfg.log, cfg.output_dir, resume=resume, max_skip_fraction=cfg.data.max_skip_fraction,
-                    resume_hint=resume_command())
+                    evaluators=evaluators, resume_hint=resume_command())
     accelerator.end_training()
     summary = ", ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in results.items() if k.startswith("train/") and k != "train/lr")
     skipped = ", ".join(f"{v:.0f} {k.removeprefix('data/skipped_')}" for k, v in results.items() if k.startswith("data/skipped_") and v)

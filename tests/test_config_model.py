@@ -8,12 +8,22 @@ from pydantic import BaseModel
 from mpp.config import Config, ConfigError, load_config
 from mpp.model import VIT_SIZES, build_vit
 
-CONFIGS = sorted(Path(__file__).parents[1].glob("configs/**/*.yaml"))
+ROOT = Path(__file__).parents[1]
+# configs/compare/ holds comparison plans (their own schema, with run configs inside); the rest are run configs.
+COMPARE_CONFIGS = sorted(ROOT.glob("configs/compare/*.yaml"))
+CONFIGS = sorted(set(ROOT.glob("configs/**/*.yaml")) - set(COMPARE_CONFIGS))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     load_config(path)
+
+
+@pytest.mark.parametrize("path", COMPARE_CONFIGS, ids=lambda p: p.name)
+def test_shipped_comparison_plans_load(path):
+    from pipelines.compare import load_compare_config
+
+    load_compare_config(path, [])
 
 
 def test_overrides_win_over_file_and_defaults(tmp_path):

@@ -1,0 +1,103 @@
+"""Our ViT as a Hugging Face `transformers` ViT checkpoint (ViTModel, or ViTForImageClassification with a head).
+
+The architectures are the same network; only names and two layouts differ: HF embeds patches with a Conv2d
+(our Linear reads each patch flattened as (p1 p2 c)) and keeps q, k and v as three Linears (ours is one qkv).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from einops import rearrange
+
+from mpp.errors import UserError
+from mpp.model import VisionTransformer
+from mpp.objectives import PIXEL_MEAN, PIXEL_STD
+
+MLP_RATIO = 4  # Block's hidden width over the model width
+
+
+class ExportError(UserError):
+    """The export cannot be written as asked; the message names the cause and the fix."""
+
+
+def hf_config(backbone: VisionTransformer, num_labels: int | None = None) -> dict:
+    """ViTConfig arguments describing `backbone` (and a classifier over `num_labels` classes)."""
+    config = dict(
+        hidden_size=backbone.width, num_hidden_layers=backbone.depth, num_attention_heads=backbone.heads,
+        intermediate_size=MLP_RATIO * backbone.width, hidden_act="gelu",  # exact (erf) GELU, as nn.GELU()
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-6, qkv_bias=True,
+        image_size=backbone.image_size, patch_size=backbone.patch_size, num_channels=3,
+    )
+    if num_labels is not None:
+        config["num_labels"] = num_labels
+    return config
+
+
+def hf_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Our weights under transformers 5 ViT parameter names; with `head` ({'weight', 'bias'}) the classifier's too."""
+    ours = backbone.state_dict()
+    p = backbone.patch_size
+    out = {
+        "embeddings.cls_token": ours["cls_token"],
+        "embeddings.position_embeddings": ours["pos_embed"],
+        # Linear over (p1 p2 c) -> Conv2d kernel (D, C, P, P): the same weights, indexed the way a convolution reads.
+        "embeddings.patch_embeddings.projection.weight": rearrange(ours["patch_embed.proj.weight"], "d (p1 p2 c) -> d c p1 p2", p1=p, p2=p),
+        "embeddings.patch_embeddings.projection.bias": ours["patch_embed.proj.bias"],
+        "layernorm.weight": ours["norm.weight"],
+        "layernorm.bias": ours["norm.bias"],
+    }
+    for i in range(backbone.depth):
+        ours_i, hf_i = f"blocks.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias"):
+            # qkv's output rows are (three heads head_dim): q, k and v each keep HF's (heads head_dim) order.
+            q, k, v = ours[f"{ours_i}attn.qkv.{kind}"].chunk(3, dim=0)
+            out.update({
+                f"{hf_i}attention.q_proj.{kind}": q, f"{hf_i}attention.k_proj.{kind}": k, f"{hf_i}attention.v_proj.{kind}": v,
+                f"{hf_i}attention.o_proj.{kind}": ours[f"{ours_i}attn.proj.{kind}"],
+                f"{hf_i}layernorm_before.{kind}": ours[f"{ours_i}norm1.{kind}"],
+                f"{hf_i}layernorm_after.{kind}": ours[f"{ours_i}norm2.{kind}"],
+                f"{hf_i}mlp.fc1.{kind}": ours[f"{ours_i}mlp.0.{kind}"],
+                f"{hf_i}mlp.fc2.{kind}": ours[f"{ours_i}mlp.2.{kind}"],
+            })
+    if head is None:
+        return out
+    return {**{f"vit.{k}": v for k, v in out.items()}, "classifier.weight": head["weight"], "classifier.bias": head["bias"]}
+
+
+def preprocessor_config(image_size: int) -> dict:
+    """ViTImageProcessor settings reproducing our input scaling, (x / 255 - 0.5) / 0.5."""
+    return {
+        "image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": image_size, "width": image_size},
+        "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [PIXEL_MEAN] * 3, "image_std": [PIXEL_STD] * 3,
+    }
+
+
+def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, torch.Tensor] | None = None,
+              id2label: dict[int, str] | None = None) -> str:
+    """Write a transformers checkpoint (config.json, model.safetensors, preprocessor_config.json) to out_dir.
+
+    Without `head`: ViTModel, saved without its pooler (load with `add_pooling_layer=False`; the paper's
+    representation is the [class] token after the final LayerNorm, `last_hidden_state[:, 0]`).
+    With `head`: ViTForImageClassification, whose classifier reads that same token. Returns the class name.
+    """
+    try:
+        import transformers
+        from transformers import ViTConfig, ViTForImageClassification, ViTModel
+    except ImportError:
+        raise ExportError("exporting to Hugging Face needs the transformers package; pip install 'transformers>=5'") from None
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ExportError(f"exporting needs transformers 5 or newer (found {transformers.__version__}); pip install -U 'transformers>=5'")
+    num_labels = None if head is None else head["weight"].shape[0]
+    config = ViTConfig(**hf_config(backbone, num_labels))
+    if id2label:
+        config.id2label, config.label2id = dict(id2label), {name: i for i, name in id2label.items()}
+    model = ViTModel(config, add_pooling_layer=False) if head is None else ViTForImageClassification(config)
+    model.load_state_dict({k: v.detach().float().contiguous() for k, v in hf_state_dict(backbone, head).items()}, strict=True)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(backbone.image_size), indent=2) + "\n")
+    return type(model).__name__

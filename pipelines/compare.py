@@ -1,0 +1,345 @@
+"""Comparison stage: MPP pretraining vs supervised pretraining vs training from scratch, one recipe for all.
+
+Stages, each in its own directory under output_dir (so `tensorboard --logdir output_dir` shows every run):
+pretrain_mpp, pretrain_supervised -> [split: a dev split held out of the downstream training shards] ->
+finetune_<arm>_lr<lr> for every arm and learning rate -> [test_<arm>_lr<lr>: the dev-picked run on the
+evaluation shards] -> fewshot_<arm> -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is
+skipped when the command is repeated; an interrupted training stage resumes from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from accelerate import PartialState
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import set_seed
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from PIL import Image, ImageDraw, ImageFont
+from pydantic import Field, ValidationError
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from webdataset.tariterators import tarfile_samples
+
+from mpp.checkpoint import load_backbone
+from mpp.config import Config, ConfigError, Section, validate_config
+from mpp.data import IMAGE_KEYS
+from mpp.errors import UserError
+from mpp.shards import Sample, write_shards
+from mpp.train import make_accelerator
+from pipelines import finetune, pretrain
+from pipelines.common import build_backbone, num_classes, resolve_shards
+from pipelines.fewshot import FewShot
+
+ARMS = ("mpp", "supervised", "scratch")
+STAGE_DONE = "stage.json"
+OBJECTIVE = {"mpp": "masked patch prediction", "supervised": "supervised (upstream labels)", "scratch": "none (random init)"}
+COLORS = {"mpp": (214, 39, 40), "supervised": (31, 119, 180), "scratch": (90, 90, 90)}
+
+
+class CompareConfig(Section):
+    output_dir: str = Field("runs/compare", description="Where every stage's run directory, report.md, results.json and comparison.png go.")
+    arms: list[Literal["mpp", "supervised", "scratch"]] = Field(list(ARMS), min_length=1, description="Which starting points to fine-tune: MPP-pretrained, supervised-pretrained, fresh.")
+    common: dict[str, Any] = Field({}, description="Run-config keys shared by every stage (model.*, fewshot.*, data.num_workers, ...).")
+    pretrain: dict[str, Any] = Field({}, description="Run-config keys of both pretraining runs: data.shards (upstream; labelled for supervised), train.*, mpp.*.")
+    finetune: dict[str, Any] = Field({}, description="Run-config keys of every fine-tuning run: data.shards (downstream training), data.val_shards (evaluation), train.*, finetune.eval_every.")
+    lrs: list[float] = Field([], description="Fine-tuning learning rates tried per arm, the best picked on the dev split; empty: finetune's train.lr alone, no dev split.")
+    dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's learning rate.")
+
+
+def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareConfig:
+    """The comparison YAML <- `key=value` overrides (e.g. pretrain.train.steps=2000); every stage's config is validated now."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"comparison config {path} does not exist; pass one of configs/compare/*.yaml to --config")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. pretrain.train.steps=1000)")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))), resolve=True)
+    except (OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"cannot read {path} with the overrides given ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
+    try:
+        cc = CompareConfig.model_validate(raw or {})
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"comparison config key '{key}': {first['msg']}; see configs/compare/tiny.yaml") from None
+    for arm in ("mpp", "supervised"):
+        stage_config(cc, "pretrain", objective=arm)
+    stage_config(cc, "finetune")
+    return cc
+
+
+def stage_config(cc: CompareConfig, section: str, **keys) -> Config:
+    """common <- the section <- `keys` (dotted), validated as a run config."""
+    dotted = OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items()])
+    merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(cc.common), OmegaConf.create(getattr(cc, section)), dotted))
+    try:
+        return validate_config(merged)
+    except ConfigError as err:
+        raise ConfigError(f"in the comparison's '{section}' runs (common + {section}): {err}") from None
+
+
+class CompareError(UserError):
+    """A comparison directory that holds stages finished with other settings."""
+
+
+def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) -> dict:
+    """Run `work` unless a previous invocation finished it with the same `inputs` (settings, as JSON);
+    record those and what `work` returns in directory/stage.json."""
+    marker = directory / STAGE_DONE
+    inputs = json.loads(json.dumps(inputs, default=str))
+    if marker.is_file():
+        done = json.loads(marker.read_text())
+        if done.get("inputs") != inputs:
+            changed = sorted(k for k in {*inputs, *(done.get("inputs") or {})} if inputs.get(k) != (done.get("inputs") or {}).get(k))
+            raise CompareError(f"{directory} holds a {name} finished with other settings ({', '.join(changed)}); "
+                               f"set output_dir to a new directory, or delete {directory} to redo that stage")
+        print(f"[compare] {name}: finished before, skipped ({marker})", flush=True)
+        return done
+    print(f"[compare] {name}: running in {directory}", flush=True)
+    started = time.perf_counter()
+    info = {**work(), "inputs": inputs}
+    info["stage_wall_time_s"] = time.perf_counter() - started
+    # Each stage builds its own Accelerator (its own precision, accumulation, trackers and project directory).
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    state = PartialState()
+    if state.is_main_process:
+        directory.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(info, indent=2) + "\n")
+    state.wait_for_everyone()
+    return info
+
+
+def run(cc: CompareConfig) -> dict:
+    out = Path(cc.output_dir)
+    report: dict[str, Any] = {"arms": {}, "config": cc.model_dump()}
+
+    pretrained: dict[str, dict] = {}
+    for arm in ("mpp", "supervised"):
+        if arm in cc.arms:
+            cfg = stage_config(cc, "pretrain", objective=arm, output_dir=out / f"pretrain_{arm}")
+            pretrained[arm] = stage(out / f"pretrain_{arm}", f"{arm} pretraining", settings(cfg),
+                                  lambda cfg=cfg: pretrain_stage(cfg))
+
+    base = stage_config(cc, "finetune")
+    lrs = cc.lrs or [base.train.lr]
+    select_on_dev = len(lrs) > 1
+    train_shards, val_shards = base.data.shards, base.data.val_shards
+    if select_on_dev:
+        split = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
+                      {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
+                      lambda: split_stage(base, out / "split", cc.dev_fraction))
+        train_shards, val_shards = split["train"], split["dev"]
+
+    for arm in cc.arms:
+        ckpt = str(out / f"pretrain_{arm}") if arm in pretrained else None
+        runs = {}
+        for lr in lrs:
+            directory = out / f"finetune_{arm}_lr{lr:g}"
+            cfg = stage_config(cc, "finetune", output_dir=directory, **{"train.lr": lr, "data.shards": train_shards,
+                                                                        "data.val_shards": val_shards})
+            runs[lr] = stage(directory, f"{arm} fine-tuning at lr {lr:g}", {**settings(cfg), "ckpt": ckpt},
+                            lambda cfg=cfg, ckpt=ckpt: finetune_stage(cfg, ckpt))
+        best = max(lrs, key=lambda lr: runs[lr]["top1"])
+        chosen = out / f"finetune_{arm}_lr{best:g}"
+        entry = {"objective": OBJECTIVE[arm], "lr": best, "lrs": {f"{lr:g}": runs[lr]["top1"] for lr in lrs},
+                 "finetune": runs[best], "pretrain": pretrained.get(arm)}
+        if select_on_dev:
+            entry["dev_top1"] = runs[best]["top1"]
+            # Named by the pick, so a run with a longer lr grid that picks another lr scores that one.
+            directory = out / f"test_{arm}_lr{best:g}"
+            test_cfg = stage_config(cc, "finetune", output_dir=directory)
+            entry["test"] = stage(directory, f"{arm}: the dev-picked run (lr {best:g}) on {val_shards_name(base)}",
+                                  {**settings(test_cfg), "run": chosen}, lambda cfg=test_cfg: test_stage(cfg, chosen))
+        else:
+            entry["test"] = {"top1": runs[best]["top1"], **({"top5": runs[best]["top5"]} if "top5" in runs[best] else {})}
+        fewshot_cfg = stage_config(cc, "finetune", output_dir=out / f"fewshot_{arm}")
+        entry["fewshot"] = stage(out / f"fewshot_{arm}", f"{arm} few-shot evaluation", {**settings(fewshot_cfg), "ckpt": ckpt},
+                                 lambda cfg=fewshot_cfg, ckpt=ckpt: fewshot_stage(cfg, ckpt))
+        report["arms"][arm] = entry
+
+    report["select_on_dev"] = select_on_dev
+    if PartialState().is_main_process:
+        (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (out / "report.md").write_text(report_markdown(report, cc, base))
+        curves = {arm: e["finetune"]["history"] for arm, e in report["arms"].items()}
+        ylabel = "dev top-1" if select_on_dev else "validation top-1"
+        line_chart(curves, out / "comparison.png", f"fine-tuning {ylabel} vs step", "fine-tuning step", ylabel)
+        print(f"[compare] report in {out / 'report.md'}, plot in {out / 'comparison.png'}, "
+              f"all runs in TensorBoard: tensorboard --logdir {out}")
+    return report
+
+
+def settings(cfg: Config) -> dict:
+    """What a stage's result depends on: its run config, less the directory it writes to and how often it logs."""
+    return {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
+
+
+def val_shards_name(cfg: Config) -> str:
+    return f"data.val_shards ({cfg.data.val_shards})"
+
+
+# ---------------------------------------------------------------- the stages
+
+
+def images_seen(cfg: Config) -> int:
+    return cfg.train.steps * cfg.train.batch_size * cfg.train.grad_accum * PartialState().num_processes
+
+
+def pretrain_stage(cfg: Config) -> dict:
+    started = time.perf_counter()
+    results = pretrain.run(cfg, resume=True)
+    return {"objective": cfg.objective, "steps": cfg.train.steps, "images_seen": images_seen(cfg),
+            "wall_time_s": time.perf_counter() - started,
+            "final": {k: v for k, v in results.items() if k.startswith("train/")}}
+
+
+def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
+    finetune.run(cfg, ckpt=ckpt, resume=True)
+    return json.loads((Path(cfg.output_dir) / "results.json").read_text())
+
+
+def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
+    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev; an image's side depends
+    on its key alone."""
+    urls = resolve_shards(cfg.data.shards, cfg, PartialState())  # 'synthetic' is generated here if needed
+
+    def part(dev: bool) -> Iterator[Sample]:
+        for sample in tarfile_samples({"url": url} for url in urls):
+            key = sample["__key__"].replace(".", "_")
+            ext = next((k for k in IMAGE_KEYS if k in sample), None)
+            if ext is None or "cls" not in sample:
+                continue
+            if (zlib.crc32(key.encode()) / 2**32 < dev_fraction) == dev:
+                yield Sample(key, sample[ext], "jpg" if ext == "jpeg" else ext, int(sample["cls"]))
+
+    summaries = {name: write_shards(part(name == "dev"), out / name, overwrite=True) for name in ("train", "dev")}
+    return {"train": str(out / "train"), "dev": str(out / "dev"),
+            "train_images": summaries["train"]["samples"], "dev_images": summaries["dev"]["samples"]}
+
+
+def test_stage(cfg: Config, run_dir: Path) -> dict:
+    """The fine-tuned classifier in run_dir scored on the evaluation shards, with the fine-tuning stage's own metric."""
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    urls = resolve_shards(cfg.data.shards, cfg, accelerator)
+    classes = num_classes(cfg, urls)
+    classifier = finetune.build_classifier(cfg, str(run_dir), classes)
+    weights = load_file(str(run_dir / "model.safetensors"))
+    classifier.head.load_state_dict({"weight": weights["head.weight"], "bias": weights["head.bias"]})
+    scores = finetune.evaluate(accelerator, classifier.to(accelerator.device),
+                               resolve_shards(cfg.data.val_shards, cfg, accelerator), cfg, classes)
+    return {"run": str(run_dir), "top1": scores["eval/top1"], **({"top5": scores["eval/top5"]} if "eval/top5" in scores else {})}
+
+
+def fewshot_stage(cfg: Config, ckpt: str | None) -> dict:
+    """Examples drawn from the downstream training shards, scored on the evaluation shards; `None` scores a fresh backbone."""
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    set_seed(cfg.train.seed)
+    backbone = (load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg)).to(accelerator.device)
+    accuracies = FewShot(cfg, accelerator).accuracies(backbone)
+    return {str(n): sum(a) / len(a) for n, a in accuracies.items()}
+
+
+# ---------------------------------------------------------------- the report
+
+PAPER = ("The paper (Dosovitskiy et al., 2021, section 4.6): ViT-B/16 pretrained with MPP on JFT-300M for 1M steps at "
+         "batch 4096 (~14 epochs) and fine-tuned on ImageNet reaches **79.9%** top-1: **+2%** over training from "
+         "scratch and **4% below** supervised pretraining on JFT. That is ~4 billion pretraining images and a "
+         "86M-parameter model, orders of magnitude beyond the runs above.")
+
+
+def training_time(run_dir: Path) -> float:
+    """Seconds between the first and last logged training step of run_dir, summed over its TensorBoard event
+    files (one per invocation), so a resumed run counts all its parts and not the pause between them."""
+    total = 0.0
+    for events in run_dir.rglob("events.out.tfevents*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0}).Reload()
+        if "train/lr" in accumulator.Tags()["scalars"]:
+            times = [e.wall_time for e in accumulator.Scalars("train/lr")]
+            total += max(times) - min(times)
+    return total
+
+
+def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
+    out = Path(cc.output_dir)
+    shots = sorted({int(n) for e in report["arms"].values() for n in e["fewshot"] if n.isdigit()})
+    evaluated_on = "the dev split" if report["select_on_dev"] else val_shards_name(base)
+    head = ["run", "pretraining objective", "pretraining images seen", "fine-tuning lr", "fine-tuning images seen",
+            "wall time (s)", *(["dev top-1"] if report["select_on_dev"] else []), "top-1 (evaluation shards)",
+            *[f"{n}-shot" for n in shots]]
+    lines = ["# MPP vs supervised pretraining vs scratch", "",
+             f"Fine-tuning: the same recipe for every arm ({base.train.steps} steps, batch {base.train.batch_size}, "
+             f"{base.train.optimizer}, warmup {base.train.warmup_steps}); learning rate "
+             + (f"picked per arm from {', '.join(f'{lr:g}' for lr in cc.lrs)} by top-1 on a dev split "
+                f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning)." if report["select_on_dev"]
+                else f"{base.train.lr:g} for every arm (no dev split: set `lrs` for per-arm selection)."),
+             f"Few-shot: ridge regression onto +-1 targets from frozen {base.fewshot.features} features, examples drawn "
+             f"from the downstream training shards, mean of {base.fewshot.draws} draws. Top-1 and few-shot accuracies are "
+             f"measured on the evaluation shards, {val_shards_name(base)}.",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, e in report["arms"].items():
+        pre = e["pretrain"] or {}
+        wall = (training_time(out / f"pretrain_{arm}") if pre else 0) + training_time(out / f"finetune_{arm}_lr{e['lr']:g}")
+        row = [arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", f"{e['lr']:g}",
+               f"{e['finetune']['images_seen']:,}", f"{wall:.0f}",
+               *([f"{100 * e['dev_top1']:.2f}%"] if report["select_on_dev"] else []), f"{100 * e['test']['top1']:.2f}%",
+               *[f"{100 * e['fewshot'][str(n)]:.1f}%" for n in shots]]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Dev top-1 of every learning rate tried: "
+              + "; ".join(f"{arm}: " + ", ".join(f"{lr} -> {100 * t:.2f}%" for lr, t in e["lrs"].items())
+                          for arm, e in report["arms"].items()) if report["select_on_dev"] else "",
+              "", f"Wall time: pretraining plus the chosen fine-tuning run, from the first to the last logged training step "
+              f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png; every run in TensorBoard "
+              f"(`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]
+    return "\n".join(lines)
+
+
+def line_chart(series: dict[str, list[list[float]]], path: Path, title: str, xlabel: str, ylabel: str,
+               size: tuple[int, int] = (720, 440)) -> None:
+    """A plain line chart of (step, value) series as a PNG, drawn with Pillow (no plotting dependency)."""
+    width, height = size
+    left, right, top, bottom = 70, 150, 40, 50
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    draw.font = ImageFont.load_default(size=13)
+    points = [p for s in series.values() for p in s] or [[0, 0], [1, 1]]
+    x_max = max(p[0] for p in points) or 1
+    y_lo, y_hi = min(p[1] for p in points), max(p[1] for p in points)
+    y_lo, y_hi = max(0.0, y_lo - 0.05), min(1.0, y_hi + 0.05) if y_hi > y_lo else y_lo + 0.1
+
+    def xy(step: float, value: float) -> tuple[float, float]:
+        return (left + step / x_max * (width - left - right),
+                height - bottom - (value - y_lo) / (y_hi - y_lo) * (height - top - bottom))
+
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    for i in range(6):
+        value, step = y_lo + i * (y_hi - y_lo) / 5, i * x_max / 5
+        _, y = xy(0, value)
+        x, _ = xy(step, y_lo)
+        draw.line([left, y, width - right, y], fill=(225, 225, 225))
+        draw.text((left - 8, y), f"{100 * value:.0f}%", fill="black", anchor="rm")
+        draw.text((x, height - bottom + 6), f"{step:.0f}" if x_max >= 10 else f"{step:.1f}", fill="black", anchor="ma")
+    draw.text((width / 2 - right / 2, 12), title, fill="black", anchor="ma")
+    draw.text((left + (width - left - right) / 2, height - 18), xlabel, fill="black", anchor="ma")
+    draw.text((8, top - 20), ylabel, fill="black")
+    for i, (name, curve) in enumerate(series.items()):
+        color = COLORS.get(name, (0, 150, 0))
+        line = [xy(step, value) for step, value in sorted(curve)]
+        if len(line) > 1:
+            draw.line(line, fill=color, width=2)
+        for x, y in line:
+            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
+        draw.line([width - right + 15, top + 20 + 22 * i, width - right + 40, top + 20 + 22 * i], fill=color, width=3)
+        draw.text((width - right + 46, top + 20 + 22 * i), name, fill="black", anchor="lm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)

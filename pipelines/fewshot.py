@@ -1,0 +1,84 @@
+"""Few-shot linear evaluation stage: of a saved backbone (`launch.py fewshot`) or periodically during pretraining."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from accelerate import Accelerator
+from torch import nn
+
+from mpp.checkpoint import load_backbone
+from mpp.config import Config
+from mpp.data import EvalTransform, make_loader
+from mpp.fewshot import FewShotError, LabelledImages, few_shot_accuracy
+from mpp.model import VisionTransformer
+from mpp.train import Evaluator, make_accelerator
+from pipelines.common import resolve_shards
+
+
+class FewShot:
+    """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator):
+        if cfg.data.val_shards is None:
+            raise FewShotError("few-shot evaluation needs evaluation images; set data.val_shards to labelled shards "
+                               "(or fewshot.every=0 to turn it off)")
+        self.cfg, self.accelerator = cfg.fewshot, accelerator
+        train_shards = cfg.fewshot.shards or cfg.data.shards
+        self.pool = LabelledImages(accelerator, self._batches(train_shards, cfg), cfg.fewshot.train_images,
+                                   f"few-shot training shards {train_shards}")
+        self.eval = LabelledImages(accelerator, self._batches(cfg.data.val_shards, cfg), cfg.fewshot.eval_images,
+                                   f"evaluation shards {cfg.data.val_shards}")
+
+    def _batches(self, spec: str, cfg: Config):
+        # One pass, in shard order, no augmentation; its own loader, so the training stream is not touched.
+        return make_loader(resolve_shards(spec, cfg, self.accelerator), EvalTransform(cfg.model.image_size),
+                           cfg.fewshot.batch_size, num_workers=0, rank=self.accelerator.process_index,
+                           world=self.accelerator.num_processes, resampled=False, loop=False)
+
+    def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
+        """{shots: [accuracy of each draw]}, identical on every process."""
+        c = self.cfg
+        train_x, train_y = self.pool.features(self.accelerator, backbone, c.features, c.batch_size)
+        eval_x, eval_y = self.eval.features(self.accelerator, backbone, c.features, c.batch_size)
+        return few_shot_accuracy(train_x, train_y, eval_x, eval_y, shots=c.shots, draws=c.draws, l2=c.l2, seed=c.seed)
+
+    def scores(self, backbone: VisionTransformer) -> dict[str, float]:
+        """{'fewshot/5shot': mean accuracy over the draws, ...} for TensorBoard."""
+        return {f"fewshot/{n}shot": statistics.fmean(accs) for n, accs in self.accuracies(backbone).items()}
+
+
+def training_evaluator(cfg: Config, accelerator: Accelerator) -> Evaluator:
+    """The loop's hook: every fewshot.every steps, evaluate the objective's backbone."""
+    fewshot = FewShot(cfg, accelerator)
+
+    def run(module: nn.Module, step: int) -> dict[str, float]:
+        return fewshot.scores(module.backbone)
+
+    return Evaluator(cfg.fewshot.every, run)
+
+
+def run(cfg: Config, *, ckpt: str) -> dict:
+    """Evaluate the backbone in `ckpt`; print the accuracies and write them to output_dir/fewshot.json."""
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
+    fewshot = FewShot(cfg, accelerator)
+    accuracies = fewshot.accuracies(backbone)
+    c = cfg.fewshot
+    result = {
+        "ckpt": str(ckpt), "features": c.features, "l2": c.l2, "draws": c.draws,
+        "train_images": fewshot.pool.total, "eval_images": fewshot.eval.total,
+        "accuracy": {str(n): statistics.fmean(a) for n, a in accuracies.items()},
+        "accuracy_std": {str(n): statistics.pstdev(a) for n, a in accuracies.items()},
+    }
+    if accelerator.is_main_process:
+        out = Path(cfg.output_dir) / "fewshot.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        shown = ", ".join(f"{n}-shot {100 * a:.1f}% (+-{100 * result['accuracy_std'][n]:.1f})" for n, a in result["accuracy"].items())
+        print(f"few-shot linear accuracy of {ckpt} ({c.features} features, {c.draws} draws, "
+              f"{fewshot.eval.total} evaluation images, {accelerator.num_processes} process(es)): {shown}; written to {out}")
+    accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
+    return result

@@ -1,0 +1,116 @@
+"""Fine-tuning stage: a pretrained (or fresh) backbone plus a zero-initialised linear head, trained on labelled
+shards and evaluated on held-out ones, as in the ViT paper's transfer experiments."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from mpp.checkpoint import load_backbone
+from mpp.config import Config, ConfigError
+from mpp.data import DataError, EvalTransform, make_loader
+from mpp.objectives import Classification, finetuning_head
+from mpp.train import Evaluator, make_accelerator, train
+from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, resolve_shards, resume_command,
+                              start_tracking, train_loader)
+
+
+class History:
+    """(step, top-1) of every evaluation; checkpointed, so a resumed run reports the whole curve."""
+
+    def __init__(self) -> None:
+        self.points: list[list[float]] = []
+
+    def state_dict(self) -> dict:
+        return {"points": self.points}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.points = [list(p) for p in state["points"]]
+
+
+def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classification:
+    """The one difference between fine-tuning and training from scratch is where the backbone comes from."""
+    backbone = load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg)
+    return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True)
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, classifier: Classification, urls: list[str], cfg: Config, classes: int) -> dict[str, float]:
+    """Top-1 (and top-5 with more than 5 classes) over one pass of the evaluation shards, split across processes;
+    counts are summed over processes, so the result is exact however unevenly the shards split."""
+    loader = make_loader(urls, EvalTransform(cfg.model.image_size), cfg.train.batch_size, num_workers=cfg.data.num_workers,
+                         rank=accelerator.process_index, world=accelerator.num_processes, resampled=False, loop=False)
+    k = min(5, classes)
+    counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
+    classifier.eval()
+    for batch in labelled(loader, classes, f"data.val_shards ({cfg.data.val_shards})"):
+        labels = batch.labels.to(accelerator.device)
+        with accelerator.autocast():
+            logits = classifier.logits(batch.images.to(accelerator.device))
+        hits = logits.topk(k, dim=-1).indices == labels[:, None]  # (B, k)
+        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=-1).sum(), torch.tensor(len(labels), device=labels.device)]).float()
+    top1, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
+    if not total:
+        raise DataError(f"data.val_shards ({cfg.data.val_shards}) holds no readable images; point it at labelled evaluation shards")
+    scores = {"eval/top1": top1 / total}
+    if classes > 5:
+        scores["eval/top5"] = topk / total
+    return scores
+
+
+def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, float]:
+    """Fine-tune the backbone in `ckpt` (None: a fresh one, same recipe) and write output_dir/results.json."""
+    if cfg.data.val_shards is None:
+        raise ConfigError("fine-tuning needs held-out labelled images to evaluate on; set data.val_shards")
+    check_output_dir(cfg, resume)
+    started = time.perf_counter()
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    set_seed(cfg.train.seed, device_specific=True)
+    urls = resolve_shards(cfg.data.shards, cfg, accelerator)
+    val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
+    classes = num_classes(cfg, urls)
+    classifier = build_classifier(cfg, ckpt, classes)
+    start_tracking(accelerator, cfg, "finetune")
+    b = classifier.backbone
+    accelerator.print(
+        f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "
+        f"patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
+        f"{accelerator.num_processes} process(es), global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+
+    history = History()
+    accelerator.register_for_checkpointing(history)
+
+    def evaluation(module: Classification, step: int) -> dict[str, float]:
+        scores = evaluate(accelerator, module, val_urls, cfg, classes)
+        history.points.append([step, scores["eval/top1"]])
+        return scores
+
+    def batches(state):
+        return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
+
+    results = train(accelerator, classifier, batches, cfg.train, cfg.log, cfg.output_dir, resume=resume,
+                    evaluators=(Evaluator(cfg.finetune.eval_every, evaluation),),
+                    max_skip_fraction=cfg.data.max_skip_fraction, resume_hint=resume_command())
+    accelerator.end_training()
+    summary = {
+        "top1": results["eval/top1"],
+        **({"top5": results["eval/top5"]} if "eval/top5" in results else {}),
+        "steps": cfg.train.steps,
+        "ckpt": None if ckpt is None else str(ckpt),
+        "num_classes": classes,
+        "images_seen": cfg.train.steps * cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
+        "wall_time_s": time.perf_counter() - started,
+        "history": history.points,
+    }
+    if accelerator.is_main_process:
+        out = Path(cfg.output_dir) / "results.json"
+        out.write_text(json.dumps(summary, indent=2) + "\n")
+        top5 = f", top-5 {100 * summary['top5']:.2f}%" if "top5" in summary else ""
+        print(f"fine-tuned {cfg.train.steps} steps in {summary['wall_time_s']:.0f}s: top-1 {100 * summary['top1']:.2f}%{top5} "
+              f"on data.val_shards; results in {out}, weights in {cfg.output_dir}/model.safetensors")
+    return {k: v for k, v in summary.items() if k in ("top1", "top5", "steps", "images_seen", "wall_time_s")}

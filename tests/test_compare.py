@@ -1,0 +1,101 @@
+import json
+import re
+
+import pytest
+from accelerate.state import AcceleratorState, GradientState
+from PIL import Image
+
+from mpp.config import ConfigError
+from pipelines import compare
+
+from conftest import ROOT, write_test_shards
+
+TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "common.model.width=32", "common.model.depth=1",
+             "common.model.heads=2", "common.model.image_size=16", "common.log.every=2", "common.log.images_every=50",
+             "common.fewshot.shots=[1,2]", "common.fewshot.draws=2", "common.fewshot.train_images=60",
+             "common.fewshot.eval_images=40", "pretrain.train.steps=3", "pretrain.train.warmup_steps=1",
+             "pretrain.train.batch_size=8", "finetune.train.steps=4", "finetune.train.warmup_steps=1",
+             "finetune.train.batch_size=8", "finetune.finetune.eval_every=2", "lrs=[0.01,0.1]", "dev_fraction=0.25"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def tiny(tmp_path, *overrides):
+    up = write_test_shards(tmp_path / "up", [40, 40], size=32)
+    down = write_test_shards(tmp_path / "down", [40, 40], size=32)
+    val = write_test_shards(tmp_path / "val", [30], size=32)
+    for directory in ("up", "down"):  # the class count comes from summary.json, as `launch.py prepare` writes it
+        (tmp_path / directory / "summary.json").write_text(json.dumps({"labels": True, "classes": 10}))
+    return compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
+        f"output_dir={tmp_path / 'cmp'}", f"pretrain.data.shards={tmp_path / 'up'}", f"finetune.data.shards={tmp_path / 'down'}",
+        f"finetune.data.val_shards={val[0]}", f"common.data.val_shards={val[0]}", *TINY_RUNS, *overrides])
+
+
+def test_compare_writes_a_complete_report_and_a_rerun_skips_finished_stages(tmp_path, capsys):
+    cc = tiny(tmp_path)
+    report = compare.run(cc)
+    out = tmp_path / "cmp"
+    assert set(report["arms"]) == {"mpp", "supervised", "scratch"}
+    text = (out / "report.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    assert [r.split(" | ")[0] for r in rows] == ["| mpp", "| supervised", "| scratch"]
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        assert len(cells) == 10 and all(cells), row  # no empty cell
+        assert re.fullmatch(r"\d+\.\d\d%", cells[6]) and re.fullmatch(r"\d+\.\d\d%", cells[7])  # dev and test top-1
+        assert re.fullmatch(r"\d+\.\d%", cells[8]) and re.fullmatch(r"\d+\.\d%", cells[9])  # 1- and 2-shot
+    assert "79.9%" in text
+    results = json.loads((out / "results.json").read_text())
+    assert results["arms"]["scratch"]["pretrain"] is None and results["arms"]["mpp"]["pretrain"]["images_seen"] == 24
+    assert set(results["arms"]["mpp"]["lrs"]) == {"0.01", "0.1"}
+    split = json.loads((out / "split" / "stage.json").read_text())
+    assert split["train_images"] + split["dev_images"] == 80 and split["dev_images"] > 0
+    with Image.open(out / "comparison.png") as png:
+        assert png.size == (720, 440)
+    events = {p.parent.parent.parent.name for p in out.rglob("events.out.tfevents*")}
+    assert {"pretrain_mpp", "pretrain_supervised", "finetune_scratch_lr0.01", "finetune_mpp_lr0.1"} <= events
+
+    capsys.readouterr()
+    AcceleratorState._reset_state(True)
+    assert compare.run(tiny(tmp_path)) == report
+    log = capsys.readouterr().out
+    assert log.count("finished before, skipped") == 2 + 1 + 6 + 3 + 3 and "running in" not in log
+
+
+def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
+    cc = tiny(tmp_path, "arms=[scratch]", "lrs=[]")
+    compare.run(cc)
+    (tmp_path / "cmp" / "fewshot_scratch" / "stage.json").unlink()  # as if it had crashed before finishing
+    capsys.readouterr()
+    compare.run(cc)
+    log = capsys.readouterr().out
+    assert "scratch few-shot evaluation: running" in log and log.count("finished before, skipped") == 1
+
+
+def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
+    compare.run(tiny(tmp_path, "arms=[scratch]", "lrs=[]"))
+    AcceleratorState._reset_state(True)
+    with pytest.raises(compare.CompareError, match=r"finetune_scratch_lr0.01 holds a scratch fine-tuning .* \(train\)"):
+        compare.run(tiny(tmp_path, "arms=[scratch]", "lrs=[]", "finetune.train.steps=5"))
+
+
+def test_compare_config_mistakes_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"'finetune' runs .*train.stepz"):
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["finetune.train.stepz=3"])
+    with pytest.raises(ConfigError, match="dev_fraction"):
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["dev_fraction=1.5"])
+
+
+def test_shipped_tiny_plan_runs_on_the_synthetic_corpus(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the synthetic corpus is generated under ./data
+    cc = compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
+        f"output_dir={tmp_path / 'cmp'}", "common.data.synthetic_size=120", "arms=[mpp,scratch]", *TINY_RUNS])
+    report = compare.run(cc)
+    assert set(report["arms"]) == {"mpp", "scratch"} and (tmp_path / "cmp" / "report.md").is_file()
+    split = json.loads((tmp_path / "cmp" / "split" / "stage.json").read_text())
+    assert split["train_images"] + split["dev_images"] == 120
