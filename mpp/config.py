@@ -103,7 +103,7 @@ class TrainConfig(Section):
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.")
-    max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped).")
+    max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped; checked at each log line).")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -70,6 +70,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
     check_output_dir(cfg, resume)
     started = time.perf_counter()
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    cfg.train = cfg.train.for_processes(accelerator.num_processes)
     set_seed(cfg.train.seed, device_specific=True)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)

@@ -265,14 +265,14 @@ def test_evaluation_is_exact_over_two_processes_with_uneven_shards(tmp_path, lab
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
            "finetune", f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}",
            f"output_dir={tmp_path / 'ft'}", *TINY, "model.num_classes=10", "train.steps=2", "train.warmup_steps=1",
-           "train.batch_size=4", "finetune.eval_every=2"]
+           "train.global_batch_size=8", "finetune.eval_every=2"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "with 2 process(es)" in proc.stdout, proc.stdout[-2000:]
     results = json.loads((tmp_path / "ft" / "results.json").read_text())
     top1, top5 = recount(tmp_path / "ft", tmp_path / "val")
-    assert results["images_seen"] == 2 * 4 * 2
+    assert results["images_seen"] == 2 * 4 * 2  # train.global_batch_size 8 split into 4 per process
     assert results["top1"] == pytest.approx(top1) and results["top5"] == pytest.approx(top5)
 
 
