@@ -96,12 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps each before the first round (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak at this precision, for MFU (H100 SXM bf16: 989)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as train.cpu_threads auto)")
     parser.add_argument("--no-peer", action="store_true", help="time ours only")
     args = parser.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
     torch.manual_seed(0)
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = args.precision if args.precision != "auto" else ("bf16" if args.device == "cuda" else "no")
     compile_ours = {"auto": "auto", "on": True, "off": False}[args.compile]
     cfg = TrainConfig(lr=1e-4, warmup_steps=0, clip_grad_norm=1.0, mixed_precision=precision, compile=compile_ours,
-                      optimizer="adamw", batch_size=args.batch_size)
+                      optimizer="adamw", batch_size=args.batch_size, cpu_threads=args.threads or "auto")
     accelerator = make_accelerator(cfg, tempfile.mkdtemp(prefix="mpp-bench-"))
     if accelerator.device.type != args.device:
         parser.error(f"Accelerate picked {accelerator.device}, not {args.device}")

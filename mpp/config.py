@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -100,6 +100,7 @@ class TrainConfig(Section):
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model (inductor); auto: on GPU only, where it pays for its compile time.")
+    cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU; auto: the CPUs this process may use divided by the processes on this machine.")
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.")

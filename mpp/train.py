@@ -64,9 +64,26 @@ def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
     # otherwise every process silently trains alone.
     cpu_processes = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     compile_model = torch.cuda.is_available() if cfg.compile == "auto" else cfg.compile
-    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes,
-                       dynamo_backend="inductor" if compile_model else "no", log_with="tensorboard",
-                       project_config=project)
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes,
+                              dynamo_backend="inductor" if compile_model else "no", log_with="tensorboard",
+                              project_config=project)
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(cpu_threads(cfg))
+    return accelerator
+
+
+def cpu_threads(cfg: TrainConfig) -> int:
+    """train.cpu_threads, with auto sharing this process's CPUs among the processes on this machine.
+
+    Set here rather than left to OMP_NUM_THREADS: `accelerate launch` sets that to 1 unless told otherwise,
+    which on a CPU-only machine trains on one core however many there are.
+    """
+    if cfg.cpu_threads != "auto":
+        return cfg.cpu_threads
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # os.sched_getaffinity counts what a container or taskset allows; macOS and Windows lack it.
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, available // local_processes)
 
 
 def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

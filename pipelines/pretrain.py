@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import torch
 from accelerate.utils import set_seed
 from torch import nn
 
@@ -35,7 +36,8 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     start_tracking(accelerator, cfg, "pretrain")
     accelerator.print(
         f"{cfg.objective} pretraining of {cfg.model.name} ({sum(p.numel() for p in objective.backbone.parameters()) / 1e6:.1f}M params) "
-        f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}, "
+        f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}"
+        f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
         f"global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
     evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
     started = time.perf_counter()

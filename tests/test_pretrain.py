@@ -77,4 +77,16 @@ def test_two_processes_on_cpu_with_accelerate_launch(tmp_path, make_shards):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"with 2 process\(es\)", proc.stdout), proc.stdout[-2000:]
     assert "global batch 8" in proc.stdout
+    assert re.search(rf"on cpu(:0)? \({max(1, len(os.sched_getaffinity(0)) // 2)} thread\(s\) each\)", proc.stdout)  # shared out
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_accelerate_launch_on_cpu_trains_on_every_core(tmp_path, make_shards):
+    # accelerate launch sets OMP_NUM_THREADS=1 for its process; left at that, the README's main job used one core.
+    make_shards([20], size=32)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
+           f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2", "train.warmup_steps=1", "train.batch_size=4"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"on cpu ({len(os.sched_getaffinity(0))} thread(s) each)" in proc.stdout, proc.stdout[-2000:]

@@ -19,7 +19,7 @@ from mpp.config import TrainConfig
 from mpp.data import EvalTransform, TrainTransform, crop_resize
 from mpp.model import build_vit
 from mpp.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
-from mpp.train import apply_gradients, build_optimizer, make_accelerator
+from mpp.train import apply_gradients, build_optimizer, cpu_threads, make_accelerator
 from pipelines import prepare
 
 from conftest import ROOT
@@ -180,3 +180,18 @@ def test_prepare_short_side_downsizes_large_images_only(tmp_path):
 def test_prepare_short_side_refuses_impossible_values(tmp_path):
     with pytest.raises(ValueError, match="short-side bound must be a positive number of pixels"):
         prepare.run("synthetic", str(tmp_path / "shards"), count=2, short_side=0)
+
+
+def test_cpu_threads_follow_the_config_or_share_the_cpus(monkeypatch, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        make_accelerator(TrainConfig(cpu_threads=2), tmp_path)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpu_threads(TrainConfig()) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert cpu_threads(TrainConfig()) == 1
