@@ -56,12 +56,13 @@ def run_until_signalled(args, at_step, signals=1):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    deadline = time.time() + 120
-    while time.time() < deadline:
+    deadline = time.time() + 300  # generous: a loaded CI machine can take a minute to start the run
+    while time.time() < deadline and proc.poll() is None:
         steps = [int(m) for m in re.findall(r"\|\s*(\d+)/\d+ \[", "".join(seen))]
         if steps and max(steps) >= at_step:
             break
         time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before it was signalled: {''.join(seen)[-2000:]}"
     for _ in range(signals):
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.01)
