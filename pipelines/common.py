@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
 from mpp.checkpoint import resolve_checkpoint
@@ -18,7 +19,7 @@ from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shard
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
 from mpp.shards import synthetic_samples, write_shards
-from mpp.train import complete_checkpoints
+from mpp.train import complete_checkpoints, make_accelerator
 
 SYNTHETIC_ROOT = Path("data")
 
@@ -26,6 +27,17 @@ SYNTHETIC_ROOT = Path("data")
 def build_backbone(cfg: Config) -> VisionTransformer:
     m = cfg.model
     return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads)
+
+
+def start_training(cfg: Config) -> Accelerator:
+    """The Accelerator of a training stage, with train.batch_size resolved for its processes and each rank seeded.
+
+    Ranks get different seeds (different corruptions and augmentations); DDP keeps their weights in sync.
+    """
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    cfg.train = cfg.train.for_processes(accelerator.num_processes)
+    set_seed(cfg.train.seed, device_specific=True)
+    return accelerator
 
 
 def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:

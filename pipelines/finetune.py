@@ -9,15 +9,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
 from mpp.data import DataError, EvalTransform, make_loader
 from mpp.objectives import Classification, finetuning_head
-from mpp.train import Evaluator, make_accelerator, train
+from mpp.train import Evaluator, train
 from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, resolve_shards, resume_command,
-                              start_tracking, train_loader)
+                              start_training, start_tracking, train_loader)
 
 
 class History:
@@ -69,9 +68,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         raise ConfigError("fine-tuning needs held-out labelled images to evaluate on; set data.val_shards")
     check_output_dir(cfg, resume)
     started = time.perf_counter()
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    cfg.train = cfg.train.for_processes(accelerator.num_processes)
-    set_seed(cfg.train.seed, device_specific=True)
+    accelerator = start_training(cfg)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
     classes = num_classes(cfg, urls)

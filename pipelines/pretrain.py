@@ -5,14 +5,13 @@ from __future__ import annotations
 import time
 
 import torch
-from accelerate.utils import set_seed
 from torch import nn
 
 from mpp.config import Config
 from mpp.objectives import Classification, MaskedPatchPrediction, pretraining_head
-from mpp.train import make_accelerator, train
+from mpp.train import train
 from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, resolve_shards, resume_command,
-                              start_tracking, train_loader)
+                              start_training, start_tracking, train_loader)
 from pipelines.fewshot import training_evaluator
 
 
@@ -27,9 +26,7 @@ def build_objective(cfg: Config, classes: int | None) -> nn.Module:
 
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     check_output_dir(cfg, resume)
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    cfg.train = cfg.train.for_processes(accelerator.num_processes)
-    set_seed(cfg.train.seed, device_specific=True)  # ranks draw different corruptions; DDP syncs the weights
+    accelerator = start_training(cfg)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     classes = num_classes(cfg, urls) if cfg.objective == "supervised" else None
     objective = build_objective(cfg, classes)
