@@ -219,6 +219,7 @@ class StopOnSignal:
     def __init__(self) -> None:
         self.requested = False
         self.previous: dict[int, object] = {}
+        self.pending: torch.Tensor | None = None  # the last step's all-reduced flag (several processes)
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -237,10 +238,16 @@ class StopOnSignal:
               "(send it again to exit at once)", file=sys.stderr, flush=True)
 
     def agreed(self, accelerator: Accelerator) -> bool:
-        """Every rank stops at the same step, even if only one of them got the signal."""
+        """Every rank stops at the same step, even if only one of them got the signal.
+
+        With several processes the flag is all-reduced every step but read one step later, so the host waits for
+        the step before, not for the one it just queued on the GPU; the ranks stop one step after the signal.
+        """
         if accelerator.num_processes == 1:
             return self.requested
-        return bool(accelerator.reduce(torch.tensor(float(self.requested), device=accelerator.device), "sum") > 0)
+        previous = self.pending
+        self.pending = accelerator.reduce(torch.tensor(float(self.requested), device=accelerator.device), "sum")
+        return previous is not None and bool(previous > 0)
 
 
 def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable[[StreamState], Iterable[Batch]],

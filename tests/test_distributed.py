@@ -3,9 +3,12 @@
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -65,3 +68,24 @@ def test_two_process_run_resumes_to_the_same_weights(tmp_path, make_shards):
     assert re.search(r"resumed from .*step_00000003 at step 3", proc.stdout)
     resumed = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, make_shards):
+    make_shards([40] * 2, size=32)
+    cmd = [*TWO_PROCESSES, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}",
+           *TINY, "train.steps=100000", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=5"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not complete_checkpoints(tmp_path / "run"):  # both ranks are in the loop
+            time.sleep(0.2)
+        ranks = psutil.Process(proc.pid).children()  # the launcher's children are the two ranks
+        assert len(ranks) == 2, ranks
+        ranks[-1].send_signal(signal.SIGTERM)  # one rank only: the other must learn of it through the all-reduce
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    stops = re.findall(r"stopped at step (\d+) of 100000", stderr)
+    assert len(stops) == 2 and stops[0] == stops[1], stderr[-3000:]
+    assert complete_checkpoints(tmp_path / "run")[-1].name == f"step_{int(stops[0]):08d}"
