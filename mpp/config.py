@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError
 from mpp.model import parse_model_name
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(UserError):
@@ -105,6 +105,11 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.")
     max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped; checked at each log line).")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML reads a bare `no` (mixed_precision=no) as false
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -34,6 +34,13 @@ def test_overrides_win_over_file_and_defaults(tmp_path):
     assert cfg.train.batch_size == 64  # default
 
 
+def test_mixed_precision_no_is_not_read_as_false(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  mixed_precision: no\n")
+    assert load_config(path, []).train.mixed_precision == "no"
+    assert load_config(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.stpes=3"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
     (["model.image_size=30", "model.patch_size=4"], "not divisible by model.patch_size 4"),
