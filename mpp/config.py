@@ -98,7 +98,7 @@ class TrainConfig(Section):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards.")
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU and on CPUs with bf16 instructions (AVX512-BF16, AMX), fp32 on other CPUs.")
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model (inductor); auto: on GPU only, where it pays for its compile time.")
     cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU; auto: the CPUs this process may use divided by the processes on this machine.")
     seed: int = Field(0, description="Seed for model init, corruption and data order.")

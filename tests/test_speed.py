@@ -17,9 +17,9 @@ from PIL import Image
 
 from mpp.config import TrainConfig
 from mpp.data import EvalTransform, TrainTransform, crop_resize
-from mpp.model import build_vit
+from mpp.model import Attention, build_vit
 from mpp.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
-from mpp.train import apply_gradients, build_optimizer, cpu_threads, make_accelerator
+from mpp.train import apply_gradients, build_optimizer, cpu_threads, default_precision, make_accelerator
 from pipelines import prepare
 
 from conftest import ROOT
@@ -195,3 +195,32 @@ def test_cpu_threads_follow_the_config_or_share_the_cpus(monkeypatch, tmp_path):
     assert cpu_threads(TrainConfig()) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert cpu_threads(TrainConfig()) == 1
+
+
+def test_cpu_bf16_attention_matches_fp32_scaled_dot_product_attention():
+    torch.manual_seed(0)
+    attention = Attention(64, heads=4)
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    reference = attention(x)  # fp32: F.scaled_dot_product_attention
+    reference.square().sum().backward()
+    reference_grads = [x.grad.clone(), attention.qkv.weight.grad.clone()]
+    x.grad = attention.qkv.weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(x)  # bf16 activations: the explicit softmax(QK^T)V form
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert torch.allclose(out.float(), reference, rtol=0.05, atol=0.02)
+    for grad, expected in zip([x.grad, attention.qkv.weight.grad], reference_grads):
+        assert torch.allclose(grad, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+
+
+def test_auto_precision_is_bf16_on_gpu_and_on_cpus_with_bf16_instructions(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert default_precision("cuda") == "bf16"
+    assert default_precision("cpu") == "no"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert default_precision("cpu") == "bf16"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert default_precision("cpu") == "bf16"
