@@ -5,10 +5,12 @@
 
 Both take uint8 images already on the device and run forward, backward, gradient clipping at norm 1 and a fused
 AdamW step, at the paper's rates (50% of patches corrupted, 80/10/10). Ours is the training loop's own step
-(Accelerate, `apply_gradients`, the same precision and torch.compile settings as `train.*`); the peer runs eager
-under the same autocast. Rounds alternate between the two, so background load hits both alike; the table gives
-medians over rounds. MFU counts 3x the forward FLOPs of our model (backbone plus the head at corrupted positions)
-for both, so the MFU ratio equals the throughput ratio.
+(Accelerate, `apply_gradients`, the precision and torch.compile settings of `train.*`, auto by default). The peer
+has no mixed precision of its own, so it runs twice: in fp32, as it ships, and in eager mode under the same bf16
+autocast as ours (when ours is bf16), which leaves precision out of the comparison. Rounds alternate between the
+runs, so background load hits all alike; the table gives medians over rounds and, for each row, ours' images/s
+over that row's. MFU counts 3x the forward FLOPs of our model (backbone plus the head at corrupted positions) for
+every row, so MFU ratios equal throughput ratios.
 
 The peer is a benchmark-only install: `pip install --no-deps vit-pytorch`. Its package __init__ imports
 torchvision, so `vit.py` and `mpp.py` are loaded from the installed package directly; nothing of it is copied here.
@@ -32,11 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpp.config import TrainConfig  # noqa: E402
 from mpp.model import VisionTransformer, build_vit  # noqa: E402
 from mpp.objectives import MaskedPatchPrediction, num_corrupted  # noqa: E402
-from mpp.train import apply_gradients, build_optimizer, make_accelerator  # noqa: E402
+from mpp.train import apply_gradients, build_optimizer, default_precision, make_accelerator  # noqa: E402
 
 PEER_INSTALL = "pip install --no-deps vit-pytorch"
 RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1
 COLORS = 512
+PRECISION_NAMES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def forward_flops(vit: VisionTransformer, head_positions: int, head_out: int = COLORS) -> int:
@@ -75,6 +78,23 @@ def build_peer(classes, vit: VisionTransformer) -> nn.Module:
                         replace_prob=MASK_PROB, random_patch_prob=RANDOM_PROB)
 
 
+def peer_step(classes, vit: VisionTransformer, device: torch.device, precision: str):
+    """One training step of a fresh peer model, under bf16 autocast or in fp32."""
+    peer = build_peer(classes, vit).to(device).train()
+    optimizer = torch.optim.AdamW(peer.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step(images: torch.Tensor) -> None:
+        with autocast:
+            loss = peer(images.float() / 255)  # the peer takes floats in [0, 1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -90,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=None)
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="auto: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="ours (auto: as train.mixed_precision auto)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile ours (auto: on cuda only, as train.compile)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per implementation, interleaved")
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
@@ -107,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    precision = args.precision if args.precision != "auto" else ("bf16" if args.device == "cuda" else "no")
+    precision = default_precision(args.device) if args.precision == "auto" else args.precision
     compile_ours = {"auto": "auto", "on": True, "off": False}[args.compile]
     cfg = TrainConfig(lr=1e-4, warmup_steps=0, clip_grad_norm=1.0, mixed_precision=precision, compile=compile_ours,
                       optimizer="adamw", batch_size=args.batch_size, cpu_threads=args.threads or "auto")
@@ -128,22 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         apply_gradients(accelerator, ours, ours_optimizer, cfg.clip_grad_norm)
         ours_optimizer.zero_grad(set_to_none=True)
 
-    steps = {"ours (mpp)": our_step}
+    steps = {f"ours (mpp, {PRECISION_NAMES[precision]})": our_step}
     classes = None if args.no_peer else load_peer()
     if classes is not None:
-        peer = build_peer(classes, vit).to(device).train()
-        peer_optimizer = torch.optim.AdamW(peer.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-        def peer_step(images: torch.Tensor) -> None:
-            with autocast:
-                loss = peer(images.float() / 255)  # the peer takes floats in [0, 1]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0)
-            peer_optimizer.step()
-            peer_optimizer.zero_grad(set_to_none=True)
-
-        steps["peer (vit-pytorch)"] = peer_step
+        for peer_precision in ("no", "bf16") if precision == "bf16" else ("no",):
+            label = "as shipped" if peer_precision == "no" else "our autocast"
+            steps[f"peer ({PRECISION_NAMES[peer_precision]}, {label})"] = peer_step(classes, vit, device, peer_precision)
 
     images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8, device=device)
     setup = {}
@@ -169,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
           f"batch {args.batch_size}, {device.type}{threads}, precision {precision}, compile ours "
           f"{accelerator.state.dynamo_plugin.backend.value.lower() != 'no'}; {args.rounds} rounds x {args.steps} steps, medians; "
           f"model FLOPs per image {flops / 1e9:.3g} GFLOP (3x forward)")
-    print(f"{'':20s} {'images/s':>10s} {'min':>9s} {'max':>9s} {'vs peer':>8s} {'MFU':>7s} {'warmup s':>9s}")
+    width = max(map(len, rates))
+    print(f"{'':{width}s} {'images/s':>10s} {'min':>9s} {'max':>9s} {'ours/this':>9s} {'MFU':>7s} {'warmup s':>9s}")
     medians = {name: statistics.median(r) for name, r in rates.items()}
-    peer_rate = medians.get("peer (vit-pytorch)")
+    ours_rate = next(iter(medians.values()))
     for name, r in rates.items():
-        ratio = f"{medians[name] / peer_rate:.2f}x" if peer_rate else "-"
         mfu = f"{medians[name] * flops / (args.peak_tflops * 1e12):.1%}" if args.peak_tflops else "-"
-        print(f"{name:20s} {medians[name]:10.1f} {min(r):9.1f} {max(r):9.1f} {ratio:>8s} {mfu:>7s} {setup[name]:9.1f}")
+        print(f"{name:{width}s} {medians[name]:10.1f} {min(r):9.1f} {max(r):9.1f} {ours_rate / medians[name]:8.2f}x "
+              f"{mfu:>7s} {setup[name]:9.1f}")
     if classes is None and not args.no_peer:
         print(f"peer not timed: vit-pytorch is not installed; `{PEER_INSTALL}` adds it (benchmark only, needs torch and einops)")
     return 0
