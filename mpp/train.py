@@ -74,7 +74,7 @@ def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
 def default_precision(device: str) -> str:
     """train.mixed_precision auto: bf16 on GPU and on CPUs with bf16 dot-product instructions, fp32 elsewhere.
 
-    On an AVX512-BF16 CPU, bf16 matrix multiplications run 2.7x faster than fp32 ones (docs/benchmarks.md);
+    On an AVX512-BF16 CPU, bf16 matrix multiplications ran 2.2x to 2.7x faster than fp32 ones (docs/benchmarks.md);
     CPUs without such instructions have no bf16 hardware for it to use, so they stay fp32.
     """
     if device == "cuda":
