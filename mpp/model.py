@@ -62,7 +62,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D)
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         if q.is_cpu and q.dtype == torch.bfloat16:
-            # torch's CPU flash-attention kernel is 5x slower in bf16 than this form (benchmarks/attention.py).
+            # torch's CPU flash-attention kernel is 5x to 7x slower in bf16 than this form (benchmarks/attention.py).
             out = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(-1) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v)
