@@ -34,12 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpp.config import TrainConfig  # noqa: E402
 from mpp.model import VisionTransformer, build_vit  # noqa: E402
 from mpp.objectives import MaskedPatchPrediction, num_corrupted  # noqa: E402
-from mpp.train import apply_gradients, build_optimizer, default_precision, make_accelerator  # noqa: E402
+from mpp.train import apply_gradients, build_optimizer, default_precision, make_accelerator, precision_label  # noqa: E402
 
 PEER_INSTALL = "pip install --no-deps vit-pytorch"
 RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1
 COLORS = 512
-PRECISION_NAMES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def forward_flops(vit: VisionTransformer, head_positions: int, head_out: int = COLORS) -> int:
@@ -148,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         apply_gradients(accelerator, ours, ours_optimizer, cfg.clip_grad_norm)
         ours_optimizer.zero_grad(set_to_none=True)
 
-    steps = {f"ours (mpp, {PRECISION_NAMES[precision]})": our_step}
+    steps = {f"ours (mpp, {precision_label(precision)})": our_step}
     classes = None if args.no_peer else load_peer()
     if classes is not None:
         for peer_precision in ("no", "bf16") if precision == "bf16" else ("no",):
             label = "as shipped" if peer_precision == "no" else "our autocast"
-            steps[f"peer ({PRECISION_NAMES[peer_precision]}, {label})"] = peer_step(classes, vit, device, peer_precision)
+            steps[f"peer ({precision_label(peer_precision)}, {label})"] = peer_step(classes, vit, device, peer_precision)
 
     images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8, device=device)
     setup = {}

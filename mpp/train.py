@@ -83,6 +83,11 @@ def default_precision(device: str) -> str:
     return "bf16" if any(native) else "no"
 
 
+def precision_label(mixed_precision: str) -> str:
+    """Accelerate's 'no', 'bf16' or 'fp16' as people say it: 'fp32', 'bf16' or 'fp16'."""
+    return "fp32" if mixed_precision == "no" else mixed_precision
+
+
 def cpu_threads(cfg: TrainConfig) -> int:
     """train.cpu_threads, with auto sharing this process's CPUs among the processes on this machine.
 

@@ -40,11 +40,6 @@ def start_training(cfg: Config) -> Accelerator:
     return accelerator
 
 
-def precision_name(accelerator: Accelerator) -> str:
-    """For the start line: 'bf16', 'fp16' or 'fp32'."""
-    return "fp32" if accelerator.mixed_precision == "no" else accelerator.mixed_precision
-
-
 def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
     """'synthetic' is the embedded corpus, generated once (by the main process) under data/."""
     if spec == "synthetic":

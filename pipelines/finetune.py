@@ -14,9 +14,9 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
 from mpp.data import DataError, EvalTransform, make_loader
 from mpp.objectives import Classification, finetuning_head
-from mpp.train import Evaluator, train
-from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, precision_name, resolve_shards,
-                              resume_command, start_training, start_tracking, train_loader)
+from mpp.train import Evaluator, precision_label, train
+from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, resolve_shards, resume_command,
+                              start_training, start_tracking, train_loader)
 
 
 class History:
@@ -78,7 +78,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
     accelerator.print(
         f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "
         f"patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
-        f"{accelerator.num_processes} process(es), {precision_name(accelerator)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+        f"{accelerator.num_processes} process(es), {precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
 
     history = History()
     accelerator.register_for_checkpointing(history)

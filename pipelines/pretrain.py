@@ -9,9 +9,9 @@ from torch import nn
 
 from mpp.config import Config
 from mpp.objectives import Classification, MaskedPatchPrediction, pretraining_head
-from mpp.train import train
-from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, precision_name, resolve_shards,
-                              resume_command, start_training, start_tracking, train_loader)
+from mpp.train import precision_label, train
+from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, resolve_shards, resume_command,
+                              start_training, start_tracking, train_loader)
 from pipelines.fewshot import training_evaluator
 
 
@@ -35,7 +35,7 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
         f"{cfg.objective} pretraining of {cfg.model.name} ({sum(p.numel() for p in objective.backbone.parameters()) / 1e6:.1f}M params) "
         f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}"
         f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-        f"{precision_name(accelerator)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+        f"{precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
     evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
     started = time.perf_counter()
 
