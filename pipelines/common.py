@@ -108,6 +108,8 @@ def resume_command() -> str:
     args = [a for a in sys.argv if a != "--resume"]
     stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
     args.insert(stage + 1, "--resume")
+    if Path(args[0]).name == "mpp":  # the installed console script runs as itself
+        return f"`mpp {' '.join(args[1:])}`"
     runner = "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python"
     return f"`{runner} {' '.join(args)}`"
 
