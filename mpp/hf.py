@@ -2,6 +2,9 @@
 
 The architectures are the same network; only names and two layouts differ: HF embeds patches with a Conv2d
 (our Linear reads each patch flattened as (p1 p2 c)) and keeps q, k and v as three Linears (ours is one qkv).
+ViTModel's pooler (a Dense + tanh on [class] in BERT's manner) has no counterpart in the paper, whose representation
+is the [class] token after the final LayerNorm: it is exported as the identity, so `pooler_output` is exactly that
+token and `ViTModel.from_pretrained(DIR)` loads every weight it expects.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def hf_config(backbone: VisionTransformer, num_labels: int | None = None) -> dic
         intermediate_size=MLP_RATIO * backbone.width, hidden_act="gelu",  # exact (erf) GELU, as nn.GELU()
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-6, qkv_bias=True,
         image_size=backbone.image_size, patch_size=backbone.patch_size, num_channels=3,
+        pooler_act="linear",  # with the identity Dense written by hf_state_dict: pooler_output = [class] token
     )
     if num_labels is not None:
         config["num_labels"] = num_labels
@@ -63,7 +67,7 @@ def hf_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor] | N
                 f"{hf_i}mlp.fc2.{kind}": ours[f"{ours_i}mlp.2.{kind}"],
             })
     if head is None:
-        return out
+        return {**out, "pooler.dense.weight": torch.eye(backbone.width), "pooler.dense.bias": torch.zeros(backbone.width)}
     return {**{f"vit.{k}": v for k, v in out.items()}, "classifier.weight": head["weight"], "classifier.bias": head["bias"]}
 
 
@@ -80,22 +84,22 @@ def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, 
               id2label: dict[int, str] | None = None) -> str:
     """Write a transformers checkpoint (config.json, model.safetensors, preprocessor_config.json) to out_dir.
 
-    Without `head`: ViTModel, saved without its pooler (load with `add_pooling_layer=False`; the paper's
-    representation is the [class] token after the final LayerNorm, `last_hidden_state[:, 0]`).
-    With `head`: ViTForImageClassification, whose classifier reads that same token. Returns the class name.
+    Without `head`: ViTModel, its pooler the identity (`pooler_output` = `last_hidden_state[:, 0]`, the paper's
+    representation). With `head`: ViTForImageClassification, whose classifier reads that same token, with
+    `id2label` naming its classes. Returns the class name.
     """
     try:
         import transformers
         from transformers import ViTConfig, ViTForImageClassification, ViTModel
     except ImportError:
-        raise ExportError("exporting to Hugging Face needs the transformers package; pip install 'transformers>=5'") from None
+        raise ExportError("exporting to Hugging Face needs the transformers package: pip install 'mpp[hf]' (in a checkout: pip install -e '.[hf]')") from None
     if int(transformers.__version__.split(".")[0]) < 5:
-        raise ExportError(f"exporting needs transformers 5 or newer (found {transformers.__version__}); pip install -U 'transformers>=5'")
+        raise ExportError(f"exporting needs transformers 5 or newer (found {transformers.__version__}): pip install -U 'mpp[hf]'")
     num_labels = None if head is None else head["weight"].shape[0]
     config = ViTConfig(**hf_config(backbone, num_labels))
     if id2label:
         config.id2label, config.label2id = dict(id2label), {name: i for i, name in id2label.items()}
-    model = ViTModel(config, add_pooling_layer=False) if head is None else ViTForImageClassification(config)
+    model = ViTModel(config) if head is None else ViTForImageClassification(config)
     model.load_state_dict({k: v.detach().float().contiguous() for k, v in hf_state_dict(backbone, head).items()}, strict=True)
     out = Path(out_dir)
     model.save_pretrained(out)

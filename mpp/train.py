@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
+from PIL import Image, ImageDraw, ImageFont
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -29,6 +31,7 @@ from mpp.errors import UserError
 CHECKPOINT_PREFIX = "step_"
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard")
 PANEL_IMAGES = 8
+PANEL_GAP = 4  # white pixels between the panel's cells
 NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")
 
 
@@ -347,8 +350,7 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
                 scalars["perf/images_per_sec"] = images_seen * accelerator.num_processes / elapsed
                 scalars["perf/data_wait_fraction"] = waited / elapsed
                 accelerator.log(scalars, step=step)
-                if "train/loss" in scalars:
-                    bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", refresh=False)
+                show_progress(bar, {**results, **scalars})
                 results.update(scalars)
                 window_start, waited, images_seen = time.perf_counter(), 0.0, 0
                 check_skip_rate(sum(totals[:-1]), totals[-1], max_skip_fraction)
@@ -356,12 +358,15 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
             if (step % log.images_every == 0 or step == cfg.steps) and hasattr(accelerator.unwrap_model(objective), "panel"):
                 log_panel(accelerator, objective, batch, step)
 
+            if step == cfg.steps and evaluators and accelerator.is_main_process:
+                tqdm.write(f"step {step} of {cfg.steps}: running the final evaluation")
             for evaluator in evaluators:
                 if step % evaluator.every == 0 or step == cfg.steps:
                     scores = evaluator.run(accelerator.unwrap_model(objective), step)
                     objective.train()
                     accelerator.log(scores, step=step)
                     results.update(scores)
+                    show_progress(bar, results)
 
             stopping = stop.agreed(accelerator)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
@@ -377,6 +382,13 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
         save_file(accelerator.unwrap_model(objective).export_weights(), str(output_dir / "model.safetensors"))
     accelerator.wait_for_everyone()
     return results
+
+
+def show_progress(bar: tqdm, scalars: dict[str, float]) -> None:
+    """The loss, and what tells whether it is learning: colour or class accuracy, the last evaluation's top-1."""
+    shown = {"loss": ("train/loss", "{:.3f}"), "color_acc": ("train/color_acc", "{:.1%}"),
+             "acc": ("train/accuracy", "{:.1%}"), "top1": ("eval/top1", "{:.1%}")}
+    bar.set_postfix({label: fmt.format(scalars[tag]) for label, (tag, fmt) in shown.items() if tag in scalars}, refresh=False)
 
 
 def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
@@ -397,5 +409,21 @@ def log_panel(accelerator: Accelerator, objective: nn.Module, batch: Batch, step
         panel = module.panel(batch.images[:PANEL_IMAGES])
     module.train()
     tracker = accelerator.get_tracker("tensorboard", unwrap=True)
-    for name, images in panel.items():
-        tracker.add_images(f"panel/{name}", for_display(images), global_step=step)
+    tracker.add_image("panel", panel_grid({name: for_display(images) for name, images in panel.items()}), global_step=step)
+
+
+def panel_grid(rows: dict[str, torch.Tensor], gap: int = PANEL_GAP) -> torch.Tensor:
+    """One image (3, H, W) uint8: a row per entry of `rows` (each (B, 3, h, w) uint8), labelled with its name on
+    the left, so column j of every row shows the same image (crop, corrupted view, true and predicted targets)."""
+    names, images = list(rows), list(rows.values())
+    b, _, h, w = images[0].shape
+    font = ImageFont.load_default(size=max(10, min(16, h // 3)))
+    label_width = gap + max(math.ceil(font.getlength(name)) for name in names) + gap
+    grid = Image.new("RGB", (label_width + b * (w + gap), gap + len(rows) * (h + gap)), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, (name, row) in enumerate(zip(names, images)):
+        top = gap + r * (h + gap)
+        draw.text((gap, top + h / 2), name, fill="black", font=font, anchor="lm")
+        for c in range(b):
+            grid.paste(Image.fromarray(row[c].permute(1, 2, 0).numpy()), (label_width + c * (w + gap), top))
+    return torch.from_numpy(np.array(grid)).permute(2, 0, 1)

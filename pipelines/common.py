@@ -12,6 +12,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, config_to_yaml, load_config
@@ -103,19 +105,68 @@ def check_output_dir(cfg: Config, resume: bool) -> None:
                                 f"resume with the same settings (see its config.yaml) or set output_dir to a new directory")
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that runs `argv` (default: this process's) again, as the user typed it."""
+    args = list(sys.argv if argv is None else argv)
+    if Path(args[0]).name == "mpp":  # the installed console script runs as itself
+        return " ".join(["mpp", *args[1:]])
+    runner = "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python"
+    return f"{runner} {' '.join(args)}"
+
+
 def resume_command() -> str:
     """This process's command line with --resume right after the stage name (or at the end if there is none)."""
     args = [a for a in sys.argv if a != "--resume"]
     stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
     args.insert(stage + 1, "--resume")
-    if Path(args[0]).name == "mpp":  # the installed console script runs as itself
-        return f"`mpp {' '.join(args[1:])}`"
-    runner = "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python"
-    return f"`{runner} {' '.join(args)}`"
+    return f"`{command_line(args)}`"
 
 
-def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str) -> None:
-    """TensorBoard run under output_dir/tensorboard/<run_name>, with the config as hparams and text; config.yaml beside."""
+# Every run declares the same metrics: TensorBoard's HParams dashboard takes the metric list of one run (any) for all.
+HPARAMS_METRICS = ("train/loss", "train/color_acc", "train/accuracy", "eval/top1", "eval/top5")
+
+
+def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headline: dict[str, list[str]]) -> None:
+    """TensorBoard run under output_dir/tensorboard/<run_name>, config.yaml beside it.
+
+    The run gets the config as text and as HParams (with HPARAMS_METRICS, their last logged values, so runs sort by
+    them), and a Custom Scalars layout: the stage's `headline` charts (title -> tag regexes, several tags sharing one
+    chart) first, then optimisation, speed and skipped samples.
+    """
+    # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
+    accelerator.init_trackers(run_name)
+    if not accelerator.is_main_process:
+        return
+    text = config_to_yaml(cfg)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.output_dir) / "config.yaml").write_text(text)
+    writer = accelerator.get_tracker("tensorboard", unwrap=True)
+    writer.add_text("config", f"```\n{text}\n```")
+    for summary in hparams_summaries(flat_config(cfg), HPARAMS_METRICS):
+        writer.file_writer.add_summary(summary)
+    charts = {"training": headline}
+    if cfg.fewshot.every:
+        charts["few-shot evaluation"] = {"few-shot accuracy by shots per class": ["^fewshot/"]}
+    charts["optimisation"] = {"learning rate": ["^train/lr$"], "gradient norm (before clipping)": ["^train/grad_norm$"],
+                              "skipped non-finite steps": ["^train/nonfinite_steps$"]}
+    charts["speed"] = {"images per second": ["^perf/images_per_sec$"], "share of time waiting for data": ["^perf/data_wait_fraction$"]}
+    charts["data"] = {"skipped samples by reason": ["^data/skipped_"]}
+    writer.add_custom_scalars({category: {title: ["Multiline", tags] for title, tags in group.items()}
+                               for category, group in charts.items()})
+    writer.flush()
+
+
+def end_tracking(accelerator: Accelerator) -> None:
+    """Mark the run's HParams session as finished, then close the trackers."""
+    if accelerator.is_main_process:
+        end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
+        writer = accelerator.get_tracker("tensorboard", unwrap=True)
+        writer.file_writer.add_summary(hparams_summary("_hparams_/session_end_info", plugin_data_pb2.HParamsPluginData(session_end_info=end)))
+    accelerator.end_training()
+
+
+def flat_config(cfg: Config) -> dict[str, bool | int | float | str]:
+    """{'train.lr': 0.001, 'data.hflip': True, 'model.width': 'null', ...}: lists and nulls as text."""
     flat = {}
 
     def flatten(prefix: str, value) -> None:
@@ -123,15 +174,32 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str) -> None
             for key, inner in value.items():
                 flatten(f"{prefix}{key}.", inner)
         else:
-            flat[prefix[:-1]] = value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+            flat[prefix[:-1]] = value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
 
     flatten("", cfg.model_dump(mode="json"))
-    accelerator.init_trackers(run_name, config=flat)
-    if accelerator.is_main_process:
-        text = config_to_yaml(cfg)
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.output_dir) / "config.yaml").write_text(text)
-        accelerator.get_tracker("tensorboard", unwrap=True).add_text("config", f"```\n{text}\n```")
+    return flat
+
+
+def hparams_summaries(values: dict[str, bool | int | float | str], metrics: tuple[str, ...]) -> list[Summary]:
+    """The HParams plugin's experiment and session-start summaries. Written by hand because torch's
+    `summary.hparams` tests for int before bool, which turns every boolean into a number."""
+    start, infos = plugin_data_pb2.SessionStartInfo(), []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            start.hparams[name].bool_value, kind = value, "DATA_TYPE_BOOL"
+        elif isinstance(value, (int, float)):
+            start.hparams[name].number_value, kind = value, "DATA_TYPE_FLOAT64"
+        else:
+            start.hparams[name].string_value, kind = value, "DATA_TYPE_STRING"
+        infos.append(api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(kind)))
+    experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m)) for m in metrics])
+    return [hparams_summary("_hparams_/experiment", plugin_data_pb2.HParamsPluginData(experiment=experiment)),
+            hparams_summary("_hparams_/session_start_info", plugin_data_pb2.HParamsPluginData(session_start_info=start))]
+
+
+def hparams_summary(tag: str, content: plugin_data_pb2.HParamsPluginData) -> Summary:
+    plugin = SummaryMetadata.PluginData(plugin_name="hparams", content=content.SerializeToString())
+    return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
 
 
 def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:

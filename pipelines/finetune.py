@@ -15,8 +15,8 @@ from mpp.config import Config, ConfigError
 from mpp.data import DataError, EvalTransform, make_loader
 from mpp.objectives import Classification, finetuning_head
 from mpp.train import Evaluator, precision_label, train
-from pipelines.common import (build_backbone, check_output_dir, labelled, num_classes, resolve_shards, resume_command,
-                              start_training, start_tracking, train_loader)
+from pipelines.common import (build_backbone, check_output_dir, command_line, end_tracking, labelled, num_classes,
+                              resolve_shards, resume_command, start_training, start_tracking, train_loader)
 
 
 class History:
@@ -73,11 +73,12 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
     val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
     classes = num_classes(cfg, urls)
     classifier = build_classifier(cfg, ckpt, classes)
-    start_tracking(accelerator, cfg, "finetune")
+    start_tracking(accelerator, cfg, "finetune", {"loss": ["^train/loss$"], "accuracy on the training batches": ["^train/accuracy$"],
+                                                  "top-1 and top-5 on data.val_shards": ["^eval/"]})
     b = classifier.backbone
     accelerator.print(
         f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "
-        f"patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
+        f"{b.heads} heads, patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
         f"{accelerator.num_processes} process(es), {precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
 
     history = History()
@@ -94,7 +95,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
     results = train(accelerator, classifier, batches, cfg.train, cfg.log, cfg.output_dir, resume=resume,
                     evaluators=(Evaluator(cfg.finetune.eval_every, evaluation),),
                     max_skip_fraction=cfg.data.max_skip_fraction, resume_hint=resume_command())
-    accelerator.end_training()
+    end_tracking(accelerator)
     summary = {
         "top1": results["eval/top1"],
         **({"top5": results["eval/top5"]} if "eval/top5" in results else {}),
@@ -104,6 +105,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         "images_seen": cfg.train.steps * cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
         "wall_time_s": time.perf_counter() - started,
         "history": history.points,
+        "command": command_line(),
     }
     if accelerator.is_main_process:
         out = Path(cfg.output_dir) / "results.json"

@@ -1,9 +1,12 @@
 import json
+import logging
+import sys
 
 import pytest
 import torch
+from PIL import Image
 
-from mpp.hf import export_hf
+from mpp.hf import ExportError, export_hf
 from mpp.model import VisionTransformer
 from mpp.objectives import normalize
 
@@ -20,16 +23,39 @@ def random_vit(seed: int = 0) -> VisionTransformer:
     return model.eval()
 
 
-def test_exported_vit_model_gives_our_features(tmp_path):
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def load_quietly(load, path):
+    """`load(path)` with transformers' warnings (its load report: missing, unexpected, newly initialised) collected."""
+    records = Records()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(records)
+    try:
+        model = load(path)
+    finally:
+        logger.removeHandler(records)
+    return model, records.messages
+
+
+def test_exported_vit_model_gives_our_features_and_loads_silently(tmp_path):
     ours = random_vit()
     assert export_hf(ours, tmp_path / "hf") == "ViTModel"
-    theirs = transformers.ViTModel.from_pretrained(tmp_path / "hf", add_pooling_layer=False).eval()
+    theirs, warnings = load_quietly(transformers.ViTModel.from_pretrained, tmp_path / "hf")
+    assert warnings == []  # no "pooler ... newly initialized"
     images = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8)
     with torch.no_grad():
         expected = ours(normalize(images))
-        got = theirs(pixel_values=normalize(images)).last_hidden_state
-    assert torch.allclose(got[:, 0], expected[:, 0], atol=1e-5)  # the [class]-token representation
-    assert torch.allclose(got, expected, atol=1e-5)
+        got = theirs.eval()(pixel_values=normalize(images))
+    assert torch.allclose(got.last_hidden_state[:, 0], expected[:, 0], atol=1e-5)  # the [class]-token representation
+    assert torch.allclose(got.last_hidden_state, expected, atol=1e-5)
+    assert torch.allclose(got.pooler_output, expected[:, 0], atol=1e-5)  # the exported pooler is the identity
     preprocessing = json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
     assert preprocessing["image_mean"] == [0.5] * 3 and preprocessing["image_std"] == [0.5] * 3
     assert preprocessing["size"] == {"height": 16, "width": 16}
@@ -40,13 +66,21 @@ def test_exported_classifier_gives_our_logits(tmp_path):
     head = {"weight": torch.randn(5, 32), "bias": torch.randn(5)}
     names = {i: f"class{i}" for i in range(5)}
     assert export_hf(ours, tmp_path / "hf", head, id2label=names) == "ViTForImageClassification"
-    theirs = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    theirs, warnings = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
+    assert warnings == []
     images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
     with torch.no_grad():
         expected = ours(normalize(images))[:, 0] @ head["weight"].T + head["bias"]
-        got = theirs(pixel_values=normalize(images)).logits
+        got = theirs.eval()(pixel_values=normalize(images)).logits
     assert torch.allclose(got, expected, atol=1e-5)
     assert theirs.config.id2label[3] == "class3"
+
+
+def test_export_without_transformers_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` does when it is not installed
+    with pytest.raises(ExportError, match=r"pip install 'mpp\[hf\]'"):
+        export_hf(random_vit(), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_shards, capsys):
@@ -60,6 +94,8 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
     from test_pretrain import TINY
 
     make_shards([30, 30], size=32)
+    names = ["disc", "square", "triangle", "ring", "h-stripes", "v-stripes", "checkers", "cross", "blob", "star"]
+    (tmp_path / "shards" / "summary.json").write_text(json.dumps({"samples": 60, "classes": 10, "labels": True, "class_names": names}))
     cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'shards'}",
                              f"output_dir={tmp_path / 'run'}", *TINY, "model.num_classes=10", "train.steps=3",
                              "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=3", "finetune.eval_every=3"])
@@ -70,7 +106,19 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
         GradientState._reset_state()
     assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert "ViTForImageClassification" in capsys.readouterr().out
-    theirs = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    theirs, warnings = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
+    assert warnings == [] and theirs.config.id2label == dict(enumerate(names))
+    assert theirs.config.label2id == {name: i for i, name in enumerate(names)}
+    classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"))
+    predictions = classify(Image.new("RGB", (16, 16), (200, 30, 30)), top_k=3)
+    assert len(predictions) == 3 and {p["label"] for p in predictions} <= set(names)  # real names, not LABEL_3
+
+    card = (tmp_path / "hf" / "README.md").read_text()
+    for fact in ("fine-tuned as a classifier", f"`{tmp_path / 'shards'}` (60 images, 10 classes)", "**Steps**: 3 of 3",
+                 "16 x 16 px; **patch size** 4", "[class] token", "**Final metrics**: top-1 ", "top-5 ",
+                 "pipeline('image-classification'"):
+        assert fact in card, fact
+    theirs.eval()
     ours = load_backbone(tmp_path / "run", cfg.model).eval()
     head = load_file(tmp_path / "run" / "model.safetensors")
     images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
@@ -81,3 +129,30 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
 
     assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "onnx", str(tmp_path / "x")]) == 2
     assert "unknown export format 'onnx'" in capsys.readouterr().err
+
+
+def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path, make_shards, monkeypatch):
+    from accelerate.state import AcceleratorState, GradientState
+
+    import launch
+    from mpp.config import load_config
+    from pipelines import pretrain
+    from test_pretrain import TINY
+
+    make_shards([40], size=32)
+    monkeypatch.setattr(sys, "argv", ["launch.py", "pretrain", "train.steps=2"])  # the command the card records
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                             "train.steps=2", "train.warmup_steps=1", "train.batch_size=8"])
+    try:
+        pretrain.run(cfg)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    _, warnings = load_quietly(transformers.ViTModel.from_pretrained, tmp_path / "hf")
+    assert warnings == []
+    card = (tmp_path / "hf" / "README.md").read_text()
+    for fact in ("masked patch prediction", "64 wide, 2 blocks, 2 heads, patch 4, 16 px",
+                 "**Steps**: 2 of 2", "**Final metrics**: loss ", "color_acc ", "color_acc_prior ",
+                 "**Produced by**: `python launch.py pretrain train.steps=2`", "randomly initialised 2-class head"):
+        assert fact in card, fact
