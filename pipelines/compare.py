@@ -10,6 +10,7 @@ skipped when the command is repeated; an interrupted training stage resumes from
 from __future__ import annotations
 
 import json
+import math
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -41,6 +42,9 @@ from pipelines.fewshot import FewShot
 ARMS = ("mpp", "supervised", "scratch")
 STAGE_DONE = "stage.json"
 OBJECTIVE = {"mpp": "masked patch prediction", "supervised": "supervised (upstream labels)", "scratch": "none (random init)"}
+# Fewer dev images of a class than this and the learning-rate pick is noise: one image moves that class's accuracy by
+# over 10 points, and with 10 classes (100 images) top-1's binomial standard error is still up to 5 points.
+DEV_MIN_PER_CLASS = 10
 COLORS = {"mpp": (214, 39, 40), "supervised": (31, 119, 180), "scratch": (90, 90, 90)}
 
 
@@ -210,22 +214,41 @@ def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
 
 
 def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
-    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev; an image's side depends
-    on its key alone."""
+    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev, stratified: each class gives
+    round(dev_fraction x its images) to dev, chosen by a hash of the key (the same split on every run and machine).
+
+    Refuses a dev split with fewer than DEV_MIN_PER_CLASS images of some class: it could not rank the grid.
+    """
     urls = resolve_shards(cfg.data.shards, cfg, PartialState())  # 'synthetic' is generated here if needed
 
-    def part(dev: bool) -> Iterator[Sample]:
+    def labelled_samples() -> Iterator[tuple[str, dict]]:
         for sample in tarfile_samples({"url": url} for url in urls):
-            key = sample["__key__"].replace(".", "_")
-            ext = next((k for k in IMAGE_KEYS if k in sample), None)
-            if ext is None or "cls" not in sample:
-                continue
-            if (zlib.crc32(key.encode()) / 2**32 < dev_fraction) == dev:
+            if "cls" in sample and any(k in sample for k in IMAGE_KEYS):
+                yield f"{sample['__url__']}/{sample['__key__']}", sample
+
+    by_class: dict[int, list[str]] = {}
+    for ident, sample in labelled_samples():
+        by_class.setdefault(int(sample["cls"]), []).append(ident)
+    dev_counts = {label: math.floor(dev_fraction * len(idents) + 0.5) for label, idents in by_class.items()}
+    if not by_class or min(dev_counts.values()) < DEV_MIN_PER_CLASS:
+        fewest = min(by_class, key=lambda label: len(by_class[label])) if by_class else None
+        have = f"class {fewest} has {len(by_class[fewest])} images, so {dev_counts[fewest]} in dev" if by_class else "no labelled images"
+        raise CompareError(f"the dev split ({dev_fraction:g} of {cfg.data.shards}) is too small to pick learning rates: "
+                           f"it needs at least {DEV_MIN_PER_CLASS} images of every class ({have}); raise dev_fraction "
+                           f"or use more training images")
+    dev = {ident for label, idents in by_class.items()
+           for ident in sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i))[:dev_counts[label]]}
+
+    def part(in_dev: bool) -> Iterator[Sample]:
+        for ident, sample in labelled_samples():
+            if (ident in dev) == in_dev:
+                ext = next(k for k in IMAGE_KEYS if k in sample)
+                key = sample["__key__"].replace(".", "_")
                 yield Sample(key, sample[ext], "jpg" if ext == "jpeg" else ext, int(sample["cls"]))
 
     summaries = {name: write_shards(part(name == "dev"), out / name, overwrite=True) for name in ("train", "dev")}
-    return {"train": str(out / "train"), "dev": str(out / "dev"),
-            "train_images": summaries["train"]["samples"], "dev_images": summaries["dev"]["samples"]}
+    return {"train": str(out / "train"), "dev": str(out / "dev"), "train_images": summaries["train"]["samples"],
+            "dev_images": summaries["dev"]["samples"], "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
 
 
 def test_stage(cfg: Config, run_dir: Path) -> dict:

@@ -1,11 +1,13 @@
+import io
 import json
 import re
 
 import pytest
+import webdataset as wds
 from accelerate.state import AcceleratorState, GradientState
 from PIL import Image
 
-from mpp.config import ConfigError
+from mpp.config import ConfigError, load_config
 from pipelines import compare
 
 from conftest import ROOT, write_test_shards
@@ -27,7 +29,7 @@ def fresh_accelerator():
 
 def tiny(tmp_path, *overrides):
     up = write_test_shards(tmp_path / "up", [40, 40], size=32)
-    down = write_test_shards(tmp_path / "down", [40, 40], size=32)
+    down = write_test_shards(tmp_path / "down", [200, 200], size=32)  # 40 per class: 10 of each in the dev split
     val = write_test_shards(tmp_path / "val", [30], size=32)
     for directory in ("up", "down"):  # the class count comes from summary.json, as `launch.py prepare` writes it
         (tmp_path / directory / "summary.json").write_text(json.dumps({"labels": True, "classes": 10}))
@@ -54,7 +56,7 @@ def test_compare_writes_a_complete_report_and_a_rerun_skips_finished_stages(tmp_
     assert results["arms"]["scratch"]["pretrain"] is None and results["arms"]["mpp"]["pretrain"]["images_seen"] == 24
     assert set(results["arms"]["mpp"]["lrs"]) == {"0.01", "0.1"}
     split = json.loads((out / "split" / "stage.json").read_text())
-    assert split["train_images"] + split["dev_images"] == 80 and split["dev_images"] > 0
+    assert split["train_images"] + split["dev_images"] == 400 and split["dev_images_per_class"] == {str(c): 10 for c in range(10)}
     with Image.open(out / "comparison.png") as png:
         assert png.size == (720, 440)
     events = {p.parent.parent.parent.name for p in out.rglob("events.out.tfevents*")}
@@ -94,8 +96,50 @@ def test_compare_config_mistakes_are_one_line(tmp_path):
 def test_shipped_tiny_plan_runs_on_the_synthetic_corpus(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the synthetic corpus is generated under ./data
     cc = compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
-        f"output_dir={tmp_path / 'cmp'}", "common.data.synthetic_size=120", "arms=[mpp,scratch]", *TINY_RUNS])
+        f"output_dir={tmp_path / 'cmp'}", "common.data.synthetic_size=400", "arms=[mpp,scratch]", *TINY_RUNS])
     report = compare.run(cc)
     assert set(report["arms"]) == {"mpp", "scratch"} and (tmp_path / "cmp" / "report.md").is_file()
     split = json.loads((tmp_path / "cmp" / "split" / "stage.json").read_text())
-    assert split["train_images"] + split["dev_images"] == 120
+    assert split["train_images"] + split["dev_images"] == 400
+
+
+def uneven_shards(directory, per_class: dict[int, int], shards: int = 3) -> None:
+    """Labelled JPEGs, per_class[c] of class c, dealt round-robin over `shards` tar files."""
+    directory.mkdir(parents=True)
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (90, 120, 150)).save(buf, format="JPEG")
+    samples = [(f"c{c}-{i:04d}", c) for c, n in per_class.items() for i in range(n)]
+    sinks = [wds.TarWriter(str(directory / f"shard-{s:06d}.tar")) for s in range(shards)]
+    for i, (key, label) in enumerate(samples):
+        sinks[i % shards].write({"__key__": key, "jpg": buf.getvalue(), "cls": str(label).encode()})
+    for sink in sinks:
+        sink.close()
+
+
+def split_keys(directory) -> dict[str, int]:
+    from webdataset.tariterators import tarfile_samples
+    urls = sorted(str(p) for p in directory.glob("*.tar"))
+    return {s["__key__"]: int(s["cls"]) for s in tarfile_samples({"url": u} for u in urls)}
+
+
+def test_dev_split_is_stratified_exact_per_class_and_deterministic(tmp_path):
+    uneven_shards(tmp_path / "down", {0: 100, 1: 50, 2: 31})
+    cfg = load_config(None, [f"data.shards={tmp_path / 'down'}"])
+    split = compare.split_stage(cfg, tmp_path / "a", 0.35)
+    dev, train = split_keys(tmp_path / "a" / "dev"), split_keys(tmp_path / "a" / "train")
+    counts = {c: sum(1 for label in dev.values() if label == c) for c in (0, 1, 2)}
+    assert counts == {0: 35, 1: 18, 2: 11}  # round(0.35 x n) of every class
+    assert split["dev_images_per_class"] == {"0": 35, "1": 18, "2": 11}
+    assert not set(dev) & set(train) and len(dev) + len(train) == 181
+
+    shuffled = load_config(None, [f"data.shards={tmp_path / 'down' / 'shard-{000002,000000,000001}.tar'}"])
+    compare.split_stage(shuffled, tmp_path / "b", 0.35)
+    assert split_keys(tmp_path / "b" / "dev") == dev  # the same images, whatever the shard order
+
+
+def test_dev_split_too_small_to_rank_the_grid_is_refused(tmp_path):
+    uneven_shards(tmp_path / "down", {0: 100, 1: 50, 2: 30})
+    cfg = load_config(None, [f"data.shards={tmp_path / 'down'}"])
+    with pytest.raises(compare.CompareError, match=r"at least 10 images of every class \(class 2 has 30 images, so 6 in dev\)"):
+        compare.split_stage(cfg, tmp_path / "split", 0.2)
+    assert not (tmp_path / "split").exists()  # refused before writing anything
