@@ -1,5 +1,5 @@
-"""mpp's one command line: `mpp STAGE [--config FILE] [key=value ...]` (installed), or
-`[accelerate launch] launch.py STAGE ...` from a checkout: both run `main` here."""
+"""mpp's one command line: `mpp STAGE [--config FILE] [key=value ...]` (in a checkout: `python launch.py STAGE ...`;
+for several processes: `accelerate launch launch.py STAGE ...`, or `accelerate launch -m launch STAGE ...` installed)."""
 
 from __future__ import annotations
 
