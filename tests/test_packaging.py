@@ -47,3 +47,13 @@ def test_non_editable_install_ships_the_mpp_command_and_its_default_configs(tmp_
     used = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert used["data"]["crop_scale"] == [0.35, 1.0]  # from the shipped pretrain/default.yaml, not the schema's default
     assert "mpp pretraining" in run.stdout
+
+
+def test_the_installed_command_is_what_resume_and_model_cards_repeat(monkeypatch):
+    from pipelines.common import command_line, resume_command
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/mpp", "pretrain", "train.steps=9"])
+    assert command_line() == "mpp pretrain train.steps=9"
+    assert resume_command() == "`mpp pretrain --resume train.steps=9`"
+    assert command_line(["launch.py", "export", "--ckpt", "runs/x"]) == "python launch.py export --ckpt runs/x"
