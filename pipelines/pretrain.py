@@ -31,7 +31,7 @@ def headline_charts(cfg: Config) -> dict[str, list[str]]:
     if cfg.objective == "supervised":
         return {"loss": ["^train/loss$"], "accuracy on the training batches": ["^train/accuracy$"]}
     if cfg.mpp.target == "pixels":
-        return {"loss against the prior's": ["^train/loss"]}
+        return {"loss against the prior's (always predicting the batch's mean pixels)": ["^train/loss"]}
     return {"loss": ["^train/loss$"],
             "colour accuracy against the prior (always the batch's most frequent colour)": ["^train/color_acc"]}
 
