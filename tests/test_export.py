@@ -1,6 +1,7 @@
 import json
 import logging
 import sys
+import warnings
 
 import pytest
 import torch
@@ -33,22 +34,25 @@ class Records(logging.Handler):
 
 
 def load_quietly(load, path):
-    """`load(path)` with transformers' warnings (its load report: missing, unexpected, newly initialised) collected."""
+    """`load(path)` with what it warns about collected: transformers' logged warnings (its load report: missing,
+    unexpected, newly initialised weights) and Python warnings."""
     records = Records()
     logger = logging.getLogger("transformers")
     logger.addHandler(records)
     try:
-        model = load(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = load(path)
     finally:
         logger.removeHandler(records)
-    return model, records.messages
+    return model, records.messages + [str(w.message) for w in caught]
 
 
 def test_exported_vit_model_gives_our_features_and_loads_silently(tmp_path):
     ours = random_vit()
     assert export_hf(ours, tmp_path / "hf") == "ViTModel"
-    theirs, warnings = load_quietly(transformers.ViTModel.from_pretrained, tmp_path / "hf")
-    assert warnings == []  # no "pooler ... newly initialized"
+    theirs, complaints = load_quietly(transformers.ViTModel.from_pretrained, tmp_path / "hf")
+    assert complaints == []  # no "pooler ... newly initialized"
     images = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8)
     with torch.no_grad():
         expected = ours(normalize(images))
@@ -66,8 +70,8 @@ def test_exported_classifier_gives_our_logits(tmp_path):
     head = {"weight": torch.randn(5, 32), "bias": torch.randn(5)}
     names = {i: f"class{i}" for i in range(5)}
     assert export_hf(ours, tmp_path / "hf", head, id2label=names) == "ViTForImageClassification"
-    theirs, warnings = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
-    assert warnings == []
+    theirs, complaints = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
+    assert complaints == []
     images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
     with torch.no_grad():
         expected = ours(normalize(images))[:, 0] @ head["weight"].T + head["bias"]
@@ -106,8 +110,8 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
         GradientState._reset_state()
     assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert "ViTForImageClassification" in capsys.readouterr().out
-    theirs, warnings = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
-    assert warnings == [] and theirs.config.id2label == dict(enumerate(names))
+    theirs, complaints = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
+    assert complaints == [] and theirs.config.id2label == dict(enumerate(names))
     assert theirs.config.label2id == {name: i for i, name in enumerate(names)}
     classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"))
     predictions = classify(Image.new("RGB", (16, 16), (200, 30, 30)), top_k=3)
@@ -149,8 +153,8 @@ def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
-    _, warnings = load_quietly(transformers.ViTModel.from_pretrained, tmp_path / "hf")
-    assert warnings == []
+    _, complaints = load_quietly(transformers.ViTModel.from_pretrained, tmp_path / "hf")
+    assert complaints == []
     card = (tmp_path / "hf" / "README.md").read_text()
     for fact in ("masked patch prediction", "64 wide, 2 blocks, 2 heads, patch 4, 16 px",
                  "**Steps**: 2 of 2", "**Final metrics**: loss ", "color_acc ", "color_acc_prior ",
