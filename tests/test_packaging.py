@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import ROOT, write_test_shards
@@ -15,6 +16,7 @@ SOURCES = ("pyproject.toml", "README.md", "launch.py", "mpp", "pipelines", "conf
 
 
 def test_non_editable_install_ships_the_mpp_command_and_its_default_configs(tmp_path):
+    pytest.importorskip("setuptools", reason="building without network (--no-build-isolation) needs setuptools here")
     source = tmp_path / "src"
     source.mkdir()
     for name in SOURCES:  # a copy, so the build leaves nothing in the checkout
@@ -23,9 +25,13 @@ def test_non_editable_install_ships_the_mpp_command_and_its_default_configs(tmp_
         else:
             shutil.copy2(ROOT / name, source / name)
     venv = tmp_path / "venv"
-    # The system site-packages lend torch & co. and pip itself: no network, no ensurepip.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python, mpp = venv / "bin" / "python", venv / "bin" / "mpp"
+    # This environment's site-packages lend torch & co., setuptools and pip itself (no network, no ensurepip), as
+    # plain paths: its own .pth files (an editable mpp among them) are not run, and the venv's packages come first.
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "lend.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(source)],
                    check=True, capture_output=True, timeout=300)
     shutil.rmtree(source)  # whatever the install needs must now come from the venv
