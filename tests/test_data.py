@@ -92,7 +92,7 @@ def test_shard_specs(make_shards, tmp_path):
     with pytest.raises(DataError, match="shard-000003.tar does not exist"):
         expand_shards(f"{directory}/shard-{{000000..000003}}.tar")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="holds no .tar files"):
+    with pytest.raises(DataError, match="holds no .tar, .tar.gz, .tgz files"):
         expand_shards(str(tmp_path / "empty"))
 
 
