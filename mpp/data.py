@@ -371,7 +371,8 @@ class ShardStream(IterableDataset):
                 warnings.warn(f"skipping samples with {reason} (first: {detail}); counts are logged as data/skipped_*", stacklevel=2)
 
         def on_tar_error(exc: Exception) -> bool:
-            skip("unreadable_shard", str(exc))
+            words = [str(a) for a in exc.args if isinstance(a, (str, int))]  # webdataset appends the url to the args
+            skip("unreadable_shard", f"{words[-1]}: {' '.join(words[:-1])}" if len(words) > 1 else str(exc))
             return True
 
         images, labels = [], []
@@ -444,11 +445,11 @@ class Barren:
         names = sorted(self.shards)
         shards = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         span = f"{self.groups} groups of {SHARDS_PER_GROUP} draws" if resampled else "a whole pass"
-        if not self.read and not self.reasons:
-            what = "no samples at all: the shards are empty (an empty tar, or a pipe: command that printed nothing)"
-        else:
-            counts = ", ".join(f"{n} {reason} (first: {self.first[reason]})" for reason, n in self.reasons.most_common())
+        counts = ", ".join(f"{n} {reason} (first: {self.first[reason]})" for reason, n in self.reasons.most_common())
+        if self.read:
             what = f"{self.read} samples and not one usable image: {counts}"
+        else:
+            what = f"no samples at all: {counts or 'the tars are empty'}"
         return (f"dataloader worker {worker} of rank {rank} read {span} over shard(s) {shards} and got {what}; "
                 f"fix or remove these shards, or point data.shards at usable ones")
 
