@@ -258,10 +258,10 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
                 ids.add(value)
             elif isinstance(value, str):
                 names.add(value)
-    if ids and names:
-        raise DataError(f"the shards beside {urls[0]} label some samples with class ids and others with class names "
-                        f"(e.g. {min(ids)} and {sorted(names)[0]!r}) and have no summary.json to relate them; "
-                        f"write a summary.json with class_names, or use one kind of label")
+    if ids and names:  # names cannot be given ids that do not collide with the ids in use
+        return LabelSpace(None, (), f"the shards beside {urls[0]} label some samples with class ids and others with "
+                                    f"class names (e.g. {min(ids)} and {sorted(names)[0]!r}), and no summary.json's "
+                                    f"class_names relates them")
     source = f"a scan of {len(urls)} shard(s) (no summary.json)"
     if names:
         return LabelSpace(len(names), tuple(sorted(names)), source)

@@ -46,7 +46,7 @@ def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str
         with accelerator.main_process_first():
             if accelerator.is_main_process and not (out / "summary.json").is_file():
                 accelerator.print(f"generating the embedded synthetic corpus ({cfg.data.synthetic_size} images) in {out}")
-                write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True)
+                write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True, progress=True)
         spec = str(out)
     return expand_shards(spec)
 

@@ -1,8 +1,13 @@
+import io
 import itertools
+import json
 import multiprocessing
 
+import numpy as np
 import pytest
 import torch
+import webdataset as wds
+from PIL import Image
 
 from mpp.synthetic import synthetic_image
 from mpp.data import DataError, EvalTransform, ShardStream, StreamState, TrainTransform, expand_shards, make_loader
@@ -100,3 +105,44 @@ def test_pipe_urls_stream(make_shards):
     urls = make_shards([4])
     batch = next(iter(make_loader([f"pipe:cat {urls[0]}"], EvalTransform(8), 4, num_workers=0, resampled=False, loop=False)))
     assert batch.images.shape[0] == 4
+
+
+# ---------------------------------------------------------------- image modes and orientation
+
+def one_image_batch(directory, name, image_bytes, ext, size=8):
+    """The stream's (3, size, size) uint8 image of one sample written as `name.ext`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(directory / "s.tar")) as sink:
+        sink.write({"__key__": name, ext: image_bytes})
+    batch = next(iter(make_loader([str(directory / "s.tar")], EvalTransform(size), 1, num_workers=0,
+                                  resampled=False, loop=False, labels=False)))
+    return batch.images[0]
+
+
+def test_16_bit_greys_are_scaled_not_clipped(tmp_path):
+    for level in (0, 16384, 32768, 65535):
+        image = Image.fromarray(np.full((6, 6), level, np.uint16))  # mode I;16: a 16-bit greyscale PNG
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        assert Image.open(io.BytesIO(buffer.getvalue())).mode in ("I;16", "I")
+        pixels = one_image_batch(tmp_path / str(level), "k", buffer.getvalue(), "png")
+        assert pixels.unique().tolist() == [round(level * 255 / 65535)]
+
+
+def exif_rotated_jpeg(orientation):
+    """A JPEG stored 20 wide x 10 high, left half black and right half white, tagged with `orientation`."""
+    pixels = np.zeros((10, 20, 3), np.uint8)
+    pixels[:, 10:] = 255
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=95, exif=exif)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("orientation, white_at", [(6, "bottom"), (8, "top")])
+def test_exif_orientation_is_applied(tmp_path, orientation, white_at):
+    """Orientation 6 is shown turned 90 degrees clockwise, 8 counter-clockwise: the white right half ends up below / above."""
+    pixels = one_image_batch(tmp_path, "k", exif_rotated_jpeg(orientation), "jpg", size=10).float().mean(0)  # (10, 10)
+    top, bottom = pixels[:3].mean().item(), pixels[-3:].mean().item()
+    assert (bottom > 200 and top < 50) if white_at == "bottom" else (top > 200 and bottom < 50), (top, bottom)
