@@ -43,27 +43,48 @@ def test_labels_stream_with_images(make_shards):
     assert next(iter(make_loader(unlabelled, EvalTransform(8), 3, num_workers=0, resampled=False, loop=False))).labels.tolist() == [-1] * 3
 
 
+STALL_S = 300  # no batch from any rank for this long is a hang; a slow but moving stream never reaches it
+
+
 def _take(urls, rank, world, resampled, n, queue):
+    """Report each batch as it comes (the parent judges progress, not elapsed time), then shut the workers down."""
     loader = make_loader(urls, TrainTransform(8), 4, num_workers=2, rank=rank, world=world, resampled=resampled)
-    queue.put(sum(1 for _ in itertools.islice(loader, n)))
+    batches = iter(loader)  # forks the workers before the queue's feeder thread exists
+    for _ in range(n):
+        next(batches)
+        queue.put(rank)
+    del batches  # workers stop here, not during interpreter shutdown
 
 
 @pytest.mark.parametrize("resampled", [True, False])
 def test_uneven_shards_never_run_dry(make_shards, resampled):
     """3 shards over 2 ranks of 2 workers: each rank keeps producing batches for as many steps as asked."""
+    import queue as queues
+
     urls = make_shards([9, 2, 5])
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_take, args=(urls, rank, 2, resampled, 30, queue)) for rank in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    assert not hung, "a rank's stream stopped producing batches"
-    assert [queue.get(timeout=1) for _ in procs] == [30, 30]
+    counts, stalled = [0, 0], 0
+    try:
+        while sum(counts) < 60:
+            try:
+                counts[queue.get(timeout=5)] += 1
+                stalled = 0
+            except queues.Empty:
+                stalled += 5
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed, f"a rank died (exit codes {failed}; -6 is SIGABRT) after {counts} batches"
+            assert stalled < STALL_S, f"no rank produced a batch for {STALL_S}s (batches per rank: {counts})"
+        for p in procs:
+            p.join(timeout=STALL_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert counts == [30, 30] and [p.exitcode for p in procs] == [0, 0]
 
 
 @pytest.mark.parametrize("resampled", [True, False])
