@@ -250,10 +250,7 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     ids, names = set(), set()
     for url in urls:
         for sample in _label_members(url):
-            try:
-                value = raw_label(sample)
-            except BadLabel:
-                continue  # the stream counts it as a skipped sample
+            value = _raw_or_none(sample)  # a bad label is the stream's to count
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
             elif isinstance(value, str):
@@ -266,6 +263,23 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     if names:
         return LabelSpace(len(names), tuple(sorted(names)), source)
     return LabelSpace(max(ids) + 1 if ids else 0, (), source)
+
+
+def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
+    """The names that class-name labels map through (id = position), without a full scan where none is needed:
+    summary.json's class_names, else, if the first shard labels samples by name, the names of `label_space`."""
+    first = urls[0]
+    if os.path.isfile(os.path.join(os.path.dirname(first), "summary.json")) or first.startswith("pipe:") or "://" in first:
+        return label_space(urls).class_names
+    named = any(isinstance(_raw_or_none(sample), str) for sample in _label_members(first))
+    return label_space(urls).class_names if named else ()
+
+
+def _raw_or_none(sample: dict) -> int | str | None:
+    try:
+        return raw_label(sample)
+    except BadLabel:
+        return None
 
 
 def _label_members(url: str) -> Iterator[dict]:
@@ -461,7 +475,7 @@ def make_loader(urls: list[str], transform: Callable, batch_size: int, *, num_wo
     """A DataLoader over a ShardStream; `state` (from a checkpoint) continues a stream where it stopped.
 
     labels=False never reads labels (pretraining without them must not stop on one it cannot parse); class names
-    map to ids through `class_names`, by default the shard set's own (`label_space`).
+    map to ids through `class_names`, by default the shard set's own (`label_names`).
     """
     if loop and not resampled:
         if len(urls) < world:
@@ -470,7 +484,7 @@ def make_loader(urls: list[str], transform: Callable, batch_size: int, *, num_wo
         num_workers = min(num_workers, len(urls) // world)
     state = state or StreamState()
     if labels:
-        reader = LabelReader(tuple(label_space(tuple(urls)).class_names if class_names is None else class_names))
+        reader = LabelReader(tuple(label_names(tuple(urls)) if class_names is None else class_names))
     stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,
                          resampled=resampled, shuffle_buffer=shuffle_buffer, loop=loop, start=state.positions,
                          worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None)

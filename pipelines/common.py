@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, config_to_yaml, load_config
-from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, label_space, make_loader
+from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
 from mpp.shards import synthetic_samples, write_shards
@@ -56,7 +56,16 @@ def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: 
         urls, TrainTransform(cfg.model.image_size, cfg.data.crop_scale, cfg.data.hflip), cfg.train.batch_size,
         num_workers=cfg.data.num_workers, rank=accelerator.process_index, world=accelerator.num_processes,
         seed=cfg.train.seed, resampled=cfg.data.resampled, shuffle_buffer=cfg.data.shuffle_buffer,
-        pin_memory=torch.cuda.is_available(), state=state, labels=labels)
+        pin_memory=torch.cuda.is_available(), state=state, labels=labels,
+        class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)
+
+
+def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tuple[str, ...]:
+    """The class names every loader of a run maps named labels through (id = position): the class_names of the
+    summary.json beside the first shard set, else the sorted names found in all of them, so that training and
+    evaluation shards agree on each name's id even when one of them lacks a class."""
+    urls = [url for spec in specs if spec for url in resolve_shards(spec, cfg, accelerator)]
+    return label_names(tuple(urls))
 
 
 def num_classes(cfg: Config, urls: list[str]) -> int:

@@ -112,3 +112,23 @@ def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path)
     strict = load_config(None, [*common, f"output_dir={tmp_path / 'b'}", "train.steps=60"])
     with pytest.warns(UserWarning, match="bad_label"), pytest.raises(DataError, match="could not be used, over data.max_skip_fraction"):
         pretrain.run(strict)
+
+
+def test_training_and_evaluation_shards_share_one_name_map(tmp_path):
+    """Without summaries, ids come from the names of both sets: an evaluation set that lacks a class keeps the ids."""
+    from pipelines.common import class_names
+
+    write_labelled(tmp_path / "train", ["zebra", "ant", "mole", "ant"], "txt")
+    val = write_labelled(tmp_path / "val", ["zebra", "mole"], "txt")
+    cfg = load_config(None, [f"data.shards={tmp_path / 'train'}", f"data.val_shards={tmp_path / 'val'}"])
+    names = class_names(cfg, None, cfg.data.shards, cfg.data.val_shards)
+    assert names == ("ant", "mole", "zebra")
+    assert stream_labels(val, class_names=names)[0] == [2, 1]
+
+
+def test_integer_labels_need_no_scan_of_every_shard(tmp_path):
+    import mpp.data
+
+    urls = write_labelled(tmp_path / "a", [1, 2, 0, 1]) + write_labelled(tmp_path / "b", [3, 0])
+    assert mpp.data.label_names(tuple(urls)) == ()
+    assert mpp.data.label_space.cache_info().currsize == 0  # the full scan never ran
