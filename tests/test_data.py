@@ -1,6 +1,5 @@
 import io
 import itertools
-import json
 import multiprocessing
 
 import numpy as np
@@ -10,7 +9,7 @@ import webdataset as wds
 from PIL import Image
 
 from mpp.synthetic import synthetic_image
-from mpp.data import DataError, EvalTransform, ShardStream, StreamState, TrainTransform, expand_shards, make_loader
+from mpp.data import DataError, EvalTransform, StreamState, TrainTransform, expand_shards, make_loader
 
 
 def stream(urls, world, workers, rank, **kw):

@@ -1,9 +1,6 @@
 """Data streams that can never deliver a batch: each must end with one line, never wait forever (issue 11)."""
 
 import contextlib
-import io
-import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -19,7 +16,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from mpp.config import load_config
 from mpp.data import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
-from mpp.train import Preempted, complete_checkpoints, make_accelerator, train
+import mpp.train
+from mpp.train import Preempted, complete_checkpoints, make_accelerator, next_batch, train
 from pipelines.common import build_backbone
 
 from conftest import ROOT
@@ -138,31 +136,36 @@ def test_cli_stops_with_one_line_on_all_corrupt_shards(tmp_path):
 class StallsAfter(IterableDataset):
     """Yields `count` batches, then blocks forever, like a `pipe:` command or a network read that stalled."""
 
-    def __init__(self, count, stalled):
-        self.count, self.stalled = count, stalled
+    def __init__(self, count):
+        self.count = count
 
     def __iter__(self):
         for i in range(self.count):
             yield Batch(torch.full((4, 3, 16, 16), i, dtype=torch.uint8), torch.full((4,), -1), position=StreamPosition(0, 4 * i + 4))
-        self.stalled.set()
         threading.Event().wait()
 
 
-def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path):
+def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch):
     cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=50", "train.warmup_steps=1",
                              "train.checkpoint_every=100"])
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    stalled = multiprocessing.get_context("fork").Event()
+    calls, fourth = [], threading.Event()
 
-    def batches(state):
-        return DataLoader(StallsAfter(3, stalled), batch_size=None, num_workers=1)
+    def counted_next_batch(*args):
+        calls.append(1)
+        if len(calls) == 4:  # the 3 batches are trained on; this wait never ends
+            fourth.set()
+        return next_batch(*args)
 
-    def signal_when_stalled():
-        if stalled.wait(STUCK_AFTER_S):
-            threading.Event().wait(1)  # let the loop take the 3 batches and block on the 4th
+    monkeypatch.setattr(mpp.train, "next_batch", counted_next_batch)
+
+    def signal_when_blocked():
+        if fourth.wait(STUCK_AFTER_S):
+            threading.Event().wait(1)  # from the call into the blocking wait takes microseconds
             os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=signal_when_stalled, daemon=True).start()
+    threading.Thread(target=signal_when_blocked, daemon=True).start()
+    batches = lambda state: DataLoader(StallsAfter(3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
         train(accelerator, MaskedPatchPrediction(build_backbone(cfg)), batches, cfg.train, cfg.log, cfg.output_dir)
     assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000003"]
