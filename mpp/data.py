@@ -1,14 +1,18 @@
-"""Stream WebDataset shards (image under jpg/png/webp, optional cls label) as uint8 batches."""
+"""Stream WebDataset shards (image under jpg/png/webp, optional label in cls, json or txt) as uint8 batches."""
 
 from __future__ import annotations
 
+import functools
 import io
+import json
 import math
 import os
 import random
+import re
+import tarfile
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from glob import glob
 
@@ -19,12 +23,15 @@ import webdataset as wds
 from webdataset.tariterators import tarfile_samples
 from braceexpand import braceexpand
 from einops import rearrange
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mpp.errors import UserError
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # webdataset reads gzipped tars as they are
+ORIENTATION_TAG = 0x0112  # EXIF
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
 
 
 class DataError(UserError):
@@ -34,25 +41,37 @@ class DataError(UserError):
 def expand_shards(spec: str) -> list[str]:
     """A directory, a brace pattern, URLs or `pipe:` commands (several joined by '::') -> shard list."""
     if os.path.isdir(spec):
-        shards = sorted(glob(os.path.join(spec, "*.tar")))
+        shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
         if not shards:
-            raise DataError(f"shard directory {spec} holds no .tar files; write shards into it with `launch.py prepare SOURCE --out {spec}`")
+            raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files; "
+                            f"write shards into it with `launch.py prepare SOURCE --out {spec}`")
+        check_local_shards(shards)
         return shards
     shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
     if not shards:
         raise DataError(f"shard spec '{spec}' names no shards; pass a directory, a brace pattern or URLs")
-    local = [s for s in shards if not s.startswith("pipe:") and "://" not in s]
-    missing = [s for s in local if not os.path.isfile(s)]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise DataError(f"shard {missing[0]}{more} does not exist; check data.shards or create the shards with `launch.py prepare`")
+    check_local_shards([s for s in shards if not s.startswith("pipe:") and "://" not in s])
     return shards
+
+
+def check_local_shards(paths: list[str]) -> None:
+    """Each path is a readable file: a directory, a dangling or looping link or a missing file is named, not streamed."""
+    problems = {
+        "does not exist": [p for p in paths if not os.path.lexists(p)],
+        "is a symbolic link to nothing (dangling, or a loop)": [p for p in paths if os.path.islink(p) and not os.path.exists(p)],
+        "is a directory, not a tar file": [p for p in paths if os.path.isdir(p)],
+        "cannot be read (permissions)": [p for p in paths if os.path.isfile(p) and not os.access(p, os.R_OK)],
+    }
+    for problem, found in problems.items():
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `launch.py prepare`")
 
 
 @dataclass
 class Batch:
     images: torch.Tensor  # (B, 3, H, W) uint8
-    labels: torch.Tensor  # (B,) int64, -1 where the sample has no cls
+    labels: torch.Tensor  # (B,) int64, -1 where labels are not read or the sample has none
     skipped: Counter = field(default_factory=Counter)  # samples dropped since the previous batch, by reason
     worker: int = 0  # the logical worker that produced it
     position: StreamPosition | None = None  # that worker's stream position after this batch
@@ -65,10 +84,24 @@ class Batch:
 
 
 def open_image(sample: dict) -> Image.Image:
+    """The sample's image, upright (EXIF orientation applied) and in a mode crop_resize converts correctly."""
     key = next((k for k in IMAGE_KEYS if k in sample), None)
     if key is None:
         raise KeyError("no image")
-    return Image.open(io.BytesIO(sample[key]))
+    return upright(Image.open(io.BytesIO(sample[key])))
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """EXIF orientation applied (a phone photo stored sideways stands up), 16-bit greys scaled to 8 bits.
+
+    PIL converts I;16 and I images to L or RGB by clipping at 255, so a 50% grey 16-bit PNG would become white.
+    """
+    if img.getexif().get(ORIENTATION_TAG, 1) != 1:
+        img = ImageOps.exif_transpose(img)
+    if img.mode in SIXTEEN_BIT_MODES:
+        pixels = np.clip(np.asarray(img).astype(np.int64), 0, 65535)  # mode I holds 16-bit PNGs in an int32
+        img = Image.fromarray(((pixels * 255 + 32767) // 65535).astype(np.uint8), "L")
+    return img
 
 
 def random_resized_box(width: int, height: int, scale: tuple[float, float], rng: random.Random) -> tuple[int, int, int, int]:
@@ -132,6 +165,144 @@ class EvalTransform:
         return crop_resize(img, center_box(*img.size), self.size)
 
 
+# ---------------------------------------------------------------- labels
+
+LABEL_KEYS = ("cls", "json", "txt")  # where WebDataset corpora keep a label, in the order they are looked up
+
+
+class BadLabel(ValueError):
+    """A sample's label that cannot be turned into a class id; the message says what it holds."""
+
+
+def raw_label(sample: dict) -> int | str | None:
+    """The label as stored: `cls` text, `json`'s "label" (or "cls") field, or `txt` text; None where there is none."""
+    if "cls" in sample:
+        return _label_text(sample["cls"])
+    if "json" in sample:
+        try:
+            record = json.loads(sample["json"])
+        except ValueError as exc:
+            raise BadLabel(f"json that does not parse ({exc})") from None
+        value = next((record[k] for k in ("label", "cls") if k in record), None) if isinstance(record, dict) else None
+        if value is None or isinstance(value, (int, str)) and not isinstance(value, bool):
+            return value.strip() if isinstance(value, str) else value
+        raise BadLabel(f"json label {value!r}, neither an integer nor a class name")
+    if "txt" in sample:
+        return _label_text(sample["txt"])
+    return None
+
+
+def _label_text(data: bytes) -> int | str:
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise BadLabel("label bytes that are not UTF-8 text") from None
+    return int(text) if re.fullmatch(r"[+-]?\d+", text) else text
+
+
+@dataclass(frozen=True)
+class LabelReader:
+    """Sample -> class id: integers as they are, class names through `class_names` (id = position); -1 if unlabelled."""
+
+    class_names: tuple[str, ...] = ()
+
+    def __call__(self, sample: dict) -> int:
+        value = raw_label(sample)
+        if value is None:
+            return -1
+        if isinstance(value, int):
+            if value < 0:
+                raise BadLabel(f"label {value}, below 0")
+            return value
+        if value in self.class_names:
+            return self.class_names.index(value)
+        if not self.class_names:
+            raise BadLabel(f"class name {value!r} and no class names to map it to an id (summary.json's class_names)")
+        raise BadLabel(f"class name {value!r}, not one of the {len(self.class_names)} class names of the shard set")
+
+
+@dataclass(frozen=True)
+class LabelSpace:
+    """What a shard set's labels are: class names (id = position) and the class count (0: no labels, None: unknown)."""
+
+    count: int | None
+    class_names: tuple[str, ...] = ()
+    source: str = ""  # where this was read from, for messages
+
+
+@functools.lru_cache(maxsize=8)
+def label_space(urls: tuple[str, ...]) -> LabelSpace:
+    """The summary.json that `launch.py prepare` writes beside the shards, else a scan of the shards' label fields.
+
+    The scan (local shards only) reads tar headers and the small label members, not the images; the class names
+    it finds are sorted, so every process and every run over the same shards maps a name to the same id.
+    """
+    summary_path = os.path.join(os.path.dirname(urls[0]), "summary.json")
+    if os.path.isfile(summary_path):
+        with open(summary_path) as file:
+            summary = json.load(file)
+        names = tuple(summary.get("class_names") or ())
+        count = len(names) or int(summary.get("classes", 0)) if summary.get("labels") else 0
+        return LabelSpace(count, names, summary_path)
+    remote = [u for u in urls if u.startswith("pipe:") or "://" in u]
+    if remote:
+        return LabelSpace(None, (), f"no summary.json beside {remote[0]}, and remote shards are not scanned")
+    ids, names = set(), set()
+    for url in urls:
+        for sample in _label_members(url):
+            value = _raw_or_none(sample)  # a bad label is the stream's to count
+            if isinstance(value, int) and value >= 0:
+                ids.add(value)
+            elif isinstance(value, str):
+                names.add(value)
+    if ids and names:  # names cannot be given ids that do not collide with the ids in use
+        return LabelSpace(None, (), f"the shards beside {urls[0]} label some samples with class ids and others with "
+                                    f"class names (e.g. {min(ids)} and {sorted(names)[0]!r}), and no summary.json's "
+                                    f"class_names relates them")
+    source = f"a scan of {len(urls)} shard(s) (no summary.json)"
+    if names:
+        return LabelSpace(len(names), tuple(sorted(names)), source)
+    return LabelSpace(max(ids) + 1 if ids else 0, (), source)
+
+
+def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
+    """The names that class-name labels map through (id = position), without a full scan where none is needed:
+    summary.json's class_names, else, if the first shard labels samples by name, the names of `label_space`."""
+    first = urls[0]
+    if os.path.isfile(os.path.join(os.path.dirname(first), "summary.json")) or first.startswith("pipe:") or "://" in first:
+        return label_space(urls).class_names
+    named = any(isinstance(_raw_or_none(sample), str) for sample in _label_members(first))
+    return label_space(urls).class_names if named else ()
+
+
+def _raw_or_none(sample: dict) -> int | str | None:
+    try:
+        return raw_label(sample)
+    except BadLabel:
+        return None
+
+
+def _label_members(url: str) -> Iterator[dict]:
+    """{"cls"|"json"|"txt": bytes} per sample of a local tar, skipping over the image members."""
+    sample, key = {}, None
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                folder, name = os.path.split(member.name)
+                stem, _, ext = name.partition(".")  # as webdataset splits it: the key ends at the first dot
+                stem = os.path.join(folder, stem)
+                if stem != key:
+                    if sample:
+                        yield sample
+                    sample, key = {}, stem
+                if member.isreg() and ext.lower() in LABEL_KEYS:
+                    sample[ext.lower()] = tar.extractfile(member).read()
+    except (OSError, tarfile.TarError, EOFError):
+        pass  # an unreadable shard is the stream's to count
+    if sample:
+        yield sample
+
+
 # ---------------------------------------------------------------- streaming
 
 SHARDS_PER_GROUP = 8  # resampled streams draw shards in groups; a resume replays at most one group, undecoded
@@ -164,6 +335,9 @@ class StreamState:
         self.positions = {int(w): StreamPosition(*p) for w, p in state["positions"].items()}
 
 
+BARREN_GROUPS = 4  # resampled groups in a row without a usable image that prove a shard set unusable (32 draws)
+
+
 class ShardStream(IterableDataset):
     """Batches from shards, split across ranks and dataloader workers.
 
@@ -175,33 +349,44 @@ class ShardStream(IterableDataset):
     ends, so the stream is a pure function of those and can restart at any `StreamPosition` by reading, not
     decoding, the samples of the current group already consumed. `worker_offset` rotates which logical worker
     a DataLoader worker plays, so a resumed DataLoader (which always starts at worker 0) keeps the batch order.
+
+    labels: reads each sample's class id (a bad one is a skipped sample); None leaves labels unread (-1).
+    A worker whose pass (or BARREN_GROUPS resampled groups in a row) yields no usable image raises DataError
+    naming the shards and the counts by reason: otherwise it would loop over them forever and the loader, which
+    waits for every worker in turn, would never deliver another batch.
     """
 
     def __init__(self, urls: list[str], transform: Callable, batch_size: int, *, rank: int = 0, world: int = 1,
                  seed: int = 0, resampled: bool = True, shuffle_buffer: int = 0, loop: bool = True,
-                 start: dict[int, StreamPosition] | None = None, worker_offset: int = 0):
+                 start: dict[int, StreamPosition] | None = None, worker_offset: int = 0,
+                 labels: Callable[[dict], int] | None = None):
         super().__init__()
         self.urls, self.transform, self.batch_size = urls, transform, batch_size
         self.rank, self.world, self.seed = rank, world, seed
         self.resampled, self.shuffle_buffer, self.loop = resampled, shuffle_buffer, loop
-        self.start, self.worker_offset = start or {}, worker_offset
+        self.start, self.worker_offset, self.labels = start or {}, worker_offset, labels
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         workers = info.num_workers if info else 1
         worker = ((info.id if info else 0) + self.worker_offset) % workers
         start = self.start.get(worker, StreamPosition())
-        skipped: Counter = Counter()
+        skipped: Counter = Counter()  # since the last batch
+        barren = Barren()  # since the last usable image
         warned: set[str] = set()
 
         def skip(reason: str, detail: str) -> None:
+            detail = " ".join(detail.split())[:200]  # one line: it ends up in an error message
             skipped[reason] += 1
+            barren.reasons[reason] += 1
+            barren.first.setdefault(reason, detail)
             if reason not in warned:
                 warned.add(reason)
                 warnings.warn(f"skipping samples with {reason} (first: {detail}); counts are logged as data/skipped_*", stacklevel=2)
 
         def on_tar_error(exc: Exception) -> bool:
-            skip("unreadable_shard", str(exc)[:200])
+            words = [str(a) for a in exc.args if isinstance(a, (str, int))]  # webdataset appends the url to the args
+            skip("unreadable_shard", f"{words[-1]}: {' '.join(words[:-1])}" if len(words) > 1 else str(exc))
             return True
 
         images, labels = [], []
@@ -211,6 +396,8 @@ class ShardStream(IterableDataset):
             shards = self._group_shards(worker, workers, random.Random(key))
             if not shards:
                 return
+            barren.shards.update(shards)
+            got_image = False
             samples = tarfile_samples(({"url": url} for url in shards), handler=on_tar_error)
             if self.shuffle_buffer:
                 samples = wds.shuffle(self.shuffle_buffer, min(self.shuffle_buffer, 100), rng=random.Random(key))(samples)
@@ -218,20 +405,34 @@ class ShardStream(IterableDataset):
             for index, sample in enumerate(samples, start=1):
                 if index <= resume_at:
                     continue
+                barren.read += 1
+                name = sample.get("__key__", "?")
+                try:
+                    label = self.labels(sample) if self.labels else -1
+                except BadLabel as exc:
+                    skip("bad_label", f"{name}: {exc}")
+                    continue
                 try:
                     image = self.transform(open_image(sample), random.Random(f"{key}-{index}"))
                 except KeyError:
-                    skip("missing_image", sample.get("__key__", "?"))
+                    skip("missing_image", f"{name} has only {', '.join(k for k in sample if not k.startswith('__')) or 'no members'}")
                     continue
                 except Exception as exc:
-                    skip("undecodable_image", f"{sample.get('__key__', '?')}: {exc}")
+                    skip("undecodable_image", f"{name}: {exc}")
                     continue
+                got_image = True
                 images.append(image)
-                labels.append(int(sample["cls"]) if "cls" in sample else -1)
+                labels.append(label)
                 if len(images) == self.batch_size:
                     yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(group, index))
                     images, labels = [], []
                     skipped.clear()
+            if got_image or resume_at:  # a group read past on a resume may have held images: judge the next ones
+                barren = Barren()
+                continue
+            barren.groups += 1
+            if barren.groups >= (BARREN_GROUPS if self.resampled else 1):
+                raise DataError(barren.message(worker, self.rank, self.resampled))
         if images:
             yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(last_group, 0))
 
@@ -244,19 +445,49 @@ class ShardStream(IterableDataset):
         return mine
 
 
+@dataclass
+class Barren:
+    """What a worker read in its groups in a row without a usable image."""
+
+    groups: int = 0
+    read: int = 0  # samples, all unusable
+    shards: set[str] = field(default_factory=set)
+    reasons: Counter = field(default_factory=Counter)
+    first: dict[str, str] = field(default_factory=dict)
+
+    def message(self, worker: int, rank: int, resampled: bool) -> str:
+        names = sorted(self.shards)
+        shards = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        span = f"{self.groups} groups of {SHARDS_PER_GROUP} draws" if resampled else "a whole pass"
+        counts = ", ".join(f"{n} {reason} (first: {self.first[reason]})" for reason, n in self.reasons.most_common())
+        if self.read:
+            what = f"{self.read} samples and not one usable image: {counts}"
+        else:
+            what = f"no samples at all: {counts or 'the tars are empty'}"
+        return (f"dataloader worker {worker} of rank {rank} read {span} over shard(s) {shards} and got {what}; "
+                f"fix or remove these shards, or point data.shards at usable ones")
+
+
 def make_loader(urls: list[str], transform: Callable, batch_size: int, *, num_workers: int, rank: int = 0,
                 world: int = 1, seed: int = 0, resampled: bool = True, shuffle_buffer: int = 0,
-                loop: bool = True, pin_memory: bool = False, state: StreamState | None = None) -> DataLoader:
-    """A DataLoader over a ShardStream; `state` (from a checkpoint) continues a stream where it stopped."""
+                loop: bool = True, pin_memory: bool = False, state: StreamState | None = None,
+                labels: bool = True, class_names: Sequence[str] | None = None) -> DataLoader:
+    """A DataLoader over a ShardStream; `state` (from a checkpoint) continues a stream where it stopped.
+
+    labels=False never reads labels (pretraining without them must not stop on one it cannot parse); class names
+    map to ids through `class_names`, by default the shard set's own (`label_names`).
+    """
     if loop and not resampled:
         if len(urls) < world:
             raise DataError(f"{len(urls)} shards cannot give each of {world} processes one; write more shards or set data.resampled=true")
         # A looping worker without a shard would end the stream at once; cap workers so each gets one.
         num_workers = min(num_workers, len(urls) // world)
     state = state or StreamState()
+    if labels:
+        reader = LabelReader(tuple(label_names(tuple(urls)) if class_names is None else class_names))
     stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,
                          resampled=resampled, shuffle_buffer=shuffle_buffer, loop=loop, start=state.positions,
-                         worker_offset=state.batches % max(num_workers, 1))
+                         worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None)
     # Its own generator: starting workers must not draw from the global RNG that drives corruption,
     # or a resumed run (which starts its loader after restoring RNG state) would diverge.
     return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import tempfile
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sized
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
+from mpp.data import SIXTEEN_BIT_MODES, upright
 from mpp.errors import UserError
 from mpp.synthetic import CLASS_NAMES, synthetic_image
 
@@ -92,6 +94,7 @@ def write_shards(
     if samples_per_shard < 1:
         raise SourceError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
     out = Path(out_dir)
+    check_writable_dir(out)
     stale = _stale_outputs(out, overwrite)
     name = samples.name if isinstance(samples, Source) else "samples"
     stream = iter(tqdm(samples, total=len(samples) if isinstance(samples, Sized) else None,
@@ -117,6 +120,22 @@ def write_shards(
         summary["class_names"] = samples.class_names
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def check_writable_dir(out: Path) -> None:
+    """Refuse, before any work, an output directory that cannot be created or written in."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        where = "is a file" if existing == out else f"lies under {existing}, which is a file"
+        raise SourceError(f"output directory {out} {where}; choose a directory path (--out)")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise SourceError(f"cannot write in {existing} ({exc.strerror}) to create the shards in {out}; choose a "
+                          f"writable output directory (--out)") from None
 
 
 def _write_tars(samples: Iterable[Sample], pattern: Path, samples_per_shard: int) -> tuple[int, set[int]]:
@@ -160,19 +179,31 @@ def is_saved_dataset(path: str | os.PathLike) -> bool:
 
 
 def _jpeg(image: Image.Image, quality: int) -> bytes:
+    """`image` as an RGB JPEG, upright (EXIF orientation applied, since the tag is not carried over) and with
+    16-bit greys scaled rather than clipped."""
     buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, "JPEG", quality=quality)
+    upright(image).convert("RGB").save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    upright(image).save(buffer, "PNG")
     return buffer.getvalue()
 
 
 def _encoded(data: bytes, keep: Collection[str]) -> tuple[bytes, str] | None:
     """(bytes, ext) to store: files in a `keep` format as they are, others re-encoded as JPEG.
 
-    None if PIL cannot decode the data. Everything is decoded once here, so a truncated file is
-    dropped now rather than failing a training run; JPEGs decode at 1/8 scale, which still reads every byte.
+    16-bit images become 8-bit PNGs (scaled, lossless otherwise), so any reader of the shards sees the right greys;
+    JPEGs keep their EXIF orientation tag, which the stream applies. None if PIL cannot decode the data.
+    Everything is decoded once here, so a truncated file is dropped now rather than failing a training run;
+    JPEGs decode at 1/8 scale, which still reads every byte.
     """
     try:
         with Image.open(io.BytesIO(data)) as image:
+            if image.mode in SIXTEEN_BIT_MODES:
+                return _png(image), "png"
             if image.format in keep:
                 image.draft(image.mode, (1, 1))
                 image.load()
@@ -206,8 +237,10 @@ def bound_short_side_bytes(data: bytes, short_side: int, quality: int) -> bytes:
         if min(width, height) <= short_side:
             return data
         scale = short_side / min(width, height)
-        size = (max(1, round(width * scale)), max(1, round(height * scale)))
-        image.draft("RGB", size)  # JPEG: decode at the smallest DCT scale still at least `size`
+        image.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))  # JPEG: the smallest DCT scale still at least that
+        image = upright(image)  # the re-encoded JPEG carries no EXIF orientation, so apply it to the pixels
+        scale = short_side / min(image.size)
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
         return _jpeg(image.convert("RGB").resize(size, Image.LANCZOS), quality)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -29,7 +30,7 @@ from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
 
 CHECKPOINT_PREFIX = "step_"
-SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard")
+SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 PANEL_IMAGES = 8
 PANEL_GAP = 4  # white pixels between the panel's cells
 NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")
@@ -216,8 +217,10 @@ class Meter:
 # ---------------------------------------------------------------- the loop
 
 
-def next_batch(batches: Iterator[Batch], device: torch.device) -> Batch:
-    batch = next(batches)
+def next_batch(batches: Iterator[Batch], device: torch.device, stop: StopOnSignal | None = None) -> Batch:
+    """The next batch on `device`; a signal while waiting for it raises SignalWhileWaiting (see StopOnSignal)."""
+    with stop.waiting_for_data() if stop else contextlib.nullcontext():
+        batch = next(batches)
     return Batch(batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
                  batch.skipped, batch.worker, batch.position)
 
@@ -230,13 +233,22 @@ class TrainingDiverged(UserError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
+class SignalWhileWaiting(Exception):
+    """A stop signal arrived while the loop was blocked waiting for the data stream."""
+
+
 class StopOnSignal:
-    """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once."""
+    """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once.
+
+    A signal that arrives while the loop waits for data raises SignalWhileWaiting out of the wait: a stream that
+    never delivers (a `pipe:` command that hangs, a stalled network read) must not keep the process alive.
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
+        self.waiting = False
         self.previous: dict[int, object] = {}
         self.pending: torch.Tensor | None = None  # the last step's all-reduced flag (several processes)
 
@@ -249,10 +261,22 @@ class StopOnSignal:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
+
     def _handle(self, signum: int, frame) -> None:
         self.requested = True
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+        if self.waiting:
+            self.waiting = False
+            print(f"\nreceived {signal.Signals(signum).name} while waiting for data: stopping", file=sys.stderr, flush=True)
+            raise SignalWhileWaiting(signal.Signals(signum).name)
         print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this step "
               "(send it again to exit at once)", file=sys.stderr, flush=True)
 
@@ -306,7 +330,12 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
             outputs = []
             for _ in range(cfg.grad_accum):
                 wait_start = time.perf_counter()
-                batch = next_batch(batches, accelerator.device)
+                try:
+                    batch = next_batch(batches, accelerator.device, stop)
+                except SignalWhileWaiting as signalled:
+                    bar.close()
+                    raise stopped_waiting(accelerator, output_dir, progress.step, cfg, str(signalled), resume_hint,
+                                          at_step_boundary=not outputs) from None
                 waited += time.perf_counter() - wait_start
                 progress.stream.advance(batch)
                 skipped.update(batch.skipped)
@@ -389,6 +418,27 @@ def show_progress(bar: tqdm, scalars: dict[str, float]) -> None:
     shown = {"loss": ("train/loss", "{:.3f}"), "color_acc": ("train/color_acc", "{:.1%}"),
              "acc": ("train/accuracy", "{:.1%}"), "top1": ("eval/top1", "{:.1%}")}
     bar.set_postfix({label: fmt.format(scalars[tag]) for label, (tag, fmt) in shown.items() if tag in scalars}, refresh=False)
+
+
+def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainConfig, signal_name: str,
+                    resume_hint: str, *, at_step_boundary: bool) -> Preempted:
+    """The stop for a signal that came while the loop waited for data, after saving what can be saved.
+
+    Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
+    end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
+    step: then the newest checkpoint is what a resume starts from.
+    """
+    newest = complete_checkpoints(output_dir)
+    if at_step_boundary and accelerator.num_processes == 1 and step > 0:
+        if not newest or newest[-1].name != f"{CHECKPOINT_PREFIX}{step:08d}":
+            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)]
+        accelerator.end_training()
+        return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data; checkpoint "
+                         f"saved in {newest[-1]}; continue with {resume_hint}")
+    accelerator.end_training()
+    kept = f"the newest checkpoint is {newest[-1]}; continue with {resume_hint}" if newest else "no checkpoint was written yet"
+    return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data, without saving "
+                     f"this step; {kept}")
 
 
 def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -17,7 +16,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, config_to_yaml, load_config
-from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, make_loader
+from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
 from mpp.shards import synthetic_samples, write_shards
@@ -49,40 +48,55 @@ def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str
         with accelerator.main_process_first():
             if accelerator.is_main_process and not (out / "summary.json").is_file():
                 accelerator.print(f"generating the embedded synthetic corpus ({cfg.data.synthetic_size} images) in {out}")
-                write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True)
+                write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True, progress=True)
         spec = str(out)
     return expand_shards(spec)
 
 
-def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState):
+def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
     return make_loader(
         urls, TrainTransform(cfg.model.image_size, cfg.data.crop_scale, cfg.data.hflip), cfg.train.batch_size,
         num_workers=cfg.data.num_workers, rank=accelerator.process_index, world=accelerator.num_processes,
         seed=cfg.train.seed, resampled=cfg.data.resampled, shuffle_buffer=cfg.data.shuffle_buffer,
-        pin_memory=torch.cuda.is_available(), state=state)
+        pin_memory=torch.cuda.is_available(), state=state, labels=labels,
+        class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)
+
+
+def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tuple[str, ...]:
+    """The class names every loader of a run maps named labels through (id = position): the class_names of the
+    summary.json beside the first shard set, else the sorted names found in all of them, so that training and
+    evaluation shards agree on each name's id even when one of them lacks a class."""
+    urls = [url for spec in specs if spec for url in resolve_shards(spec, cfg, accelerator)]
+    return label_names(tuple(urls))
 
 
 def num_classes(cfg: Config, urls: list[str]) -> int:
-    """model.num_classes, else the class count in the summary.json that `launch.py prepare` wrote beside the shards."""
+    """model.num_classes, else the class count of the shards: from the summary.json that `launch.py prepare` wrote
+    beside them, or without one from a scan of their labels (cls, json or txt; class names count once each)."""
     if cfg.model.num_classes:
         return cfg.model.num_classes
-    summary_path = Path(urls[0]).parent / "summary.json"
-    if not summary_path.is_file():
-        raise DataError(f"no summary.json beside the shards of {cfg.data.shards} to read the class count from; set model.num_classes")
-    summary = json.loads(summary_path.read_text())
-    if not summary.get("labels"):
-        raise DataError(f"the shards of {cfg.data.shards} have no cls labels ({summary_path} says so); "
-                        f"supervised training needs labelled shards (write them with `launch.py prepare` from labelled images)")
-    return len(summary["class_names"]) if summary.get("class_names") else int(summary["classes"])
+    space = label_space(tuple(urls))
+    if space.count is None:
+        raise DataError(f"cannot tell how many classes data.shards ({cfg.data.shards}) holds ({space.source}); "
+                        f"set model.num_classes")
+    if not space.count:
+        raise DataError(f"the shards of {cfg.data.shards} have no labels ({space.source} finds no cls, json label "
+                        f"or txt); supervised training needs labelled shards (write them with `launch.py prepare` "
+                        f"from labelled images), or set model.num_classes if they are labelled after all")
+    return space.count
 
 
 def labelled(batches: Iterable[Batch], classes: int, what: str) -> Iterator[Batch]:
-    """Batches whose labels are all in [0, classes), checked on the host before they reach the device."""
+    """Batches whose labels are all in [0, classes), checked on the host before they reach the device.
+
+    Labels that cannot be read at all (not a number, below 0, an unknown class name) never get here: the stream
+    skips those samples and counts them as data/skipped_bad_label.
+    """
     for batch in batches:
         labels = batch.labels
         if labels.numel() and labels.min() < 0:
-            raise DataError(f"{what} holds images without a cls label; supervised pretraining and "
-                            f"fine-tuning need a label for every image (use labelled shards, or objective=mpp)")
+            raise DataError(f"{what} holds images without a label (no cls, json label or txt); supervised pretraining "
+                            f"and fine-tuning need a label for every image (use labelled shards, or objective=mpp)")
         if labels.numel() and labels.max() >= classes:
             raise DataError(f"{what} holds label {int(labels.max())} but the head has {classes} classes; "
                             f"set model.num_classes to the number of classes")

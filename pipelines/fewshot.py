@@ -15,7 +15,7 @@ from mpp.data import EvalTransform, make_loader
 from mpp.fewshot import FewShotError, LabelledImages, few_shot_accuracy
 from mpp.model import VisionTransformer
 from mpp.train import Evaluator, make_accelerator
-from pipelines.common import resolve_shards
+from pipelines.common import class_names, resolve_shards
 
 
 class FewShot:
@@ -36,7 +36,9 @@ class FewShot:
         # One pass, in shard order, no augmentation; its own loader, so the training stream is not touched.
         return make_loader(resolve_shards(spec, cfg, self.accelerator), EvalTransform(cfg.model.image_size),
                            cfg.fewshot.batch_size, num_workers=0, rank=self.accelerator.process_index,
-                           world=self.accelerator.num_processes, resampled=False, loop=False)
+                           world=self.accelerator.num_processes, resampled=False, loop=False,
+                           class_names=class_names(cfg, self.accelerator, cfg.fewshot.shards or cfg.data.shards,
+                                                   cfg.data.val_shards))
 
     def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
         """{shots: [accuracy of each draw]}, identical on every process."""

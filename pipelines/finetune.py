@@ -15,8 +15,8 @@ from mpp.config import Config, ConfigError
 from mpp.data import DataError, EvalTransform, make_loader
 from mpp.objectives import Classification, finetuning_head
 from mpp.train import Evaluator, precision_label, train
-from pipelines.common import (build_backbone, check_output_dir, command_line, end_tracking, labelled, num_classes,
-                              resolve_shards, resume_command, start_training, start_tracking, train_loader)
+from pipelines.common import (build_backbone, check_output_dir, class_names, command_line, end_tracking, labelled,
+                              num_classes, resolve_shards, resume_command, start_training, start_tracking, train_loader)
 
 
 class History:
@@ -43,7 +43,8 @@ def evaluate(accelerator: Accelerator, classifier: Classification, urls: list[st
     """Top-1 (and top-5 with more than 5 classes) over one pass of the evaluation shards, split across processes;
     counts are summed over processes, so the result is exact however unevenly the shards split."""
     loader = make_loader(urls, EvalTransform(cfg.model.image_size), cfg.train.batch_size, num_workers=cfg.data.num_workers,
-                         rank=accelerator.process_index, world=accelerator.num_processes, resampled=False, loop=False)
+                         rank=accelerator.process_index, world=accelerator.num_processes, resampled=False, loop=False,
+                         class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards))
     k = min(5, classes)
     counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
     classifier.eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mpp.shards import Source, bound_short_side, folder_samples, hf_samples, idx_samples, is_saved_dataset, synthetic_samples, write_shards
+from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, folder_samples, hf_samples, idx_samples, is_saved_dataset, synthetic_samples, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 
@@ -28,6 +28,7 @@ def run(
     an MNIST-style *-images-idx3-ubyte(.gz) file (labels beside it), or a Hugging Face dataset name.
     short_side: store images whose short side exceeds it downsized to it, as JPEG at `quality`.
     """
+    check_writable_dir(Path(out))
     samples = open_source(source, size=size, count=count, split=split)
     if short_side is not None:
         samples = bound_short_side(samples, short_side, quality)
@@ -39,10 +40,17 @@ def run(
     return summary
 
 
+FASHION_MNIST_FIX = ("on Debian or Ubuntu `apt-get install dataset-fashion-mnist` puts its IDX files in "
+                     "/usr/share/datasets/fashion-mnist/; online, `launch.py prepare zalando-datasets/fashion_mnist "
+                     "--split train` (or `--split test`) reads the same images from the Hugging Face hub")
+
+
 def open_source(source: str, *, size: int = 64, count: int = 20000, split: str = "train") -> Source:
     if source == "synthetic":
         return synthetic_samples(count, size)
     path = Path(source).expanduser()
+    if not path.exists() and "fashion-mnist" in source.lower():
+        raise SourceNotFoundError(f"{source} does not exist; {FASHION_MNIST_FIX}")
     if path.is_dir():
         return hf_samples(path, split) if is_saved_dataset(path) else folder_samples(path)
     if _IDX_IMAGES.search(path.name):

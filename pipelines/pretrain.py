@@ -54,7 +54,7 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     started = time.perf_counter()
 
     def batches(state):
-        loader = train_loader(urls, cfg, accelerator, state)
+        loader = train_loader(urls, cfg, accelerator, state, labels=classes is not None)
         return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
 
     results = train(accelerator, objective, batches,

@@ -1,11 +1,15 @@
+import io
 import itertools
 import multiprocessing
 
+import numpy as np
 import pytest
 import torch
+import webdataset as wds
+from PIL import Image
 
 from mpp.synthetic import synthetic_image
-from mpp.data import DataError, EvalTransform, ShardStream, StreamState, TrainTransform, expand_shards, make_loader
+from mpp.data import DataError, EvalTransform, StreamState, TrainTransform, expand_shards, make_loader
 
 
 def stream(urls, world, workers, rank, **kw):
@@ -38,27 +42,48 @@ def test_labels_stream_with_images(make_shards):
     assert next(iter(make_loader(unlabelled, EvalTransform(8), 3, num_workers=0, resampled=False, loop=False))).labels.tolist() == [-1] * 3
 
 
+STALL_S = 300  # no batch from any rank for this long is a hang; a slow but moving stream never reaches it
+
+
 def _take(urls, rank, world, resampled, n, queue):
+    """Report each batch as it comes (the parent judges progress, not elapsed time), then shut the workers down."""
     loader = make_loader(urls, TrainTransform(8), 4, num_workers=2, rank=rank, world=world, resampled=resampled)
-    queue.put(sum(1 for _ in itertools.islice(loader, n)))
+    batches = iter(loader)  # forks the workers before the queue's feeder thread exists
+    for _ in range(n):
+        next(batches)
+        queue.put(rank)
+    del batches  # workers stop here, not during interpreter shutdown
 
 
 @pytest.mark.parametrize("resampled", [True, False])
 def test_uneven_shards_never_run_dry(make_shards, resampled):
     """3 shards over 2 ranks of 2 workers: each rank keeps producing batches for as many steps as asked."""
+    import queue as queues
+
     urls = make_shards([9, 2, 5])
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_take, args=(urls, rank, 2, resampled, 30, queue)) for rank in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    assert not hung, "a rank's stream stopped producing batches"
-    assert [queue.get(timeout=1) for _ in procs] == [30, 30]
+    counts, stalled = [0, 0], 0
+    try:
+        while sum(counts) < 60:
+            try:
+                counts[queue.get(timeout=5)] += 1
+                stalled = 0
+            except queues.Empty:
+                stalled += 5
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed, f"a rank died (exit codes {failed}; -6 is SIGABRT) after {counts} batches"
+            assert stalled < STALL_S, f"no rank produced a batch for {STALL_S}s (batches per rank: {counts})"
+        for p in procs:
+            p.join(timeout=STALL_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert counts == [30, 30] and [p.exitcode for p in procs] == [0, 0]
 
 
 @pytest.mark.parametrize("resampled", [True, False])
@@ -92,7 +117,7 @@ def test_shard_specs(make_shards, tmp_path):
     with pytest.raises(DataError, match="shard-000003.tar does not exist"):
         expand_shards(f"{directory}/shard-{{000000..000003}}.tar")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="holds no .tar files"):
+    with pytest.raises(DataError, match="holds no .tar, .tar.gz, .tgz files"):
         expand_shards(str(tmp_path / "empty"))
 
 
@@ -100,3 +125,44 @@ def test_pipe_urls_stream(make_shards):
     urls = make_shards([4])
     batch = next(iter(make_loader([f"pipe:cat {urls[0]}"], EvalTransform(8), 4, num_workers=0, resampled=False, loop=False)))
     assert batch.images.shape[0] == 4
+
+
+# ---------------------------------------------------------------- image modes and orientation
+
+def one_image_batch(directory, name, image_bytes, ext, size=8):
+    """The stream's (3, size, size) uint8 image of one sample written as `name.ext`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(directory / "s.tar")) as sink:
+        sink.write({"__key__": name, ext: image_bytes})
+    batch = next(iter(make_loader([str(directory / "s.tar")], EvalTransform(size), 1, num_workers=0,
+                                  resampled=False, loop=False, labels=False)))
+    return batch.images[0]
+
+
+def test_16_bit_greys_are_scaled_not_clipped(tmp_path):
+    for level in (0, 16384, 32768, 65535):
+        image = Image.fromarray(np.full((6, 6), level, np.uint16))  # mode I;16: a 16-bit greyscale PNG
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        assert Image.open(io.BytesIO(buffer.getvalue())).mode in ("I;16", "I")
+        pixels = one_image_batch(tmp_path / str(level), "k", buffer.getvalue(), "png")
+        assert pixels.unique().tolist() == [round(level * 255 / 65535)]
+
+
+def exif_rotated_jpeg(orientation):
+    """A JPEG stored 20 wide x 10 high, left half black and right half white, tagged with `orientation`."""
+    pixels = np.zeros((10, 20, 3), np.uint8)
+    pixels[:, 10:] = 255
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=95, exif=exif)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("orientation, white_at", [(6, "bottom"), (8, "top")])
+def test_exif_orientation_is_applied(tmp_path, orientation, white_at):
+    """Orientation 6 is shown turned 90 degrees clockwise, 8 counter-clockwise: the white right half ends up below / above."""
+    pixels = one_image_batch(tmp_path, "k", exif_rotated_jpeg(orientation), "jpg", size=10).float().mean(0)  # (10, 10)
+    top, bottom = pixels[:3].mean().item(), pixels[-3:].mean().item()
+    assert (bottom > 200 and top < 50) if white_at == "bottom" else (top > 200 and bottom < 50), (top, bottom)

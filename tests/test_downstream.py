@@ -184,7 +184,7 @@ def test_cli_refuses_supervised_pretraining_without_labels(tmp_path, make_shards
     common = ["pretrain", "objective=supervised", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'pre'}",
               *TINY, "train.steps=2", "train.warmup_steps=1", "train.batch_size=4"]
     assert_one_line_error(launch(*common), "set model.num_classes")  # no summary.json to count classes from
-    assert_one_line_error(launch(*common, "model.num_classes=10"), "without a cls label")
+    assert_one_line_error(launch(*common, "model.num_classes=10"), "without a label")
 
 
 def test_finetuning_needs_val_shards_before_any_work(tmp_path, labelled_data):
@@ -312,7 +312,7 @@ def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_
     assert num_classes(load_config(None, ["model.num_classes=3"]), urls) == 3
     unlabelled = make_shards([5], labels=False)
     (tmp_path / "shards" / "summary.json").write_text(json.dumps({"samples": 5, "classes": 0, "labels": False}))
-    with pytest.raises(UserError, match="have no cls labels"):
+    with pytest.raises(UserError, match="have no labels"):
         num_classes(load_config(None, [f"data.shards={tmp_path / 'shards'}"]), unlabelled)
 
 

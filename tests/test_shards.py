@@ -1,6 +1,7 @@
 import gzip
 import io
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -161,3 +162,64 @@ def test_saved_hf_dataset_round_trip(tmp_path):
         image = Image.open(io.BytesIO(sample["jpg"]))
         assert image.format == "JPEG" and image.size == (12, 10)
         assert np.abs(np.asarray(image.convert("RGB"), dtype=int) - colour).max() <= 8  # JPEG quality 95
+
+
+def test_16_bit_pngs_are_stored_as_scaled_8_bit(tmp_path):
+    (tmp_path / "images").mkdir()
+    Image.fromarray(np.full((8, 8), 32768, np.uint16)).save(tmp_path / "images" / "grey.png")  # 50% grey, mode I;16
+    prepare.run(str(tmp_path / "images"), str(tmp_path / "out"))
+    stored = Image.open(io.BytesIO(read_shards(tmp_path / "out")["grey"]["png"]))
+    assert stored.mode == "L" and np.unique(np.asarray(stored)).tolist() == [128]
+
+
+def test_short_side_applies_the_exif_orientation_it_would_drop(tmp_path):
+    pixels = np.zeros((40, 80, 3), np.uint8)  # stored 80 wide x 40 high; right half white
+    pixels[:, 40:] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise: 40 wide x 80 high, white half at the bottom
+    (tmp_path / "images").mkdir()
+    Image.fromarray(pixels).save(tmp_path / "images" / "photo.jpg", quality=95, exif=exif)
+    prepare.run(str(tmp_path / "images"), str(tmp_path / "out"), short_side=20)
+    stored = Image.open(io.BytesIO(read_shards(tmp_path / "out")["photo"]["jpg"]))
+    assert stored.size == (20, 40) and stored.getexif().get(0x0112, 1) == 1
+    grey = np.asarray(stored.convert("L"), dtype=float)
+    assert grey[:15].mean() < 30 and grey[-15:].mean() > 225
+
+
+def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    opened = []
+    monkeypatch.setattr(prepare, "open_source", lambda *a, **kw: opened.append(a))
+    (tmp_path / "file").write_text("a regular file")
+    with pytest.raises(ValueError, match="lies under .*file, which is a file"):
+        prepare.run("synthetic", str(tmp_path / "file" / "shards"))
+    with pytest.raises(ValueError, match="shards2 is a file"):
+        (tmp_path / "shards2").write_text("")
+        prepare.run("synthetic", str(tmp_path / "shards2"))
+    if os.geteuid() != 0:  # root writes in read-only directories; the check is the same
+        (tmp_path / "ro").mkdir(mode=0o555)
+        with pytest.raises(ValueError, match="cannot write in .*ro .*choose a writable output directory"):
+            prepare.run("synthetic", str(tmp_path / "ro" / "shards"))
+    assert not opened
+
+
+def test_a_missing_fashion_mnist_path_names_how_to_get_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist.*zalando-datasets/fashion_mnist"):
+        prepare.run(str(tmp_path / "fashion-mnist" / "train-images-idx3-ubyte.gz"), str(tmp_path / "out"))
+
+
+def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, capsys):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from mpp.config import load_config
+    from mpp.train import make_accelerator
+    from pipelines import common
+
+    monkeypatch.setattr(common, "SYNTHETIC_ROOT", tmp_path / "data")
+    cfg = load_config(None, ["data.synthetic_size=30", f"output_dir={tmp_path / 'run'}"])
+    try:
+        urls = common.resolve_shards("synthetic", cfg, make_accelerator(cfg.train, cfg.output_dir))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    bar = capsys.readouterr().err
+    assert len(urls) == 1 and "writing shards" in bar and "30/30" in bar

@@ -1,0 +1,134 @@
+"""Labels: read only where a run needs them, from cls, json or txt, as ids or class names (issues 11 and 16)."""
+
+import io
+import json
+
+import pytest
+import webdataset as wds
+from accelerate.state import AcceleratorState, GradientState
+
+from mpp.config import load_config
+from mpp.data import DataError, EvalTransform, label_space, make_loader
+from mpp.synthetic import synthetic_image
+from pipelines import pretrain
+from pipelines.common import num_classes
+
+from test_pretrain import TINY
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    label_space.cache_clear()  # tests rewrite shards under the same names
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def jpeg(i):
+    buffer = io.BytesIO()
+    synthetic_image(i, 16)[0].save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def write_labelled(directory, labels, field="cls", class_names=None):
+    """One shard whose sample i carries labels[i] under `field` (json: {"label": value}); summary.json if class_names."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(directory / "s-000000.tar")) as sink:
+        for i, label in enumerate(labels):
+            value = json.dumps({"label": label}) if field == "json" else str(label)
+            sink.write({"__key__": f"k{i:04d}", "jpg": jpeg(i), field: value.encode()})
+    if class_names is not None:
+        (directory / "summary.json").write_text(json.dumps({"labels": True, "classes": len(class_names),
+                                                            "class_names": class_names}))
+    return [str(directory / "s-000000.tar")]
+
+
+def stream_labels(urls, **kw):
+    batches = list(make_loader(urls, EvalTransform(8), 4, num_workers=0, resampled=False, loop=False, **kw))
+    return [int(x) for b in batches for x in b.labels], sum((b.skipped for b in batches), start=batches[0].skipped.__class__())
+
+
+@pytest.mark.parametrize("field", ["cls", "json", "txt"])
+def test_class_names_map_through_summary_json(tmp_path, field):
+    urls = write_labelled(tmp_path / "s", ["dog", "cat", "bird", "dog"], field, class_names=["cat", "dog", "bird"])
+    assert stream_labels(urls)[0] == [1, 0, 2, 1]
+
+
+def test_integer_labels_in_json_and_cls(tmp_path):
+    assert stream_labels(write_labelled(tmp_path / "j", [3, 0, 7, 1], "json"))[0] == [3, 0, 7, 1]
+    assert stream_labels(write_labelled(tmp_path / "c", [3, 0, 7, 1], "cls"))[0] == [3, 0, 7, 1]
+
+
+def test_without_summary_a_scan_finds_the_classes(tmp_path):
+    names = write_labelled(tmp_path / "names", ["zebra", "ant", "mole", "ant"], "txt")
+    cfg = load_config(None, ["data.shards=x"])
+    assert num_classes(cfg, names) == 3
+    assert stream_labels(names)[0] == [2, 0, 1, 0]  # sorted names: ant, mole, zebra
+    ids = write_labelled(tmp_path / "ids", [4, 0, 2, 2], "json")
+    assert num_classes(cfg, ids) == 5
+    mixed = write_labelled(tmp_path / "mixed", [1, "cat", 2, 0], "cls")
+    with pytest.raises(DataError, match="some samples with class ids and others with class names.*set model.num_classes"):
+        num_classes(cfg, mixed)
+
+
+def test_remote_shards_without_summary_ask_for_num_classes(tmp_path):
+    urls = write_labelled(tmp_path / "s", [1, 2, 0, 1])
+    with pytest.raises(DataError, match="set model.num_classes"):
+        num_classes(load_config(None, ["data.shards=x"]), [f"pipe:cat {urls[0]}"])
+    assert num_classes(load_config(None, ["data.shards=x", "model.num_classes=4"]), [f"pipe:cat {urls[0]}"]) == 4
+
+
+def test_bad_labels_are_counted_skips_when_labels_are_read(tmp_path):
+    urls = write_labelled(tmp_path / "s", [1, -3, "cat", 2, 0, "+1"], "cls")
+    with pytest.warns(UserWarning, match="bad_label"):
+        labels, skipped = stream_labels(urls)
+    assert labels == [1, 2, 0, 1] and skipped["bad_label"] == 2
+    assert stream_labels(urls, labels=False)[0] == [-1] * 6  # not read at all
+
+
+def test_shards_whose_every_label_is_bad_stop_with_one_line(tmp_path):
+    urls = write_labelled(tmp_path / "s", [-3] * 5, "cls")
+    with pytest.raises(DataError, match=r"5 bad_label \(first: k0000: label -3, below 0\)"):
+        stream_labels(urls, class_names=())
+
+
+def test_mpp_pretraining_never_reads_labels(tmp_path):
+    write_labelled(tmp_path / "s", ["cat", "not a label", -3, "{"] * 4, "cls")
+    cfg = load_config(None, [f"data.shards={tmp_path / 's'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                             "train.steps=2", "train.warmup_steps=1", "train.batch_size=4"])
+    results = pretrain.run(cfg)
+    assert results["data/skipped_bad_label"] == 0 and (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path):
+    write_labelled(tmp_path / "s", [0, 1, -3, "cat", 2, 1, 0, 2] * 30, "cls")
+    common = [f"data.shards={tmp_path / 's'}", *TINY, "objective=supervised", "model.num_classes=3",
+              "train.warmup_steps=1", "train.batch_size=8", "log.every=1"]
+    tolerant = load_config(None, [*common, f"output_dir={tmp_path / 'a'}", "train.steps=3", "data.max_skip_fraction=0.5"])
+    with pytest.warns(UserWarning, match="bad_label"):
+        assert pretrain.run(tolerant)["data/skipped_bad_label"] > 0
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    strict = load_config(None, [*common, f"output_dir={tmp_path / 'b'}", "train.steps=60"])
+    with pytest.warns(UserWarning, match="bad_label"), pytest.raises(DataError, match="could not be used, over data.max_skip_fraction"):
+        pretrain.run(strict)
+
+
+def test_training_and_evaluation_shards_share_one_name_map(tmp_path):
+    """Without summaries, ids come from the names of both sets: an evaluation set that lacks a class keeps the ids."""
+    from pipelines.common import class_names
+
+    write_labelled(tmp_path / "train", ["zebra", "ant", "mole", "ant"], "txt")
+    val = write_labelled(tmp_path / "val", ["zebra", "mole"], "txt")
+    cfg = load_config(None, [f"data.shards={tmp_path / 'train'}", f"data.val_shards={tmp_path / 'val'}"])
+    names = class_names(cfg, None, cfg.data.shards, cfg.data.val_shards)
+    assert names == ("ant", "mole", "zebra")
+    assert stream_labels(val, class_names=names)[0] == [2, 1]
+
+
+def test_integer_labels_need_no_scan_of_every_shard(tmp_path):
+    import mpp.data
+
+    urls = write_labelled(tmp_path / "a", [1, 2, 0, 1]) + write_labelled(tmp_path / "b", [3, 0])
+    assert mpp.data.label_names(tuple(urls)) == ()
+    assert mpp.data.label_space.cache_info().currsize == 0  # the full scan never ran

@@ -1,0 +1,172 @@
+"""Data streams that can never deliver a batch: each must end with one line, never wait forever (issue 11)."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import webdataset as wds
+from accelerate.state import AcceleratorState, GradientState
+from torch.utils.data import DataLoader, IterableDataset
+
+from mpp.config import load_config
+from mpp.data import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, expand_shards, make_loader
+from mpp.objectives import MaskedPatchPrediction
+import mpp.train
+from mpp.train import Preempted, complete_checkpoints, make_accelerator, next_batch, train
+from pipelines.common import build_backbone
+
+from conftest import ROOT
+from test_pretrain import TINY
+
+STUCK_AFTER_S = 300  # far beyond what any case needs even on a loaded machine; only a real hang reaches it
+
+
+@contextlib.contextmanager
+def fails_if_stuck(seconds=STUCK_AFTER_S):
+    """Fail this test (not the suite) if the block has not finished after `seconds`."""
+    def stuck(signum, frame):
+        raise AssertionError(f"still waiting after {seconds}s: the stream hangs")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def write_tar(path, samples):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(path)) as sink:
+        for sample in samples:
+            sink.write(sample)
+    return str(path)
+
+
+def first_batch(urls, resampled=True, workers=1, **kw):
+    loader = make_loader(urls, TrainTransform(8), 4, num_workers=workers, resampled=resampled, **kw)
+    with fails_if_stuck():
+        return next(iter(loader))
+
+
+CORRUPT = [{"__key__": f"k{i}", "jpg": b"\xff\xd8 not a jpeg " + bytes([i])} for i in range(6)]
+NO_IMAGE = [{"__key__": f"k{i}", "cls": b"1", "txt": b"a caption"} for i in range(6)]
+
+
+@pytest.mark.parametrize("resampled", [True, False])
+@pytest.mark.parametrize("samples, reason", [(CORRUPT, "6 undecodable_image"), (NO_IMAGE, "6 missing_image")],
+                         ids=["corrupt", "no-image"])
+def test_shards_without_one_usable_image_stop_the_stream(tmp_path, samples, reason, resampled):
+    urls = [write_tar(tmp_path / "s" / "a.tar", samples)]
+    with pytest.raises(DataError) as err:
+        first_batch(urls, resampled=resampled)
+    message = str(err.value).strip().splitlines()[-1]  # from a worker it arrives under the worker's traceback
+    assert "a.tar" in message and "not one usable image" in message
+    # resampled: 4 groups of 8 draws of the one shard; otherwise one pass
+    assert (f"{4 * 8 * 6} samples" if resampled else reason) in message
+
+
+def test_a_pipe_that_fails_or_prints_nothing_stops_the_stream():
+    with pytest.raises(DataError, match=r"pipe:false.*unreadable_shard"):
+        first_batch(["pipe:false"])
+    with pytest.raises(DataError, match=r"no samples at all: 1 unreadable_shard \(first: pipe:true: empty file\)"):
+        first_batch(["pipe:true"], resampled=False)
+
+
+def test_one_good_shard_among_bad_ones_keeps_the_stream_going(tmp_path, make_shards):
+    """The check judges whole groups: a resampled stream that draws a bad shard now and then is not stopped."""
+    good = make_shards([8])
+    bad = [write_tar(tmp_path / "s" / f"bad{i}.tar", CORRUPT) for i in range(3)]
+    loader = make_loader(good + bad, TrainTransform(8), 4, num_workers=0, resampled=True)
+    with fails_if_stuck(), pytest.warns(UserWarning, match="undecodable_image"):
+        batches = [b for _, b in zip(range(20), loader)]
+    assert len(batches) == 20 and sum(b.skipped["undecodable_image"] for b in batches) > 0
+
+
+def test_a_shard_that_is_a_directory_or_a_link_loop_is_named(tmp_path):
+    (tmp_path / "dir" / "x.tar").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"x.tar is a directory"):
+        expand_shards(str(tmp_path / "dir"))
+    (tmp_path / "loop").mkdir()
+    os.symlink(tmp_path / "loop" / "x.tar", tmp_path / "loop" / "x.tar")
+    with pytest.raises(DataError, match=r"x.tar is a symbolic link to nothing"):
+        expand_shards(str(tmp_path / "loop"))
+    with pytest.raises(DataError, match=r"x.tar is a symbolic link to nothing"):
+        expand_shards(str(tmp_path / "loop" / "x.tar"))
+
+
+def test_gzipped_shards_in_a_directory_are_read(tmp_path, make_shards):
+    plain = make_shards([5])[0]
+    gz = tmp_path / "shards" / "shard-000001.tar.gz"
+    subprocess.run(["gzip", "-k", plain], check=True)
+    os.rename(plain + ".gz", gz)
+    urls = expand_shards(str(tmp_path / "shards"))
+    assert urls == [plain, str(gz)]
+    batches = list(make_loader(urls, EvalTransform(8), 10, num_workers=0, resampled=False, loop=False))
+    assert sum(len(b.images) for b in batches) == 10 and not any(b.skipped for b in batches)
+
+
+def test_cli_stops_with_one_line_on_all_corrupt_shards(tmp_path):
+    write_tar(tmp_path / "bad" / "a.tar", CORRUPT)
+    proc = subprocess.run([sys.executable, "launch.py", "pretrain", f"data.shards={tmp_path / 'bad'}",
+                           f"output_dir={tmp_path / 'run'}", *TINY, "data.num_workers=2", "train.steps=5",
+                           "train.warmup_steps=1", "train.batch_size=4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=STUCK_AFTER_S)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "a.tar" in errors[0] and "undecodable_image" in errors[0]
+
+
+# ---------------------------------------------------------------- a signal while the loop waits for data
+
+
+class StallsAfter(IterableDataset):
+    """Yields `count` batches, then blocks forever, like a `pipe:` command or a network read that stalled."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def __iter__(self):
+        for i in range(self.count):
+            yield Batch(torch.full((4, 3, 16, 16), i, dtype=torch.uint8), torch.full((4,), -1), position=StreamPosition(0, 4 * i + 4))
+        threading.Event().wait()
+
+
+def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch):
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=50", "train.warmup_steps=1",
+                             "train.checkpoint_every=100"])
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    calls, fourth = [], threading.Event()
+
+    def counted_next_batch(*args):
+        calls.append(1)
+        if len(calls) == 4:  # the 3 batches are trained on; this wait never ends
+            fourth.set()
+        return next_batch(*args)
+
+    monkeypatch.setattr(mpp.train, "next_batch", counted_next_batch)
+
+    def signal_when_blocked():
+        if fourth.wait(STUCK_AFTER_S):
+            threading.Event().wait(1)  # from the call into the blocking wait takes microseconds
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_when_blocked, daemon=True).start()
+    batches = lambda state: DataLoader(StallsAfter(3), batch_size=None, num_workers=1)
+    with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
+        train(accelerator, MaskedPatchPrediction(build_backbone(cfg)), batches, cfg.train, cfg.log, cfg.output_dir)
+    assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000003"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the loop's handler is gone again
