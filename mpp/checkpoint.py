@@ -72,8 +72,18 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
         found = ", ".join(list(weights)[:3]) or "no tensors"
         raise CheckpointError(f"{path} is not a ViT of this project: it lacks {', '.join(missing)} (it holds {found}, ...); pass a checkpoint written by launch.py pretrain or finetune")
 
-    width = weights["cls_token"].shape[-1]
+    if not any(k.startswith("blocks.") for k in weights):
+        raise CheckpointError(f"{path} holds no Transformer blocks (no blocks.* tensors), so it is not a trained ViT; "
+                              f"pass a checkpoint written by launch.py pretrain or finetune")
     proj = tuple(weights["patch_embed.proj.weight"].shape)  # (D, P*P*3)
+    pos = tuple(weights["pos_embed"].shape)  # (1, 1 + N, D)
+    if len(proj) != 2 or len(pos) != 3:
+        raise CheckpointError(f"{path} has a patch projection of shape {proj} and position embeddings of shape {pos}; "
+                              f"a ViT of this project has (D, P*P*3) and (1, 1 + N, D): pass a checkpoint written by launch.py")
+    if math.isqrt(pos[1] - 1) ** 2 != pos[1] - 1:
+        raise CheckpointError(f"{path} has {pos[1] - 1} patch positions, not a square grid, so they cannot be interpolated "
+                              f"to model.image_size={model_cfg.image_size}; pass a checkpoint of a square-image ViT")
+    width = weights["cls_token"].shape[-1]
     patch = math.isqrt(proj[1] // 3)
     expected = (width, 3 * model_cfg.patch_size ** 2)
     if patch * patch * 3 != proj[1] or patch != model_cfg.patch_size:
