@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 from mpp.errors import UserError
 from mpp.train import Preempted
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
+RANK_ERROR_GRACE_S = 20
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -95,11 +98,36 @@ def main(argv: list[str] | None = None) -> int:
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
                         quality=args.quality)
     except UserError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        return 2
+        return fail(one_line(err))
+    except (RuntimeError, MemoryError) as err:
+        if not out_of_memory(err):
+            raise
+        return fail(f"out of memory ({one_line(err)}); reduce train.batch_size (train.grad_accum keeps the global batch), "
+                    f"model.width, model.depth or model.image_size, or pick a smaller mpp.target / mpp.color_bits")
     except Preempted as stop:
         print(stop, file=sys.stderr)
     return 0
+
+
+def fail(message: str) -> int:
+    """One line, from one process: under `accelerate launch` every rank meets the same error, and rank 0 says it.
+
+    Another rank waits first: once rank 0 has printed and exited, the launcher stops the other ranks, so a rank
+    still running after the wait met an error of its own (bad data in its shards) and says it, naming itself.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:
+        time.sleep(RANK_ERROR_GRACE_S)
+        message = f"(rank {rank}) {message}"
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """torch.OutOfMemoryError on GPU; on CPU a RuntimeError from the allocator (or Python's MemoryError)."""
+    text = str(err)
+    return isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or any(
+        s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
 def one_line(err: Exception) -> str:

@@ -1,6 +1,8 @@
 """Injected faults and what the pipeline does about them (docs/reliability.md lists them)."""
 
 import io
+import os
+import resource
 from collections import Counter
 import re
 import signal
@@ -268,3 +270,32 @@ def test_output_dir_of_another_run_is_refused(tmp_path, make_shards):
     assert again.returncode == 2 and "already holds checkpoints of a run; pass --resume" in again.stderr
     other_model = launch("pretrain", *common, "model.depth=3", "--resume")
     assert other_model.returncode == 2 and "holds a run with a different 'model' config" in other_model.stderr
+
+
+def limit_address_space():
+    # Allocations past 4 GiB fail at once here even where the kernel overcommits, so the test never eats the machine.
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def test_out_of_memory_says_what_to_reduce(tmp_path, make_shards):
+    # model.width=65536: one block's qkv weights alone are 51.5 GB, so torch's CPU allocator raises its real
+    # "DefaultCPUAllocator: can't allocate memory" RuntimeError while the model is built.
+    make_shards([20], size=32)
+    result = subprocess.run([sys.executable, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "model.width=65536", "model.depth=1",
+                             "train.steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            preexec_fn=limit_address_space)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: out of memory (") and "can't allocate memory" in result.stderr
+    assert "reduce train.batch_size" in result.stderr and "model.width" in result.stderr
+
+
+def test_a_user_error_under_two_processes_is_printed_once(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
+           "pretrain", "train.stpes=3", f"output_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count("error: unknown config key 'train.stpes'") == 1, result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr  # both ranks exit 2; the launcher's report is what README explains
