@@ -126,6 +126,11 @@ def test_a_resume_refuses_what_it_cannot_apply(tmp_path, finished_run, override,
         pretrain.run(pretrain_config(tmp_path, override), resume=True)
 
 
+def test_a_resume_shorter_than_its_checkpoint_is_refused(tmp_path, finished_run):
+    with pytest.raises(UserError, match=r"step_00000004 is at step 4, past train.steps=3; set train.steps to at least 4"):
+        pretrain.run(pretrain_config(tmp_path, "train.steps=3"), resume=True)
+
+
 def test_a_resumed_optimizer_takes_the_new_hyperparameters(tmp_path, finished_run):
     # The checkpoint's optimiser state carries the old lr, weight decay and betas; the new ones must replace them.
     cfg = pretrain_config(tmp_path, "train.lr=5e-4", "train.steps=6", "train.weight_decay=0.1", "train.betas=[0.8,0.99]")
