@@ -217,7 +217,7 @@ def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Pa
         raise UserError(f"none of the {candidates} checkpoint(s) in {checkpoint_root(output_dir)} verifies (newest, "
                         f"{newest_fault}); move them aside to start afresh")
     if path is None:
-        accelerator.print(f"--resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
+        accelerator.print(f"resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
     return None if path is None else Path(path)
 
 

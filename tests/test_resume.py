@@ -169,6 +169,19 @@ def test_a_finished_finetuning_resumed_rewrites_its_results(tmp_path, make_shard
     assert after["top1"] == before["top1"] and after["history"] == before["history"] == [[3, before["history"][0][1]], [6, before["top1"]]]
 
 
+def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_the_rerun(tmp_path):
+    from pipelines import compare
+    from test_compare import tiny
+
+    cc = tiny(tmp_path, "arms=[scratch]", "lrs=[0.01]")
+    first = compare.run(cc)["arms"]["scratch"]["test"]["top1"]
+    stage = tmp_path / "cmp" / "finetune_scratch_lr0.01"
+    for written_after_the_last_checkpoint in ("results.json", "stage.json", "model.safetensors"):
+        (stage / written_after_the_last_checkpoint).unlink()
+    reset_accelerator()
+    assert compare.run(cc)["arms"]["scratch"]["test"]["top1"] == first
+
+
 def test_a_finished_pretraining_resumed_exits_0_saying_so(tmp_path, finished_run):
     (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
     result = launch("pretrain", "--resume", "--config", str(tmp_path / "defaults.yaml"), *pretrain_args(tmp_path))
