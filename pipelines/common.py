@@ -108,9 +108,9 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
     """Refuse an output_dir that cannot be written, that holds another run's checkpoints, or whose run a resume
     would change in a way it cannot apply; returns what the resume changes, as `key before -> after`."""
     out = Path(cfg.output_dir)
+    nearest = next(p for p in (out, *out.absolute().parents) if p.exists())  # created later, under the run's lock
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
+        with tempfile.TemporaryFile(dir=nearest):
             pass
     except OSError as exc:
         raise UserError(f"output_dir {out} cannot be written ({exc.strerror}); set output_dir to a writable directory") from None
@@ -145,6 +145,7 @@ class OutputDirLock:
     def __enter__(self) -> OutputDirLock:
         holder = [None]
         if self.accelerator.is_main_process:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self.file = self.path.open("a+")
             try:
                 fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)

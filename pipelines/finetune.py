@@ -88,13 +88,13 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
     changes = check_output_dir(cfg, resume)
     started = time.perf_counter()
     accelerator = start_training(cfg)
+    urls = resolve_shards(cfg.data.shards, cfg, accelerator)
+    val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
+    classes = num_classes(cfg, urls)
+    check_evaluation_labels(val_urls, classes, cfg.data.val_shards)
+    classifier = build_classifier(cfg, ckpt, classes)
     with OutputDirLock(accelerator, cfg.output_dir):
         resume_from = resume_point(accelerator, cfg, resume, changes)
-        urls = resolve_shards(cfg.data.shards, cfg, accelerator)
-        val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
-        classes = num_classes(cfg, urls)
-        check_evaluation_labels(val_urls, classes, cfg.data.val_shards)
-        classifier = build_classifier(cfg, ckpt, classes)
         start_tracking(accelerator, cfg, "finetune", resume_from, changes)
         b = classifier.backbone
         accelerator.print(

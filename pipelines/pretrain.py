@@ -27,11 +27,11 @@ def build_objective(cfg: Config, classes: int | None) -> nn.Module:
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     changes = check_output_dir(cfg, resume)
     accelerator = start_training(cfg)
+    urls = resolve_shards(cfg.data.shards, cfg, accelerator)
+    classes = num_classes(cfg, urls) if cfg.objective == "supervised" else None
+    objective = build_objective(cfg, classes)
     with OutputDirLock(accelerator, cfg.output_dir):
         resume_from = resume_point(accelerator, cfg, resume, changes)
-        urls = resolve_shards(cfg.data.shards, cfg, accelerator)
-        classes = num_classes(cfg, urls) if cfg.objective == "supervised" else None
-        objective = build_objective(cfg, classes)
         start_tracking(accelerator, cfg, "pretrain", resume_from, changes)
         accelerator.print(
             f"{cfg.objective} pretraining of {cfg.model.name} ({sum(p.numel() for p in objective.backbone.parameters()) / 1e6:.1f}M params) "
