@@ -5,11 +5,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ from mpp.objectives import MaskedPatchPrediction
 
 from conftest import ROOT, write_test_shards
 from test_pretrain import TINY
+from test_reliability import Watched
 
 
 @pytest.fixture(autouse=True)
@@ -256,18 +254,18 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(tmp_pat
     make_shards([40], size=32)
     args = ["pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
             "train.steps=100000", "train.batch_size=8", "train.checkpoint_every=100000"]
-    first = subprocess.Popen([sys.executable, "launch.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
+    first = Watched(args)
     try:
-        started = first.stdout.readline()  # the start-up line comes after the lock is taken
-        assert "pretraining" in started, started
+        # The start-up line comes after the lock is taken.
+        first.wait_until(lambda: "pretraining of" in first.stdout or first.proc.poll() is not None)
+        assert first.proc.poll() is None, first.stderr[-2000:]
         second = launch(*args[:-3], "train.steps=2", "train.warmup_steps=1", "train.batch_size=8")  # short, in case it ran
         assert second.returncode == 2, second.stderr[-2000:]
-        assert f"is in use by another run (pid {first.pid})" in second.stderr and "Traceback" not in second.stderr
-        assert first.poll() is None  # the first run goes on
+        assert f"is in use by another run (pid {first.proc.pid})" in second.stderr and "Traceback" not in second.stderr
+        assert first.proc.poll() is None  # the first run goes on
     finally:
-        first.kill()  # SIGKILL: no clean-up, the lock file stays behind with its pid
-        first.wait()
-    assert (tmp_path / "run" / ".lock").read_text().strip() == str(first.pid)
+        first.proc.kill()  # SIGKILL: no clean-up, the lock file stays behind with its pid
+        first.finish()
+    assert (tmp_path / "run" / ".lock").read_text().strip() == str(first.proc.pid)
     third = launch(*args[:-3], "train.steps=2", "train.warmup_steps=1", "train.batch_size=8", "--resume")
     assert third.returncode == 0, third.stderr[-2000:]  # a dead process's lock does not block
