@@ -22,7 +22,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     pretrain = stages.add_parser("pretrain", help="masked patch prediction pretraining")
     pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
                           help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
-    pretrain.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
+    pretrain.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
     finetune = stages.add_parser("finetune", help="fine-tune a pretrained backbone (or a fresh one) with a linear head")
@@ -30,7 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                          "from pretrain (either objective) or finetune; omit it to train from scratch")
     finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
                           help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
-    finetune.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
+    finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
     fewshot = stages.add_parser("fewshot", help="few-shot linear evaluation of a backbone's frozen features")

@@ -174,7 +174,8 @@ def write_manifest(directory: Path, processes: int) -> None:
 
 
 def checkpoint_fault(directory: Path, processes: int | None = None) -> str | None:
-    """Why `directory` cannot be resumed from (by `processes` processes, if given), or None when it verifies."""
+    """Why `directory` cannot be resumed from (by `processes` processes; None: only its weights are wanted), or
+    None when it verifies."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         files, saved_by = manifest["files"], manifest["processes"]
