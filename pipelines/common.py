@@ -122,7 +122,10 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
     if not saved.is_file():
         return []
     before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
-    changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)]
+    changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
+               # config.yaml holds the per-process batch derived from train.global_batch_size; the checkpoint's
+               # process count is checked on its own
+               and not (key == "train.batch_size" and now.get("train.global_batch_size") is not None)]
     refused = [key for key in changed if not key.startswith(RESUMABLE)]
     if refused:
         key = refused[0]

@@ -124,6 +124,16 @@ def test_a_resume_refuses_what_it_cannot_apply(tmp_path, finished_run, override,
         pretrain.run(pretrain_config(tmp_path, override), resume=True)
 
 
+def test_a_run_sized_by_its_global_batch_resumes(tmp_path, make_shards, capsys):
+    # config.yaml records the per-process batch derived from train.global_batch_size, not the batch_size given.
+    make_shards([40], size=32)
+    pretrain.run(pretrain_config(tmp_path, "train.global_batch_size=4", "train.steps=2"))
+    reset_accelerator()
+    capsys.readouterr()
+    pretrain.run(pretrain_config(tmp_path, "train.global_batch_size=4"), resume=True)
+    assert "applied from step_00000002 on: train.steps 2 -> 4" in capsys.readouterr().out
+
+
 def test_a_resume_shorter_than_its_checkpoint_is_refused(tmp_path, finished_run):
     with pytest.raises(UserError, match=r"step_00000004 is at step 4, past train.steps=3; set train.steps to at least 4"):
         pretrain.run(pretrain_config(tmp_path, "train.steps=3"), resume=True)
