@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, parse_model_name, resize_pos_embed
-from mpp.train import CHECKPOINT_PREFIX, complete_checkpoints
+from mpp.train import CHECKPOINT_PREFIX, checkpoint_fault, complete_checkpoints
 
 WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
 VIT_KEYS = ("cls_token", "pos_embed", "patch_embed.proj.weight", "norm.weight")
@@ -23,7 +23,7 @@ class CheckpointError(UserError):
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory (its model.safetensors, else its newest complete checkpoint), a checkpoints/step_N
+    """A run directory (its model.safetensors, else its newest checkpoint that verifies), a checkpoints/step_N
     directory, or a .safetensors file -> the .safetensors file holding the weights."""
     path = Path(path)
     if path.is_file():
@@ -32,10 +32,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory, a checkpoints/step_N directory or a .safetensors file to --ckpt")
     if (path / WEIGHTS).is_file():
         return path / WEIGHTS
-    checkpoints = complete_checkpoints(path)
-    if checkpoints and (checkpoints[-1] / WEIGHTS).is_file():
-        return checkpoints[-1] / WEIGHTS
-    raise CheckpointError(f"{path} holds neither {WEIGHTS} nor a complete checkpoint; pass a run directory, a checkpoints/step_N directory or a .safetensors file to --ckpt")
+    verified = next((c for c in reversed(complete_checkpoints(path)) if checkpoint_fault(c) is None), None)
+    if verified is not None and (verified / WEIGHTS).is_file():
+        return verified / WEIGHTS
+    raise CheckpointError(f"{path} holds neither {WEIGHTS} nor a checkpoint that verifies; pass a run directory, a checkpoints/step_N directory or a .safetensors file to --ckpt")
 
 
 def backbone_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,8 +72,18 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
         found = ", ".join(list(weights)[:3]) or "no tensors"
         raise CheckpointError(f"{path} is not a ViT of this project: it lacks {', '.join(missing)} (it holds {found}, ...); pass a checkpoint written by launch.py pretrain or finetune")
 
-    width = weights["cls_token"].shape[-1]
+    if not any(k.startswith("blocks.") for k in weights):
+        raise CheckpointError(f"{path} holds no Transformer blocks (no blocks.* tensors), so it is not a trained ViT; "
+                              f"pass a checkpoint written by launch.py pretrain or finetune")
     proj = tuple(weights["patch_embed.proj.weight"].shape)  # (D, P*P*3)
+    pos = tuple(weights["pos_embed"].shape)  # (1, 1 + N, D)
+    if len(proj) != 2 or len(pos) != 3:
+        raise CheckpointError(f"{path} has a patch projection of shape {proj} and position embeddings of shape {pos}; "
+                              f"a ViT of this project has (D, P*P*3) and (1, 1 + N, D): pass a checkpoint written by launch.py")
+    if math.isqrt(pos[1] - 1) ** 2 != pos[1] - 1:
+        raise CheckpointError(f"{path} has {pos[1] - 1} patch positions, not a square grid, so they cannot be interpolated "
+                              f"to model.image_size={model_cfg.image_size}; pass a checkpoint of a square-image ViT")
+    width = weights["cls_token"].shape[-1]
     patch = math.isqrt(proj[1] // 3)
     expected = (width, 3 * model_cfg.patch_size ** 2)
     if patch * patch * 3 != proj[1] or patch != model_cfg.patch_size:

@@ -6,11 +6,14 @@ import difflib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError
 from mpp.model import parse_model_name
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+MAX_HEAD_BYTES = 10**9  # a larger MPP head (e.g. color4x4 at 8 bits: 268M outputs) only exhausts memory
 
 
 class ConfigError(UserError):
@@ -94,9 +97,9 @@ class TrainConfig(Section):
     optimizer: Literal["adam", "adamw", "sgd"] = Field("adamw", description="Optimiser: adam, adamw or sgd (with momentum).")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate, reached after the warmup.")
     weight_decay: float = Field(0.05, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd); not applied to biases, norms, tokens and position embeddings.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
-    warmup_steps: int = Field(100, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards.")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.")
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU and on CPUs with bf16 instructions (AVX512-BF16, AMX), fp32 on other CPUs.")
     compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model (inductor); auto: on GPU only, where it pays for its compile time.")
@@ -110,6 +113,22 @@ class TrainConfig(Section):
     @classmethod
     def _yaml_no(cls, value):
         return "no" if value is False else value  # YAML reads a bare `no` (mixed_precision=no) as false
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_warmup(cls, raw: dict) -> dict:
+        # Resolved here, not where it is used, so config.yaml records the warmup the run really had.
+        if not isinstance(raw, dict) or raw.get("warmup_steps") is not None:
+            return raw
+        steps = raw.get("steps", cls.model_fields["steps"].default)
+        return {**raw, "warmup_steps": min(100, steps // 10)} if isinstance(steps, int) and steps > 0 else raw
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"train.betas must both lie in [0, 1), got {list(betas)}; the paper's Adam uses [0.9, 0.999]")
+        return betas
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -168,6 +187,23 @@ class Config(Section):
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     fewshot: FewShotConfig = Field(default_factory=FewShotConfig)
 
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.objective != "mpp":
+            return self
+        patch, bits = self.model.patch_size, self.mpp.color_bits
+        if self.mpp.target == "color4x4" and patch % 4:
+            raise ValueError(f"mpp.target=color4x4 predicts a 4x4 downsized patch, so model.patch_size must be divisible by 4, "
+                             f"got {patch}; pick such a patch size or mpp.target=color")
+        outputs = {"color": 1 << 3 * bits, "color4x4": 16 << 3 * bits, "pixels": 3 * patch * patch}[self.mpp.target]
+        width = self.model.width or parse_model_name(self.model.name)[0].width
+        head_bytes = 4 * (width + 1) * outputs  # fp32 weights and biases
+        if head_bytes > MAX_HEAD_BYTES:
+            raise ValueError(f"mpp.target={self.mpp.target} with mpp.color_bits={bits} needs a {outputs:,}-way prediction head of "
+                             f"{head_bytes / 1e9:.1f} GB (width {width}); heads over {MAX_HEAD_BYTES / 1e9:.1f} GB are refused, "
+                             f"lower mpp.color_bits (the paper uses 3)")
+        return self
+
 
 def _closest_key(section: type[BaseModel], prefix: str, key: str) -> str:
     matches = difflib.get_close_matches(key, list(section.model_fields), n=1)
@@ -206,9 +242,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
         try:
-            layers.append(OmegaConf.load(path))
+            layer = OmegaConf.load(path)
         except Exception as exc:
             raise ConfigError(f"config file {path} is not valid YAML ({exc.__class__.__name__}); fix its syntax") from None
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"config file {path} holds a list at its top level; it must be a mapping of sections "
+                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
+        layers.append(layer)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=1000)")

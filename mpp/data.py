@@ -249,7 +249,7 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
         return LabelSpace(None, (), f"no summary.json beside {remote[0]}, and remote shards are not scanned")
     ids, names = set(), set()
     for url in urls:
-        for sample in _label_members(url):
+        for sample in label_members(url):
             value = _raw_or_none(sample)  # a bad label is the stream's to count
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
@@ -271,7 +271,7 @@ def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
     first = urls[0]
     if os.path.isfile(os.path.join(os.path.dirname(first), "summary.json")) or first.startswith("pipe:") or "://" in first:
         return label_space(urls).class_names
-    named = any(isinstance(_raw_or_none(sample), str) for sample in _label_members(first))
+    named = any(isinstance(_raw_or_none(sample), str) for sample in label_members(first))
     return label_space(urls).class_names if named else ()
 
 
@@ -282,7 +282,7 @@ def _raw_or_none(sample: dict) -> int | str | None:
         return None
 
 
-def _label_members(url: str) -> Iterator[dict]:
+def label_members(url: str) -> Iterator[dict]:
     """{"cls"|"json"|"txt": bytes} per sample of a local tar, skipping over the image members."""
     sample, key = {}, None
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import ProjectConfiguration, broadcast_object_list
 from PIL import Image, ImageDraw, ImageFont
 from safetensors.torch import save_file
 from torch import nn
@@ -30,6 +32,7 @@ from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
 
 CHECKPOINT_PREFIX = "step_"
+MANIFEST = "manifest.json"
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 PANEL_IMAGES = 8
 PANEL_GAP = 4  # white pixels between the panel's cells
@@ -46,16 +49,20 @@ class Evaluator:
 
 @dataclass
 class Progress:
-    """Checkpointed with the model: the step counter and the data stream's position."""
+    """Checkpointed with the model: the step counter, the last step whose evaluations ran, the data stream's position.
+
+    A step's checkpoint is written before its evaluations, so a resume from it runs them first.
+    """
 
     step: int = 0
+    evaluated: int = 0
     stream: StreamState = field(default_factory=StreamState)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "stream": self.stream.state_dict()}
+        return {"step": self.step, "evaluated": self.evaluated, "stream": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
+        self.step, self.evaluated = state["step"], state["evaluated"]
         self.stream.load_state_dict(state["stream"])
 
 
@@ -159,6 +166,66 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
 
 
+def sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path, processes: int) -> None:
+    """Size and sha256 of every file of a checkpoint, written last: damage after the save shows on resume."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(directory.iterdir()) if p.is_file()}
+    (directory / MANIFEST).write_text(json.dumps({"processes": processes, "files": files}, indent=1) + "\n")
+
+
+def checkpoint_fault(directory: Path, processes: int | None = None) -> str | None:
+    """Why `directory` cannot be resumed from (by `processes` processes; None: only its weights are wanted), or
+    None when it verifies."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        files, saved_by = manifest["files"], manifest["processes"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (written by an mpp that did not verify its checkpoints)"
+    except (ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes where {entry['bytes']} were written (truncated or overwritten)"
+        if sha256(path) != entry["sha256"]:
+            return f"{name} does not match the sha256 written with it (damaged)"
+    if processes is not None and processes != saved_by:
+        return f"it was saved by {saved_by} process(es) and this run has {processes}; resume with {saved_by}"
+    return None
+
+
+def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Path | None:
+    """The newest checkpoint that verifies, saying which newer ones were skipped and why; None when there is none yet.
+
+    The main process verifies (reading each file once) and tells the others.
+    """
+    choice: list = [None, None, 0]  # path, the newest one's fault, candidates
+    if accelerator.is_main_process:
+        candidates = complete_checkpoints(output_dir)
+        choice[2] = len(candidates)
+        for candidate in reversed(candidates):
+            fault = checkpoint_fault(candidate, accelerator.num_processes)
+            if fault is None:
+                choice[0] = str(candidate)
+                break
+            choice[1] = choice[1] or f"{candidate.name}: {fault}"
+            print(f"skipping checkpoint {candidate}: {fault}", file=sys.stderr, flush=True)
+    broadcast_object_list(choice)
+    path, newest_fault, candidates = choice
+    if path is None and candidates:
+        raise UserError(f"none of the {candidates} checkpoint(s) in {checkpoint_root(output_dir)} verifies (newest, "
+                        f"{newest_fault}); move them aside to start afresh")
+    if path is None:
+        accelerator.print(f"resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
+    return None if path is None else Path(path)
+
+
 def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int) -> Path:
     """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete."""
     root = checkpoint_root(output_dir)
@@ -170,6 +237,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        write_manifest(partial, accelerator.num_processes)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         for old in complete_checkpoints(output_dir)[:-keep]:
@@ -294,10 +362,14 @@ class StopOnSignal:
 
 
 def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable[[StreamState], Iterable[Batch]],
-          cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume: bool = False,
+          cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume_from: Path | None = None,
           evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0,
           resume_hint: str = "the same command with --resume") -> dict[str, float]:
     """Train `objective` (a module mapping (uint8 images, labels) to a StepOutput) for cfg.steps optimiser steps.
+
+    `resume_from` (see resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup, steps,
+    weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
+    its last checkpoint precedes.
 
     Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
     `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
@@ -312,14 +384,36 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
     progress = Progress()
     accelerator.register_for_checkpointing(scheduler, progress)
 
-    if resume and complete_checkpoints(output_dir):
-        latest = complete_checkpoints(output_dir)[-1]
-        accelerator.load_state(str(latest))
-        accelerator.print(f"resumed from {latest} at step {progress.step}")
+    results: dict[str, float] = {}
+
+    bar: tqdm | None = None
+
+    def evaluate(step: int) -> None:
+        if step == cfg.steps and evaluators and accelerator.is_main_process:
+            tqdm.write(f"step {step} of {cfg.steps}: running the final evaluation")
+        for evaluator in evaluators:
+            if step % evaluator.every == 0 or step == cfg.steps:
+                scores = evaluator.run(accelerator.unwrap_model(objective), step)
+                objective.train()
+                accelerator.log(scores, step=step)
+                results.update(scores)
+                if bar is not None:
+                    show_progress(bar, results)
+        progress.evaluated = step
+
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        if progress.step > cfg.steps:
+            raise UserError(f"{resume_from} is at step {progress.step}, past train.steps={cfg.steps}; set train.steps to "
+                            f"at least {progress.step} to resume it, or finetune/fewshot from it with --ckpt")
+        apply_hyperparameters(optimizer, scheduler, cfg)
+        accelerator.print(f"resumed from {resume_from} at step {progress.step}"
+                          + (f": the run is finished (train.steps={cfg.steps}), nothing to train" if progress.step == cfg.steps else ""))
+        if progress.evaluated < progress.step:
+            evaluate(progress.step)
 
     batches = iter(make_batches(progress.stream))
     meter, skipped = Meter(), Counter()
-    results: dict[str, float] = {}
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
     window_start, waited, images_seen, images_total = time.perf_counter(), 0.0, 0, 0
     # Device-side counters of skipped (non-finite) steps, read only when a log line is written.
@@ -387,17 +481,8 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
             if (step % log.images_every == 0 or step == cfg.steps) and hasattr(accelerator.unwrap_model(objective), "panel"):
                 log_panel(accelerator, objective, batch, step)
 
-            if step == cfg.steps and evaluators and accelerator.is_main_process:
-                tqdm.write(f"step {step} of {cfg.steps}: running the final evaluation")
-            for evaluator in evaluators:
-                if step % evaluator.every == 0 or step == cfg.steps:
-                    scores = evaluator.run(accelerator.unwrap_model(objective), step)
-                    objective.train()
-                    accelerator.log(scores, step=step)
-                    results.update(scores)
-                    show_progress(bar, results)
-
             stopping = stop.agreed(accelerator)
+            # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
                 saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)
             if stopping and step < cfg.steps:
@@ -405,6 +490,7 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
                 accelerator.end_training()
                 raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "
                                 f"continue with {resume_hint}")
+            evaluate(step)
     bar.close()
 
     if accelerator.is_main_process:
@@ -439,6 +525,21 @@ def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg: 
     kept = f"the newest checkpoint is {newest[-1]}; continue with {resume_hint}" if newest else "no checkpoint was written yet"
     return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data, without saving "
                      f"this step; {kept}")
+
+
+def apply_hyperparameters(optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig) -> None:
+    """Put `cfg` in force over the optimiser and scheduler state a checkpoint restored, which carries the saved run's
+    lr, weight decay, betas and momentum; the schedule (its lambda is rebuilt from cfg, not saved) continues from
+    the restored step. With an unchanged config every value is the one restored, bit for bit."""
+    factor = scheduler.lr_lambdas[0]
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # build_optimizer's two groups
+        group.update(initial_lr=cfg.lr, lr=cfg.lr * factor(scheduler.last_epoch), weight_decay=weight_decay)
+        if "betas" in group:
+            group["betas"] = cfg.betas
+        if "momentum" in group:
+            group["momentum"] = cfg.momentum
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:

@@ -4,7 +4,9 @@ for several processes: `accelerate launch launch.py STAGE ...`, or `accelerate l
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 from mpp.errors import UserError
@@ -20,6 +22,7 @@ def shipped_configs() -> Path:
 
 
 CONFIGS = shipped_configs()
+RANK_ERROR_GRACE_S = 20
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -29,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     pretrain = stages.add_parser("pretrain", help="masked patch prediction pretraining")
     pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
                           help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
-    pretrain.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
+    pretrain.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
     finetune = stages.add_parser("finetune", help="fine-tune a pretrained backbone (or a fresh one) with a linear head")
@@ -37,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                          "from pretrain (either objective) or finetune; omit it to train from scratch")
     finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
                           help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
-    finetune.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output_dir")
+    finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
     fewshot = stages.add_parser("fewshot", help="few-shot linear evaluation of a backbone's frozen features")
@@ -105,11 +108,36 @@ def main(argv: list[str] | None = None) -> int:
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
                         quality=args.quality)
     except UserError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        return 2
+        return fail(one_line(err))
+    except (RuntimeError, MemoryError) as err:
+        if not out_of_memory(err):
+            raise
+        return fail(f"out of memory ({one_line(err)}); reduce train.batch_size (train.grad_accum keeps the global batch), "
+                    f"model.width, model.depth or model.image_size, or pick a smaller mpp.target / mpp.color_bits")
     except Preempted as stop:
         print(stop, file=sys.stderr)
     return 0
+
+
+def fail(message: str) -> int:
+    """One line, from one process: under `accelerate launch` every rank meets the same error, and rank 0 says it.
+
+    Another rank waits first: once rank 0 has printed and exited, the launcher stops the other ranks, so a rank
+    still running after the wait met an error of its own (bad data in its shards) and says it, naming itself.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:
+        time.sleep(RANK_ERROR_GRACE_S)
+        message = f"(rank {rank}) {message}"
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """torch.OutOfMemoryError on GPU; on CPU a RuntimeError from the allocator (or Python's MemoryError)."""
+    text = str(err)
+    return isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or any(
+        s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
 def one_line(err: Exception) -> str:

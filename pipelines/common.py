@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from omegaconf import OmegaConf
 from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
@@ -21,7 +23,7 @@ from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shard
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
 from mpp.shards import synthetic_samples, write_shards
-from mpp.train import complete_checkpoints, make_accelerator
+from mpp.train import complete_checkpoints, make_accelerator, resumable_checkpoint
 
 SYNTHETIC_ROOT = Path("data")
 
@@ -104,20 +106,96 @@ def labelled(batches: Iterable[Batch], classes: int, what: str) -> Iterator[Batc
         yield batch
 
 
-def check_output_dir(cfg: Config, resume: bool) -> None:
-    """Refuse to mix two runs' checkpoints in one directory, or to resume one with another model or objective."""
-    if not complete_checkpoints(cfg.output_dir):
-        return
+# What a resume may change; each is applied from the resumed step on (mpp.train.apply_hyperparameters for the
+# optimiser's). Everything else shapes the model, its optimiser state or the data stream the checkpoint continues.
+RESUMABLE = ("train.steps", "train.warmup_steps", "train.lr", "train.weight_decay", "train.betas", "train.momentum",
+             "train.clip_grad_norm", "train.max_nonfinite_steps", "train.checkpoint_every", "train.keep_checkpoints",
+             "train.compile", "train.cpu_threads", "data.max_skip_fraction", "data.val_shards",
+             "log.", "finetune.", "fewshot.", "output_dir")
+
+
+def dotted(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        flat.update(dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def check_output_dir(cfg: Config, resume: bool) -> list[str]:
+    """Refuse an output_dir that cannot be written, that holds another run's checkpoints, or whose run a resume
+    would change in a way it cannot apply; returns what the resume changes, as `key before -> after`."""
+    out = Path(cfg.output_dir)
+    nearest = next(p for p in (out, *out.absolute().parents) if p.exists())  # created later, under the run's lock
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as exc:
+        raise UserError(f"output_dir {out} cannot be written ({exc.strerror}); set output_dir to a writable directory") from None
+    if not complete_checkpoints(out):
+        return []
     if not resume:
-        raise UserError(f"output_dir {cfg.output_dir} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
-    saved = Path(cfg.output_dir) / "config.yaml"
-    if saved.is_file():
-        before = OmegaConf.to_container(OmegaConf.load(saved))
-        now = cfg.model_dump(mode="json")
-        for section in ("objective", "model", "mpp"):
-            if before.get(section) != now.get(section):
-                raise UserError(f"output_dir {cfg.output_dir} holds a run with a different '{section}' config ({before.get(section)}); "
-                                f"resume with the same settings (see its config.yaml) or set output_dir to a new directory")
+        raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
+    saved = out / "config.yaml"
+    if not saved.is_file():
+        return []
+    before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
+    changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
+               # config.yaml holds the per-process batch derived from train.global_batch_size; the checkpoint's
+               # process count is checked on its own
+               and not (key == "train.batch_size" and now.get("train.global_batch_size") is not None)]
+    refused = [key for key in changed if not key.startswith(RESUMABLE)]
+    if refused:
+        key = refused[0]
+        raise UserError(f"output_dir {out} holds a run with a different '{key.split('.')[0]}' config ({key}: {before.get(key)} "
+                        f"in its config.yaml, {now.get(key)} now); a resume may change only train.steps, the learning-rate "
+                        f"schedule, the optimiser's hyperparameters and how the run logs, evaluates and saves; resume with the "
+                        f"saved value or set output_dir to a new directory")
+    return [f"{key} {before.get(key)} -> {now.get(key)}" for key in changed if key != "output_dir"]
+
+
+class OutputDirLock:
+    """An exclusive flock on output_dir/.lock holding the owner's pid, for the life of a run.
+
+    The kernel drops the lock when its process dies, so a crashed run's lock file never blocks the next run.
+    """
+
+    def __init__(self, accelerator: Accelerator, output_dir: str | Path):
+        self.accelerator, self.path, self.file = accelerator, Path(output_dir) / ".lock", None
+
+    def __enter__(self) -> OutputDirLock:
+        holder = [None]
+        if self.accelerator.is_main_process:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("a+")
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.file.seek(0)
+                holder[0] = self.file.read().strip() or "unknown"
+                self.file.close()
+            else:
+                self.file.truncate(0)
+                self.file.write(f"{os.getpid()}\n")
+                self.file.flush()
+        broadcast_object_list(holder)
+        if holder[0] is not None:
+            raise UserError(f"output_dir {self.path.parent} is in use by another run (pid {holder[0]}); wait for it to end, "
+                            f"stop it, or set output_dir to another directory")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()  # releases the lock
+
+
+def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: list[str]) -> Path | None:
+    """The checkpoint to continue from (None: a fresh start), saying what the resume changes."""
+    if not resume:
+        return None
+    latest = resumable_checkpoint(accelerator, cfg.output_dir)
+    if latest is not None and changes:
+        accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
+    return latest
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -141,8 +219,12 @@ def resume_command() -> str:
 HPARAMS_METRICS = ("train/loss", "train/color_acc", "train/accuracy", "eval/top1", "eval/top5")
 
 
-def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headline: dict[str, list[str]]) -> None:
+def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headline: dict[str, list[str]],
+                   resumed_from: Path | None = None, changes: list[str] = ()) -> None:
     """TensorBoard run under output_dir/tensorboard/<run_name>, config.yaml beside it.
+
+    config.yaml holds the settings now in force; a resume that changed some adds a comment line naming the
+    checkpoint and the earlier values, after those of earlier resumes.
 
     The run gets the config as text and as HParams (with HPARAMS_METRICS, their last logged values, so runs sort by
     them), and a Custom Scalars layout: the stage's `headline` charts (title -> tag regexes, several tags sharing one
@@ -153,8 +235,12 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headlin
     if not accelerator.is_main_process:
         return
     text = config_to_yaml(cfg)
+    saved = Path(cfg.output_dir) / "config.yaml"
+    notes = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith("#")] if resumed_from and saved.is_file() else []
+    if resumed_from and changes:
+        notes.append(f"# resumed from {resumed_from.name} with {', '.join(changes)}; the steps before it ran with the earlier values\n")
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.output_dir) / "config.yaml").write_text(text)
+    saved.write_text("".join(notes) + text)
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("config", f"```\n{text}\n```")
     for summary in hparams_summaries(flat_config(cfg), HPARAMS_METRICS):

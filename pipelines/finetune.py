@@ -12,11 +12,12 @@ from accelerate import Accelerator
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
-from mpp.data import DataError, EvalTransform, make_loader
+from mpp.data import BadLabel, DataError, EvalTransform, LabelReader, label_members, make_loader
 from mpp.objectives import Classification, finetuning_head
 from mpp.train import Evaluator, precision_label, train
-from pipelines.common import (build_backbone, check_output_dir, class_names, command_line, end_tracking, labelled,
-                              num_classes, resolve_shards, resume_command, start_training, start_tracking, train_loader)
+from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, class_names, command_line, end_tracking,
+                              labelled, num_classes, resolve_shards, resume_command, resume_point, start_training,
+                              start_tracking, train_loader)
 
 
 class History:
@@ -63,40 +64,60 @@ def evaluate(accelerator: Accelerator, classifier: Classification, urls: list[st
     return scores
 
 
+def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tuple[str, ...]) -> None:
+    """Read the labels of the local evaluation shards (small; the image bytes are skipped over) before training,
+    so a label the head cannot score stops the run now rather than at its first evaluation."""
+    reader = LabelReader(names)
+    for url in urls:
+        if url.startswith("pipe:") or "://" in url:
+            continue  # streamed: checked batch by batch at evaluation
+        for sample in label_members(url):
+            try:
+                label = reader(sample)
+            except BadLabel:
+                continue  # the evaluation stream counts it as a skipped sample
+            if label >= classes:
+                raise DataError(f"data.val_shards ({spec}) holds label {label} (in {url}) but the head has {classes} classes "
+                                f"(0 to {classes - 1}); set model.num_classes or fix the evaluation shards")
+
+
 def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, float]:
     """Fine-tune the backbone in `ckpt` (None: a fresh one, same recipe) and write output_dir/results.json."""
     if cfg.data.val_shards is None:
         raise ConfigError("fine-tuning needs held-out labelled images to evaluate on; set data.val_shards")
-    check_output_dir(cfg, resume)
+    changes = check_output_dir(cfg, resume)
     started = time.perf_counter()
     accelerator = start_training(cfg)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
     classes = num_classes(cfg, urls)
+    check_evaluation_labels(val_urls, classes, cfg.data.val_shards, class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards))
     classifier = build_classifier(cfg, ckpt, classes)
-    start_tracking(accelerator, cfg, "finetune", {"loss": ["^train/loss$"], "accuracy on the training batches": ["^train/accuracy$"],
-                                                  "top-1 and top-5 on data.val_shards": ["^eval/"]})
-    b = classifier.backbone
-    accelerator.print(
-        f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "
-        f"{b.heads} heads, patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
-        f"{accelerator.num_processes} process(es), {precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+    with OutputDirLock(accelerator, cfg.output_dir):
+        resume_from = resume_point(accelerator, cfg, resume, changes)
+        start_tracking(accelerator, cfg, "finetune", {"loss": ["^train/loss$"], "accuracy on the training batches": ["^train/accuracy$"],
+                                                      "top-1 and top-5 on data.val_shards": ["^eval/"]}, resume_from, changes)
+        b = classifier.backbone
+        accelerator.print(
+            f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "
+            f"{b.heads} heads, patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
+            f"{accelerator.num_processes} process(es), {precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
 
-    history = History()
-    accelerator.register_for_checkpointing(history)
+        history = History()
+        accelerator.register_for_checkpointing(history)
 
-    def evaluation(module: Classification, step: int) -> dict[str, float]:
-        scores = evaluate(accelerator, module, val_urls, cfg, classes)
-        history.points.append([step, scores["eval/top1"]])
-        return scores
+        def evaluation(module: Classification, step: int) -> dict[str, float]:
+            scores = evaluate(accelerator, module, val_urls, cfg, classes)
+            history.points.append([step, scores["eval/top1"]])
+            return scores
 
-    def batches(state):
-        return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
+        def batches(state):
+            return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
 
-    results = train(accelerator, classifier, batches, cfg.train, cfg.log, cfg.output_dir, resume=resume,
-                    evaluators=(Evaluator(cfg.finetune.eval_every, evaluation),),
-                    max_skip_fraction=cfg.data.max_skip_fraction, resume_hint=resume_command())
-    end_tracking(accelerator)
+        results = train(accelerator, classifier, batches, cfg.train, cfg.log, cfg.output_dir, resume_from=resume_from,
+                        evaluators=(Evaluator(cfg.finetune.eval_every, evaluation),),
+                        max_skip_fraction=cfg.data.max_skip_fraction, resume_hint=resume_command())
+        end_tracking(accelerator)
     summary = {
         "top1": results["eval/top1"],
         **({"top5": results["eval/top5"]} if "eval/top5" in results else {}),

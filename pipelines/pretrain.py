@@ -12,8 +12,9 @@ from torch import nn
 from mpp.config import Config
 from mpp.objectives import Classification, MaskedPatchPrediction, pretraining_head
 from mpp.train import precision_label, train
-from pipelines.common import (build_backbone, check_output_dir, command_line, end_tracking, labelled, num_classes,
-                              resolve_shards, resume_command, start_training, start_tracking, train_loader)
+from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, command_line, end_tracking, labelled,
+                              num_classes, resolve_shards, resume_command, resume_point, start_training, start_tracking,
+                              train_loader)
 from pipelines.fewshot import training_evaluator
 
 
@@ -37,36 +38,38 @@ def headline_charts(cfg: Config) -> dict[str, list[str]]:
 
 
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
-    check_output_dir(cfg, resume)
+    changes = check_output_dir(cfg, resume)
     accelerator = start_training(cfg)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     classes = num_classes(cfg, urls) if cfg.objective == "supervised" else None
     objective = build_objective(cfg, classes)
-    start_tracking(accelerator, cfg, "pretrain", headline_charts(cfg))
-    b = objective.backbone
-    accelerator.print(
-        f"{cfg.objective} pretraining of a ViT (width {b.width}, depth {b.depth}, {b.heads} heads, patch {b.patch_size}, "
-        f"{b.image_size} px; {sum(p.numel() for p in b.parameters()) / 1e6:.1f}M params) "
-        f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}"
-        f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-        f"{precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
-    evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
-    started = time.perf_counter()
+    with OutputDirLock(accelerator, cfg.output_dir):
+        resume_from = resume_point(accelerator, cfg, resume, changes)
+        start_tracking(accelerator, cfg, "pretrain", headline_charts(cfg), resume_from, changes)
+        b = objective.backbone
+        accelerator.print(
+            f"{cfg.objective} pretraining of a ViT (width {b.width}, depth {b.depth}, {b.heads} heads, patch {b.patch_size}, "
+            f"{b.image_size} px; {sum(p.numel() for p in b.parameters()) / 1e6:.1f}M params) "
+            f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}"
+            f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
+            f"{precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+        evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
+        started = time.perf_counter()
 
-    def batches(state):
-        loader = train_loader(urls, cfg, accelerator, state, labels=classes is not None)
-        return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
+        def batches(state):
+            loader = train_loader(urls, cfg, accelerator, state, labels=classes is not None)
+            return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
 
-    results = train(accelerator, objective, batches,
-                    cfg.train, cfg.log, cfg.output_dir, resume=resume, max_skip_fraction=cfg.data.max_skip_fraction,
-                    evaluators=evaluators, resume_hint=resume_command())
-    end_tracking(accelerator)
-    if accelerator.is_main_process:
-        (Path(cfg.output_dir) / "results.json").write_text(json.dumps(
-            {"objective": cfg.objective, "steps": cfg.train.steps, "final": {k: v for k, v in results.items() if k.startswith(("train/", "fewshot/"))},
-             "command": command_line()}, indent=2) + "\n")
+        results = train(accelerator, objective, batches,
+                        cfg.train, cfg.log, cfg.output_dir, resume_from=resume_from, max_skip_fraction=cfg.data.max_skip_fraction,
+                        evaluators=evaluators, resume_hint=resume_command())
+        end_tracking(accelerator)
+        if accelerator.is_main_process:
+            (Path(cfg.output_dir) / "results.json").write_text(json.dumps(
+                {"objective": cfg.objective, "steps": cfg.train.steps, "final": {k: v for k, v in results.items() if k.startswith(("train/", "fewshot/"))},
+                 "command": command_line()}, indent=2) + "\n")
     summary = ", ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in results.items() if k.startswith("train/") and k != "train/lr")
     skipped = ", ".join(f"{v:.0f} {k.removeprefix('data/skipped_')}" for k, v in results.items() if k.startswith("data/skipped_") and v)
-    accelerator.print(f"done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): {summary}; "
+    accelerator.print(f"done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): {summary or 'no step trained'}; "
                       f"skipped: {skipped or 'none'}; weights in {cfg.output_dir}/model.safetensors")
     return results

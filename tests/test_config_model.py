@@ -49,11 +49,29 @@ def test_mixed_precision_no_is_not_read_as_false(tmp_path):
     (["mpp.target=edges"], "invalid value for 'mpp.target'"),
     (["mpp.mask_prob=0.95"], "mpp.mask_prob + mpp.random_prob must be at most 1"),
     (["steps"], "not of the form key=value"),
+    (["train.betas=[0.9,1.5]"], "train.betas must both lie in [0, 1), got [0.9, 1.5]"),
+    (["mpp.target=color4x4", "model.image_size=24", "model.patch_size=6"], "model.patch_size must be divisible by 4, got 6"),
+    (["mpp.target=color4x4", "mpp.color_bits=8", "model.width=64", "model.heads=2"],
+     "needs a 268,435,456-way prediction head of 69.8 GB (width 64); heads over 1.0 GB are refused"),
+    (["train.steps=20", "train.warmup_steps=20"], "train.warmup_steps (20) must be smaller than train.steps (20)"),
 ])
 def test_bad_config_is_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("- train.steps: 3\n- model.depth: 2\n")
+    with pytest.raises(ConfigError, match="holds a list at its top level; it must be a mapping of sections"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("steps, warmup", [(1, 0), (20, 2), (600, 60), (5000, 100)])
+def test_unset_warmup_is_a_tenth_of_the_run_at_most_100(steps, warmup):
+    assert load_config(None, [f"train.steps={steps}"]).train.warmup_steps == warmup
+    assert load_config(ROOT / "configs" / "pretrain" / "default.yaml", [f"train.steps={steps}"]).train.warmup_steps == warmup
 
 
 def test_missing_config_file_is_named(tmp_path):

@@ -153,6 +153,28 @@ def test_checkpoints_that_do_not_fit_are_refused_with_one_line(tmp_path):
         load_backbone(str(tmp_path / "junk.safetensors"), cfg.model)
 
 
+def vit_weights_with(**changes):
+    weights = {k: v.clone() for k, v in VisionTransformer(16, 4, 64, 2, 2).state_dict().items()}
+    for key, value in changes.items():
+        if value is None:
+            weights = {k: v for k, v in weights.items() if not k.startswith(key)}
+        else:
+            weights[key] = value
+    return weights
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"blocks.": None}, "holds no Transformer blocks (no blocks.* tensors)"),
+    ({"pos_embed": torch.zeros(1, 1 + 12, 64)}, "has 12 patch positions, not a square grid"),
+    ({"patch_embed.proj.weight": torch.zeros(64 * 48)}, "has a patch projection of shape (3072,)"),
+], ids=["no-blocks", "non-square-grid", "1d-projection"])
+def test_malformed_vit_checkpoints_are_refused_with_one_line(tmp_path, changes, message):
+    save_file(vit_weights_with(**changes), str(tmp_path / "odd.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        load_backbone(str(tmp_path / "odd.safetensors"), load_config(None, TINY).model)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 # ---------------------------------------------------------------- the CLI's errors
 
 

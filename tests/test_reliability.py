@@ -1,6 +1,8 @@
 """Injected faults and what the pipeline does about them (docs/reliability.md lists them)."""
 
 import io
+import os
+import resource
 from collections import Counter
 import re
 import signal
@@ -45,36 +47,73 @@ def losses_by_step(run_dir):
 # ---------------------------------------------------------------- preemption and exact resume
 
 
+STALL_S = 600  # this long without a byte of output is a hang; a loaded machine is slow but keeps printing progress
+
+
+class Watched:
+    """A CLI run read as it prints; a wait fails the test only when the run stops making progress, however slowly a
+    loaded machine runs it (a fixed deadline failed under a load average of 20)."""
+
+    def __init__(self, args):
+        self.proc = subprocess.Popen([sys.executable, "launch.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.streams = {"stdout": [], "stderr": []}
+        self.last_output = time.monotonic()
+        self.readers = [threading.Thread(target=self._read, args=(name,), daemon=True) for name in self.streams]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, name):  # the only reader of its stream, up to EOF
+        for chunk in iter(lambda: getattr(self.proc, name).read(1), ""):
+            self.streams[name].append(chunk)
+            self.last_output = time.monotonic()
+
+    @property
+    def stdout(self):
+        return "".join(self.streams["stdout"])
+
+    @property
+    def stderr(self):
+        return "".join(self.streams["stderr"])
+
+    def step(self):
+        return max(map(int, re.findall(r"\|\s*(\d+)/\d+ \[", self.stderr)), default=0)
+
+    def wait_until(self, condition):
+        while not condition():
+            if time.monotonic() - self.last_output > STALL_S:
+                self.proc.kill()
+                pytest.fail(f"no output for {STALL_S} s, at step {self.step()}: {self.stderr[-2000:]}")
+            time.sleep(0.05)
+
+    def finish(self):
+        self.wait_until(lambda: self.proc.poll() is not None)
+        for reader in self.readers:
+            reader.join()
+        return self.proc.returncode
+
+
+def launch_watched(*args):
+    run = Watched(args)
+    run.finish()
+    return run
+
+
 def run_until_signalled(args, at_step):
     """Start a run, SIGTERM it once its progress bar reaches `at_step`, and return its exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, "launch.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    seen = []
-
-    def read():  # the only reader of stderr, up to EOF, so no message can go elsewhere
-        for chunk in iter(lambda: proc.stderr.read(1), ""):
-            seen.append(chunk)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    deadline = time.time() + 300  # generous: a loaded CI machine can take a minute to start the run
-    while time.time() < deadline and proc.poll() is None:
-        if max(map(int, re.findall(r"\|\s*(\d+)/\d+ \[", "".join(seen))), default=0) >= at_step:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the run ended before it was signalled: {''.join(seen)[-2000:]}"
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    reader.join(timeout=30)
-    return proc.returncode, "".join(seen)
+    run = Watched(args)
+    run.wait_until(lambda: run.step() >= at_step or run.proc.poll() is not None)
+    assert run.proc.poll() is None, f"the run ended before it was signalled: {run.stderr[-2000:]}"
+    run.proc.send_signal(signal.SIGTERM)
+    return run.finish(), run.stderr
 
 
 def test_sigterm_saves_and_resume_replays_the_same_losses(tmp_path, make_shards):
     make_shards([60] * 4, size=32)
     common = [f"data.shards={tmp_path / 'shards'}", *TINY, "train.steps=150", "train.warmup_steps=5",
               "train.batch_size=16", "train.checkpoint_every=1000", "log.every=1", "data.num_workers=2"]
-    reference = launch("pretrain", *common, f"output_dir={tmp_path / 'ref'}")
-    assert reference.returncode == 0, reference.stderr[-2000:]
+    reference = launch_watched("pretrain", *common, f"output_dir={tmp_path / 'ref'}")
+    assert reference.proc.returncode == 0, reference.stderr[-2000:]
 
     run = tmp_path / "run"
     code, stderr = run_until_signalled(["pretrain", *common, f"output_dir={run}"], at_step=20)
@@ -83,8 +122,8 @@ def test_sigterm_saves_and_resume_replays_the_same_losses(tmp_path, make_shards)
     assert 20 <= stopped < 150 and "--resume" in stderr
     assert [c.name for c in complete_checkpoints(run)] == [f"step_{stopped:08d}"]
 
-    resumed = launch("pretrain", *common, f"output_dir={run}", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    resumed = launch_watched("pretrain", *common, f"output_dir={run}", "--resume")
+    assert resumed.proc.returncode == 0, resumed.stderr[-2000:]
     expected, got = losses_by_step(tmp_path / "ref"), losses_by_step(run)
     assert sorted(got) == sorted(expected) == list(range(1, 151))
     assert all(abs(got[s] - expected[s]) < 1e-5 for s in expected), [(s, got[s], expected[s]) for s in expected if got[s] != expected[s]][:5]
@@ -268,3 +307,32 @@ def test_output_dir_of_another_run_is_refused(tmp_path, make_shards):
     assert again.returncode == 2 and "already holds checkpoints of a run; pass --resume" in again.stderr
     other_model = launch("pretrain", *common, "model.depth=3", "--resume")
     assert other_model.returncode == 2 and "holds a run with a different 'model' config" in other_model.stderr
+
+
+def limit_address_space():
+    # Allocations past 4 GiB fail at once here even where the kernel overcommits, so the test never eats the machine.
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def test_out_of_memory_says_what_to_reduce(tmp_path, make_shards):
+    # model.width=65536: one block's qkv weights alone are 51.5 GB, so torch's CPU allocator raises its real
+    # "DefaultCPUAllocator: can't allocate memory" RuntimeError while the model is built.
+    make_shards([20], size=32)
+    result = subprocess.run([sys.executable, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "model.width=65536", "model.depth=1",
+                             "train.steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            preexec_fn=limit_address_space)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: out of memory (") and "can't allocate memory" in result.stderr
+    assert "reduce train.batch_size" in result.stderr and "model.width" in result.stderr
+
+
+def test_a_user_error_under_two_processes_is_printed_once(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
+           "pretrain", "train.stpes=3", f"output_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count("error: unknown config key 'train.stpes'") == 1, result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr  # both ranks exit 2; the launcher's report is what README explains

@@ -1,0 +1,281 @@
+"""Checkpoints that are damaged, runs resumed with other settings or after they finished, and run directories
+that cannot be used (docs/reliability.md lists them)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mpp.config import load_config
+from mpp.data import DataError
+from mpp.errors import UserError
+from mpp.train import Evaluator, complete_checkpoints, make_accelerator, train, warmup_cosine
+from pipelines import finetune, pretrain
+from pipelines.common import build_backbone, start_tracking, train_loader
+from mpp.objectives import MaskedPatchPrediction
+
+from conftest import ROOT, write_test_shards
+from test_pretrain import TINY
+from test_reliability import Watched
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    yield
+    reset_accelerator()
+
+
+def reset_accelerator():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def pretrain_config(tmp_path, *overrides):
+    return load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                              "train.steps=4", "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=2",
+                              "train.keep_checkpoints=5", "log.every=1", *overrides])
+
+
+@pytest.fixture
+def finished_run(tmp_path, make_shards):
+    """A 4-step pretraining run with checkpoints at steps 2 and 4; returns its final weights."""
+    make_shards([40] * 2, size=32)
+    pretrain.run(pretrain_config(tmp_path))
+    reset_accelerator()
+    return load_file(tmp_path / "run" / "model.safetensors")
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda c: truncate(c / "model.safetensors"), r"model.safetensors has \d+ bytes where \d+ were written"),
+    (lambda c: truncate(c / "optimizer.bin"), r"optimizer.bin has \d+ bytes where \d+ were written"),
+    (lambda c: (c / "custom_checkpoint_0.pkl").unlink(), r"custom_checkpoint_0.pkl is missing"),
+    (lambda c: (c / "random_states_0.pkl").unlink(), r"random_states_0.pkl is missing"),
+    (lambda c: (c / "optimizer.bin").write_bytes(bytes(len((c / "optimizer.bin").read_bytes()))),
+     r"optimizer.bin does not match the sha256 written with it"),
+], ids=["truncated-model", "truncated-optimizer", "deleted-custom-checkpoint", "deleted-random-states", "zeroed-optimizer"])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, finished_run, capsys, damage, reason):
+    damage(complete_checkpoints(tmp_path / "run")[-1])
+    (tmp_path / "run" / "model.safetensors").unlink()
+    capsys.readouterr()
+    pretrain.run(pretrain_config(tmp_path), resume=True)
+    out, err = capsys.readouterr()
+    assert re.search(rf"skipping checkpoint .*step_00000004: {reason}", err), err
+    assert "resumed from" in out and "step_00000002 at step 2" in out, out
+    resumed = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(finished_run[k], resumed[k]) for k in finished_run)  # RNG and stream restored too
+
+
+def test_no_checkpoint_that_verifies_is_one_line_naming_the_newest_fault(tmp_path, finished_run):
+    for checkpoint in complete_checkpoints(tmp_path / "run"):
+        (checkpoint / "random_states_0.pkl").unlink()
+    with pytest.raises(UserError, match=r"none of the 2 checkpoint\(s\) in .* verifies \(newest, step_00000004: "
+                                        r"random_states_0.pkl is missing\); move them aside to start afresh"):
+        pretrain.run(pretrain_config(tmp_path), resume=True)
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path, make_shards, capsys):
+    make_shards([40], size=32)
+    pretrain.run(pretrain_config(tmp_path, "train.steps=2"), resume=True)
+    assert "holds no checkpoint yet, so this run starts at step 0" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- what a resume may change
+
+
+def test_a_resume_applies_a_new_lr_and_length_and_records_them(tmp_path, finished_run, capsys):
+    shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])
+    capsys.readouterr()
+    pretrain.run(pretrain_config(tmp_path, "train.lr=5e-4", "train.steps=6", "train.weight_decay=0.1"), resume=True)
+    out = capsys.readouterr().out
+    assert ("resuming with changed settings, applied from step_00000002 on: train.lr 0.001 -> 0.0005, "
+            "train.steps 4 -> 6, train.weight_decay 0.05 -> 0.1") in out, out
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "pretrain")).Reload()
+    lrs = {e.step: e.value for e in events.Scalars("train/lr")}
+    schedule = warmup_cosine(1, 6)  # the new schedule, from the resumed step on
+    assert lrs[3] == pytest.approx(5e-4 * schedule(3)) and lrs[6] == pytest.approx(0.0)
+    assert lrs[2] == pytest.approx(1e-3 * warmup_cosine(1, 4)(2))  # the steps before it, as they ran
+
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "lr: 0.0005" in saved and "steps: 6" in saved
+    assert saved.startswith("# resumed from step_00000002 with train.lr 0.001 -> 0.0005, train.steps 4 -> 6, "
+                            "train.weight_decay 0.05 -> 0.1; the steps before it ran with the earlier values\n")
+
+
+@pytest.mark.parametrize("override, key", [("train.batch_size=4", "train.batch_size"), ("train.optimizer=sgd", "train.optimizer"),
+                                           ("train.seed=3", "train.seed")])
+def test_a_resume_refuses_what_it_cannot_apply(tmp_path, finished_run, override, key):
+    with pytest.raises(UserError, match=rf"holds a run with a different 'train' config \({key}: "):
+        pretrain.run(pretrain_config(tmp_path, override), resume=True)
+
+
+def test_a_run_sized_by_its_global_batch_resumes(tmp_path, make_shards, capsys):
+    # config.yaml records the per-process batch derived from train.global_batch_size, not the batch_size given.
+    make_shards([40], size=32)
+    pretrain.run(pretrain_config(tmp_path, "train.global_batch_size=4", "train.steps=2"))
+    reset_accelerator()
+    capsys.readouterr()
+    pretrain.run(pretrain_config(tmp_path, "train.global_batch_size=4"), resume=True)
+    assert "applied from step_00000002 on: train.steps 2 -> 4" in capsys.readouterr().out
+
+
+def test_a_resume_shorter_than_its_checkpoint_is_refused(tmp_path, finished_run):
+    with pytest.raises(UserError, match=r"step_00000004 is at step 4, past train.steps=3; set train.steps to at least 4"):
+        pretrain.run(pretrain_config(tmp_path, "train.steps=3"), resume=True)
+
+
+def test_a_resumed_optimizer_takes_the_new_hyperparameters(tmp_path, finished_run):
+    # The checkpoint's optimiser state carries the old lr, weight decay and betas; the new ones must replace them.
+    cfg = pretrain_config(tmp_path, "train.lr=5e-4", "train.steps=6", "train.weight_decay=0.1", "train.betas=[0.8,0.99]")
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    start_tracking(accelerator, cfg, "pretrain")
+    urls = [str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))]
+    train(accelerator, MaskedPatchPrediction(build_backbone(cfg)), lambda state: train_loader(urls, cfg, accelerator, state),
+          cfg.train, cfg.log, cfg.output_dir, resume_from=complete_checkpoints(tmp_path / "run")[0])
+    decay, no_decay = accelerator._optimizers[0].param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert decay["betas"] == no_decay["betas"] == (0.8, 0.99) and decay["initial_lr"] == 5e-4
+
+
+# ---------------------------------------------------------------- finished runs and evaluations
+
+
+def finetune_config(tmp_path, *overrides):
+    return load_config(ROOT / "configs" / "finetune" / "default.yaml", [
+        f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}", f"output_dir={tmp_path / 'ft'}",
+        *TINY, "model.num_classes=10", "train.steps=6", "train.warmup_steps=1", "train.batch_size=8",
+        "train.checkpoint_every=3", "finetune.eval_every=3", *overrides])
+
+
+def test_a_finished_finetuning_resumed_rewrites_its_results(tmp_path, make_shards, capsys):
+    # As when compare was killed between the last checkpoint and results.json: every rerun used to fail.
+    make_shards([30, 30], size=24)
+    write_test_shards(tmp_path / "val", [7, 5], size=24)
+    finetune.run(finetune_config(tmp_path), ckpt=None)
+    before = json.loads((tmp_path / "ft" / "results.json").read_text())
+    (tmp_path / "ft" / "results.json").unlink()
+    reset_accelerator()
+    capsys.readouterr()
+    finetune.run(finetune_config(tmp_path), ckpt=None, resume=True)
+    assert "at step 6: the run is finished (train.steps=6), nothing to train" in capsys.readouterr().out
+    after = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert after["top1"] == before["top1"] and after["history"] == before["history"] == [[3, before["history"][0][1]], [6, before["top1"]]]
+
+
+def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_the_rerun(tmp_path):
+    from pipelines import compare
+    from test_compare import tiny
+
+    cc = tiny(tmp_path, "arms=[scratch]", "lrs=[0.01]")
+    first = compare.run(cc)["arms"]["scratch"]["test"]["top1"]
+    stage = tmp_path / "cmp" / "finetune_scratch_lr0.01"
+    for written_after_the_last_checkpoint in ("results.json", "stage.json", "model.safetensors"):
+        (stage / written_after_the_last_checkpoint).unlink()
+    reset_accelerator()
+    assert compare.run(cc)["arms"]["scratch"]["test"]["top1"] == first
+
+
+def test_a_finished_pretraining_resumed_exits_0_saying_so(tmp_path, finished_run):
+    (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
+    result = launch("pretrain", "--resume", "--config", str(tmp_path / "defaults.yaml"), *pretrain_args(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "at step 4: the run is finished (train.steps=4), nothing to train" in result.stdout
+
+
+def pretrain_args(tmp_path):
+    return [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=4",
+            "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=2", "train.keep_checkpoints=5", "log.every=1"]
+
+
+def test_evaluation_labels_out_of_range_stop_the_run_before_training(tmp_path, make_shards):
+    make_shards([30], size=24)
+    write_test_shards(tmp_path / "val", [7, 5], size=24)  # synthetic labels run 0..9
+    with pytest.raises(DataError, match=r"data.val_shards \(.*\) holds label \d+ \(.*\) but the head has 3 classes \(0 to 2\)"):
+        finetune.run(finetune_config(tmp_path, "model.num_classes=3"), ckpt=None)
+    assert not (tmp_path / "ft").exists()  # nothing written
+
+
+def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, make_shards):
+    make_shards([40], size=32)
+    cfg = pretrain_config(tmp_path, "train.checkpoint_every=3", "train.steps=6")
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    start_tracking(accelerator, cfg, "pretrain")
+
+    def broken(module, step):
+        raise DataError("the evaluation shards went away")
+
+    with pytest.raises(DataError, match="went away"):
+        train(accelerator, MaskedPatchPrediction(build_backbone(cfg)),
+              lambda state: train_loader([str(p) for p in (tmp_path / "shards").glob("*.tar")], cfg, accelerator, state),
+              cfg.train, cfg.log, cfg.output_dir, evaluators=(Evaluator(3, broken),))
+    assert [c.name for c in complete_checkpoints(tmp_path / "run")] == ["step_00000003"]
+
+
+# ---------------------------------------------------------------- run directories that cannot be used
+
+
+def launch(*args, timeout=600):
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def read_only(directory):
+    """chmod for a normal user; root ignores modes, so the immutable attribute there (skipped where it is refused)."""
+    directory.mkdir()
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return lambda: directory.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
+        pytest.skip("running as root without the right to make a directory immutable: no read-only directory to test")
+    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
+    (tmp_path / "file").write_text("a regular file")
+    result = launch("pretrain", f"output_dir={tmp_path / 'file' / 'run'}", "train.steps=2")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert f"error: output_dir {tmp_path / 'file' / 'run'} cannot be written (Not a directory)" in result.stderr
+
+    restore = read_only(tmp_path / "ro")
+    try:
+        result = launch("pretrain", f"output_dir={tmp_path / 'ro' / 'run'}", "train.steps=2")
+    finally:
+        restore()
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert re.search(rf"error: output_dir {tmp_path / 'ro' / 'run'} cannot be written \((Permission denied|Operation not permitted)\)",
+                     result.stderr)
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(tmp_path, make_shards):
+    make_shards([40], size=32)
+    args = ["pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+            "train.steps=100000", "train.batch_size=8", "train.checkpoint_every=100000"]
+    first = Watched(args)
+    try:
+        # The start-up line comes after the lock is taken.
+        first.wait_until(lambda: "pretraining of" in first.stdout or first.proc.poll() is not None)
+        assert first.proc.poll() is None, first.stderr[-2000:]
+        second = launch(*args[:-3], "train.steps=2", "train.warmup_steps=1", "train.batch_size=8")  # short, in case it ran
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another run (pid {first.proc.pid})" in second.stderr and "Traceback" not in second.stderr
+        assert first.proc.poll() is None  # the first run goes on
+    finally:
+        first.proc.kill()  # SIGKILL: no clean-up, the lock file stays behind with its pid
+        first.finish()
+    assert (tmp_path / "run" / ".lock").read_text().strip() == str(first.proc.pid)
+    third = launch(*args[:-3], "train.steps=2", "train.warmup_steps=1", "train.batch_size=8", "--resume")
+    assert third.returncode == 0, third.stderr[-2000:]  # a dead process's lock does not block
