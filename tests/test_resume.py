@@ -143,7 +143,7 @@ def test_a_resumed_optimizer_takes_the_new_hyperparameters(tmp_path, finished_ru
     # The checkpoint's optimiser state carries the old lr, weight decay and betas; the new ones must replace them.
     cfg = pretrain_config(tmp_path, "train.lr=5e-4", "train.steps=6", "train.weight_decay=0.1", "train.betas=[0.8,0.99]")
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    start_tracking(accelerator, cfg, "pretrain")
+    start_tracking(accelerator, cfg, "pretrain", pretrain.headline_charts(cfg))
     urls = [str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))]
     train(accelerator, MaskedPatchPrediction(build_backbone(cfg)), lambda state: train_loader(urls, cfg, accelerator, state),
           cfg.train, cfg.log, cfg.output_dir, resume_from=complete_checkpoints(tmp_path / "run")[0])
@@ -214,7 +214,7 @@ def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, m
     make_shards([40], size=32)
     cfg = pretrain_config(tmp_path, "train.checkpoint_every=3", "train.steps=6")
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    start_tracking(accelerator, cfg, "pretrain")
+    start_tracking(accelerator, cfg, "pretrain", pretrain.headline_charts(cfg))
 
     def broken(module, step):
         raise DataError("the evaluation shards went away")
