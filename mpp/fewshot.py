@@ -14,7 +14,7 @@ from accelerate import Accelerator
 
 from mpp.data import Batch
 from mpp.errors import UserError
-from mpp.model import VisionTransformer
+from mpp.model import VisionTransformer, pool
 from mpp.objectives import normalize
 
 
@@ -25,8 +25,7 @@ class FewShotError(UserError):
 @torch.no_grad()
 def pooled_features(backbone: VisionTransformer, images: torch.Tensor, pooling: str) -> torch.Tensor:
     """uint8 images (B, 3, H, W) -> (B, D): the [class] token's output, or the mean of the patch outputs."""
-    encoded = backbone(normalize(images))  # (B, 1 + N, D)
-    return encoded[:, 0] if pooling == "cls" else encoded[:, 1:].mean(dim=1)
+    return pool(backbone(normalize(images)), pooling)
 
 
 def fit_ridge(features: torch.Tensor, labels: torch.Tensor, num_classes: int, l2: float):

@@ -26,7 +26,7 @@ SYNTHETIC_ROOT = Path("data")
 
 def build_backbone(cfg: Config) -> VisionTransformer:
     m = cfg.model
-    return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads)
+    return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads, drop_path=m.drop_path)
 
 
 def start_training(cfg: Config) -> Accelerator:

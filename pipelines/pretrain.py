@@ -18,10 +18,11 @@ from pipelines.fewshot import training_evaluator
 def build_objective(cfg: Config, classes: int | None) -> nn.Module:
     backbone = build_backbone(cfg)
     if cfg.objective == "supervised":
-        return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False)
+        return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False,
+                              label_smoothing=cfg.train.label_smoothing)
     m = cfg.mpp
-    return MaskedPatchPrediction(backbone, target=m.target, corrupt_rate=m.corrupt_rate,
-                                 mask_prob=m.mask_prob, random_prob=m.random_prob, color_bits=m.color_bits)
+    return MaskedPatchPrediction(backbone, target=m.target, corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob,
+                                 random_prob=m.random_prob, color_bits=m.color_bits, masking=m.masking)
 
 
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
