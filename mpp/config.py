@@ -27,7 +27,7 @@ class Section(BaseModel):
 
 class DataConfig(Section):
     shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
-    val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning and few-shot evaluation.")
+    val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.")
     synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated under data/synthetic on first use.")
     num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank that decode images.")
     shuffle_buffer: int = Field(2000, ge=0, description="Samples held in the shuffle buffer of each worker (0 disables shuffling).")
@@ -167,7 +167,7 @@ class FinetuneConfig(Section):
 
 
 class EvalConfig(Section):
-    every: int = Field(0, ge=0, description="During MPP pretraining, compute the pretext loss and colour accuracy on held-out images (data.val_shards) every N steps and at the end (0 = off).")
+    every: int = Field(500, ge=0, description="Pretext validation: when data.val_shards is set, pretraining computes its loss and metrics (MPP: val/loss, val/color_acc) on held-out images every N steps and at the end (0 = off).")
     images: int = Field(512, gt=0, description="Images read from the front of data.val_shards for the pretext validation; the same images and corrupted positions at every evaluation.")
     batch_size: int = Field(128, gt=0, description="Images per forward pass of the pretext validation.")
     seed: int = Field(0, description="Seed of the pretext validation's fixed corruption (a private generator, independent of the training run's RNG).")

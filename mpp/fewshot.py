@@ -95,9 +95,10 @@ class LabelledImages:
 
     Each process keeps its part; together they hold the first `limit` images in rank order, so the set is the
     same at every evaluation and does not depend on how evenly the shards split over processes.
+    With `need_labels=False` (the pretext validation) images without a cls label are welcome.
     """
 
-    def __init__(self, accelerator: Accelerator, batches: Iterable[Batch], limit: int, what: str):
+    def __init__(self, accelerator: Accelerator, batches: Iterable[Batch], limit: int, what: str, need_labels: bool = True):
         images, labels, count = [], [], 0
         for batch in batches:
             images.append(batch.images)
@@ -118,10 +119,12 @@ class LabelledImages:
         self.total = min(limit, sum(counts))
         if self.total == 0:
             raise FewShotError(f"the {what} hold no images; point them at shards with images")
+        if not need_labels:
+            return
         unlabelled = int(accelerator.reduce(torch.tensor(float((self.labels < 0).sum()), device=accelerator.device), "sum"))
         if unlabelled:
             raise FewShotError(f"{unlabelled} of the {self.total} images read from the {what} have no class label (cls); "
-                               f"few-shot evaluation needs labelled shards")
+                               f"this evaluation needs labelled shards")
 
     @torch.no_grad()
     def features(self, accelerator: Accelerator, backbone: VisionTransformer, pooling: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

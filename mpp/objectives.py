@@ -77,6 +77,9 @@ class Corruption:
     kinds: torch.Tensor  # (B, K) MASK, RANDOM or KEEP
     sources: torch.Tensor  # (B, K) flat index into (B * N) of the patch that supplied the embedding
 
+    def to(self, device) -> Corruption:
+        return Corruption(self.positions.to(device), self.kinds.to(device), self.sources.to(device))
+
 
 def num_corrupted(num_patches: int, rate: float) -> int:
     """A fixed count per image keeps shapes static (one head matmul over B * K rows, compile-friendly)."""

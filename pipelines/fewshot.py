@@ -18,6 +18,13 @@ from mpp.train import Evaluator, make_accelerator
 from pipelines.common import resolve_shards
 
 
+def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int):
+    """One pass over `spec`, in shard order, no augmentation; its own loader, so the training stream is not touched."""
+    return make_loader(resolve_shards(spec, cfg, accelerator), EvalTransform(cfg.model.image_size), batch_size,
+                       num_workers=0, rank=accelerator.process_index, world=accelerator.num_processes,
+                       resampled=False, loop=False)
+
+
 class FewShot:
     """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone."""
 
@@ -27,16 +34,11 @@ class FewShot:
                                "(or fewshot.every=0 to turn it off)")
         self.cfg, self.accelerator = cfg.fewshot, accelerator
         train_shards = cfg.fewshot.shards or cfg.data.shards
-        self.pool = LabelledImages(accelerator, self._batches(train_shards, cfg), cfg.fewshot.train_images,
+        batches = lambda spec: eval_batches(spec, cfg, accelerator, cfg.fewshot.batch_size)  # noqa: E731
+        self.pool = LabelledImages(accelerator, batches(train_shards), cfg.fewshot.train_images,
                                    f"few-shot training shards {train_shards}")
-        self.eval = LabelledImages(accelerator, self._batches(cfg.data.val_shards, cfg), cfg.fewshot.eval_images,
+        self.eval = LabelledImages(accelerator, batches(cfg.data.val_shards), cfg.fewshot.eval_images,
                                    f"evaluation shards {cfg.data.val_shards}")
-
-    def _batches(self, spec: str, cfg: Config):
-        # One pass, in shard order, no augmentation; its own loader, so the training stream is not touched.
-        return make_loader(resolve_shards(spec, cfg, self.accelerator), EvalTransform(cfg.model.image_size),
-                           cfg.fewshot.batch_size, num_workers=0, rank=self.accelerator.process_index,
-                           world=self.accelerator.num_processes, resampled=False, loop=False)
 
     def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
         """{shots: [accuracy of each draw]}, identical on every process."""
