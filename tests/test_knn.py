@@ -101,7 +101,7 @@ def test_pretext_validation_is_deterministic_and_leaves_the_training_rng_alone(t
     assert torch.equal(torch.random.get_rng_state(), state)
     assert first == second and set(first) == {"val/loss", "val/color_acc", "val/color_acc_prior"}
     with torch.no_grad():
-        objective.head.bias += 1.0
+        objective.head.weight.mul_(2.0)
     assert validation.scores(objective)["val/loss"] != first["val/loss"]  # other weights, other numbers
 
 
