@@ -89,6 +89,10 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
 def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="both lrs and grid"):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["lrs=[0.1]"])
+    with pytest.raises(ConfigError, match="grid recipe name 'a' is taken"):
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{name: a}, {name: a, train: {lr: 0.1}}]"])
+    with pytest.raises(ConfigError, match="'finetune' runs .*train.lrr"):
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
 
 
 def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):

@@ -112,3 +112,16 @@ def test_pretext_validation_is_logged_during_pretraining(tmp_path, make_shards):
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     acc = EventAccumulator(str(events.parent)).Reload()
     assert [e.step for e in acc.Scalars("val/loss")] == [3, 6] and [e.step for e in acc.Scalars("val/color_acc")] == [3, 6]
+
+
+def test_knn_needs_evaluation_shards_and_labels(tmp_path, make_shards):
+    from mpp.fewshot import FewShotError
+
+    make_shards([20], size=32, labels=False)
+    cfg = tiny(tmp_path, "knn.every=3")
+    with pytest.raises(FewShotError, match="no class label"):
+        pretrain.run(cfg)
+    AcceleratorState._reset_state(True)
+    cfg.data.val_shards = None
+    with pytest.raises(FewShotError, match="kNN evaluation needs evaluation images; set data.val_shards"):
+        pretrain.run(cfg)
