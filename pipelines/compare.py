@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import yaml
 from accelerate import PartialState
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
@@ -68,7 +69,7 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. pretrain.train.steps=1000)")
     try:
         raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))), resolve=True)
-    except (OmegaConfBaseException, ValueError) as exc:
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read {path} with the overrides given ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
     try:
         cc = CompareConfig.model_validate(raw or {})

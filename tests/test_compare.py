@@ -91,6 +91,8 @@ def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["lrs=[0.1]"])
     with pytest.raises(ConfigError, match="grid recipe name 'a' is taken"):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{name: a}, {name: a, train: {lr: 0.1}}]"])
+    with pytest.raises(ConfigError, match=r"cannot read .* \(ScannerError"):  # YAML flow maps need a space after ':'
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train:{lr:0.1}}]"])
     with pytest.raises(ConfigError, match="'finetune' runs .*train.lrr"):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
 
