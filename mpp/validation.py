@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch import nn
 
 from mpp.fewshot import LabelledImages
@@ -50,7 +51,10 @@ class PretextValidation:
             for name, value in {"loss": out.loss, **out.metrics}.items():
                 sums[name] = sums.get(name, 0) + value.detach().float() * images.shape[0]
         objective.train(was_training)
-        names = ["loss", *sorted(n for n in sums if n != "loss")] if sums else []
-        local = torch.stack([sums[n] for n in names] + [torch.tensor(float(self.images.images.shape[0]), device=device)])
+        names = sorted(sums)
+        if self.accelerator.num_processes > 1:  # a process can hold none of the images: it learns the names from the others
+            names = sorted({n for part in gather_object([names]) for n in part})
+        zero = torch.zeros((), device=device)
+        local = torch.stack([sums.get(n, zero) for n in names] + [torch.tensor(float(self.images.images.shape[0]), device=device)])
         totals = self.accelerator.reduce(local, reduction="sum").tolist()
         return {f"val/{n}": s / totals[-1] for n, s in zip(names, totals)}
