@@ -28,10 +28,13 @@ def build_objective(cfg: Config, classes: int | None) -> nn.Module:
                                  random_prob=m.random_prob, color_bits=m.color_bits, masking=m.masking)
 
 
-def pretext_evaluator(cfg: Config, accelerator) -> Evaluator:
+def pretext_evaluator(cfg: Config, accelerator, classes: int | None) -> Evaluator:
     """val/loss and the objective's metrics on the first eval.images of data.val_shards, with a fixed corruption."""
-    images = LabelledImages(accelerator, eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.eval.batch_size),
-                            cfg.eval.images, f"evaluation shards {cfg.data.val_shards}", need_labels=cfg.objective == "supervised")
+    batches = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.eval.batch_size)
+    if classes:
+        batches = labelled(batches, classes, f"data.val_shards ({cfg.data.val_shards})")
+    images = LabelledImages(accelerator, batches, cfg.eval.images, f"evaluation shards {cfg.data.val_shards}",
+                            need_labels=classes is not None)
     validation = PretextValidation(accelerator, images, cfg.eval.batch_size, cfg.eval.seed)
     return Evaluator(cfg.eval.every, lambda module, step: validation.scores(module))
 
@@ -50,7 +53,7 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
         f"{precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
     evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
     evaluators += (knn.training_evaluator(cfg, accelerator),) if cfg.knn.every else ()
-    evaluators += (pretext_evaluator(cfg, accelerator),) if cfg.eval.every and cfg.data.val_shards else ()
+    evaluators += (pretext_evaluator(cfg, accelerator, classes),) if cfg.eval.every and cfg.data.val_shards else ()
     started = time.perf_counter()
 
     def batches(state):

@@ -125,3 +125,15 @@ def test_knn_needs_evaluation_shards_and_labels(tmp_path, make_shards):
     cfg.data.val_shards = None
     with pytest.raises(FewShotError, match="kNN evaluation needs evaluation images; set data.val_shards"):
         pretrain.run(cfg)
+
+
+def test_supervised_pretraining_validates_its_own_loss_and_accuracy(tmp_path, make_shards):
+    make_shards([40], size=32)
+    results = pretrain.run(tiny(tmp_path, "objective=supervised", "model.num_classes=10", "eval.every=3", "eval.images=16"))
+    assert results["val/loss"] > 0 and 0 <= results["val/accuracy"] <= 1
+    AcceleratorState._reset_state(True)
+    from mpp.data import DataError
+
+    with pytest.raises(DataError, match=r"data.val_shards \(.*\) holds label .* but the head has 2 classes"):
+        pretrain.run(tiny(tmp_path, "objective=supervised", "model.num_classes=2", "eval.every=3",
+                          f"output_dir={tmp_path / 'run2'}"))
