@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import yaml
 from accelerate import PartialState
 from accelerate.state import AcceleratorState, GradientState

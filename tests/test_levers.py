@@ -8,7 +8,7 @@ from accelerate.state import AcceleratorState, GradientState
 import launch
 from mpp.config import TrainConfig, load_config
 from mpp.model import DropPath, VisionTransformer
-from mpp.objectives import Classification, MaskedPatchPrediction, finetuning_head, normalize
+from mpp.objectives import Classification, MaskedPatchPrediction, normalize
 from mpp.train import NO_DECAY, build_optimizer, head_lr, warmup_cosine
 from pipelines import finetune
 
