@@ -20,13 +20,17 @@ class ConfigError(UserError):
     """A user mistake in a config file or override; the message is one sentence with the fix."""
 
 
+# One vocabulary for what a head or probe reads from the encoder: fine-tuning, few-shot and kNN.
+Pooling = Literal["cls", "mean"]
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DataConfig(Section):
     shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
-    val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning and few-shot evaluation.")
+    val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.")
     synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated under data/synthetic on first use.")
     num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank that decode images.")
     shuffle_buffer: int = Field(2000, ge=0, description="Samples held in the shuffle buffer of each worker (0 disables shuffling).")
@@ -51,6 +55,7 @@ class ModelConfig(Section):
     depth: int | None = Field(None, gt=0, description="Override the variant's number of Transformer blocks.")
     heads: int | None = Field(None, gt=0, description="Override the variant's number of attention heads (must divide the width).")
     num_classes: int | None = Field(None, gt=0, description="Classes of the classification head (supervised pretraining, fine-tuning); null reads them from summary.json beside the training shards.")
+    drop_path: float = Field(0.0, ge=0, lt=1, description="Stochastic depth: the rate at which the last block's residual branches are dropped per sample in training, rising linearly from 0 at the first block (off in eval).")
 
     @model_validator(mode="before")
     @classmethod
@@ -81,6 +86,7 @@ class MPPConfig(Section):
     mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
     random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
     color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
+    masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: uniformly at random (the paper) or in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
 
     @model_validator(mode="after")
     def _check(self) -> MPPConfig:
@@ -99,6 +105,8 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.05, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd); not applied to biases, norms, tokens and position embeddings.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    layer_decay: float = Field(1.0, gt=0, le=1, description="Layer-wise lr decay (BEiT/MAE): block i gets lr x decay^(depth - i), the embeddings decay^(depth + 1), the final norm and heads the full lr; 1 = off.")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing of the classification loss (supervised pretraining, fine-tuning); 0 = off.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.")
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU and on CPUs with bf16 instructions (AVX512-BF16, AMX), fp32 on other CPUs.")
@@ -157,7 +165,7 @@ class FewShotConfig(Section):
     every: int = Field(0, ge=0, description="During pretraining, run the few-shot evaluation every N steps and at the end (0 = off).")
     shots: list[int] = Field([1, 5, 10, 25], min_length=1, description="Labelled examples per class given to the linear classifier; one accuracy per entry.")
     draws: int = Field(5, gt=0, description="Random draws of the examples per shot count; the accuracy is their mean.")
-    features: Literal["cls", "mean"] = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
+    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
     l2: float = Field(1.0, gt=0, description="Ridge penalty of the closed-form least squares (on standardised features).")
     shards: str | None = Field(None, description="Labelled shards the examples are drawn from; defaults to data.shards.")
     train_images: int = Field(2000, gt=0, description="Images read from the front of the labelled shards to draw the examples from.")
@@ -174,6 +182,25 @@ class FewShotConfig(Section):
 
 class FinetuneConfig(Section):
     eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).")
+    pool: Pooling = Field("cls", description="What the linear classifier reads: the [class] token's output (cls, the paper) or the mean of the patch outputs (mean, as BEiT, SimMIM and MAE fine-tune).")
+
+
+class EvalConfig(Section):
+    every: int = Field(500, ge=0, description="Pretext validation: when data.val_shards is set, pretraining computes its loss and metrics (MPP: val/loss, val/color_acc) on held-out images every N steps and at the end (0 = off).")
+    images: int = Field(512, gt=0, description="Images read from the front of data.val_shards for the pretext validation; the same images and corrupted positions at every evaluation.")
+    batch_size: int = Field(128, gt=0, description="Images per forward pass of the pretext validation.")
+    seed: int = Field(0, description="Seed of the pretext validation's fixed corruption (a private generator, independent of the training run's RNG).")
+
+
+class KnnConfig(Section):
+    every: int = Field(0, ge=0, description="During pretraining, run the kNN evaluation every N steps and at the end (0 = off).")
+    k: int = Field(20, gt=0, description="Neighbours that vote (DINO's k=20).")
+    temperature: float = Field(0.07, gt=0, description="Votes are weighted by exp(cosine similarity / temperature) (DINO's 0.07).")
+    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
+    shards: str | None = Field(None, description="Labelled shards the neighbours come from; defaults to data.shards.")
+    train_images: int = Field(5000, gt=0, description="Images read from the front of the labelled shards as the neighbour pool.")
+    eval_images: int = Field(2000, gt=0, description="Images read from the front of data.val_shards to classify.")
+    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
 
 
 class Config(Section):
@@ -186,6 +213,8 @@ class Config(Section):
     log: LogConfig = Field(default_factory=LogConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     fewshot: FewShotConfig = Field(default_factory=FewShotConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    knn: KnnConfig = Field(default_factory=KnnConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

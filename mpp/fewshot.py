@@ -14,7 +14,7 @@ from accelerate import Accelerator
 
 from mpp.data import Batch
 from mpp.errors import UserError
-from mpp.model import VisionTransformer
+from mpp.model import VisionTransformer, pool
 from mpp.objectives import normalize
 
 
@@ -25,8 +25,7 @@ class FewShotError(UserError):
 @torch.no_grad()
 def pooled_features(backbone: VisionTransformer, images: torch.Tensor, pooling: str) -> torch.Tensor:
     """uint8 images (B, 3, H, W) -> (B, D): the [class] token's output, or the mean of the patch outputs."""
-    encoded = backbone(normalize(images))  # (B, 1 + N, D)
-    return encoded[:, 0] if pooling == "cls" else encoded[:, 1:].mean(dim=1)
+    return pool(backbone(normalize(images)), pooling)
 
 
 def fit_ridge(features: torch.Tensor, labels: torch.Tensor, num_classes: int, l2: float):
@@ -96,9 +95,10 @@ class LabelledImages:
 
     Each process keeps its part; together they hold the first `limit` images in rank order, so the set is the
     same at every evaluation and does not depend on how evenly the shards split over processes.
+    With `need_labels=False` (the pretext validation) images without a cls label are welcome.
     """
 
-    def __init__(self, accelerator: Accelerator, batches: Iterable[Batch], limit: int, what: str):
+    def __init__(self, accelerator: Accelerator, batches: Iterable[Batch], limit: int, what: str, need_labels: bool = True):
         images, labels, count = [], [], 0
         for batch in batches:
             images.append(batch.images)
@@ -119,10 +119,12 @@ class LabelledImages:
         self.total = min(limit, sum(counts))
         if self.total == 0:
             raise FewShotError(f"the {what} hold no images; point them at shards with images")
+        if not need_labels:
+            return
         unlabelled = int(accelerator.reduce(torch.tensor(float((self.labels < 0).sum()), device=accelerator.device), "sum"))
         if unlabelled:
             raise FewShotError(f"{unlabelled} of the {self.total} images read from the {what} have no class label (cls); "
-                               f"few-shot evaluation needs labelled shards")
+                               f"this evaluation needs labelled shards")
 
     @torch.no_grad()
     def features(self, accelerator: Accelerator, backbone: VisionTransformer, pooling: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

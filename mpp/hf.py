@@ -81,13 +81,19 @@ def preprocessor_config(image_size: int) -> dict:
 
 
 def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, torch.Tensor] | None = None,
-              id2label: dict[int, str] | None = None) -> str:
+              id2label: dict[int, str] | None = None, pool: str = "cls") -> str:
     """Write a transformers checkpoint (config.json, model.safetensors, preprocessor_config.json) to out_dir.
 
     Without `head`: ViTModel, its pooler the identity (`pooler_output` = `last_hidden_state[:, 0]`, the paper's
     representation). With `head`: ViTForImageClassification, whose classifier reads that same token, with
     `id2label` naming its classes. Returns the class name.
+    A head trained on mean-pooled patch outputs (`pool="mean"`) is refused: transformers' ViT classifies from
+    [class] only, so its export would give other logits than the model that was trained.
     """
+    if head is not None and pool != "cls":
+        raise ExportError("this classifier was fine-tuned on the mean of the patch outputs (finetune.pool=mean), which "
+                          "transformers' ViTForImageClassification cannot represent (it reads the [class] token); "
+                          "export a run fine-tuned with finetune.pool=cls, or the pretrained backbone as a ViTModel")
     try:
         import transformers
         from transformers import ViTConfig, ViTForImageClassification, ViTModel

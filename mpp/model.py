@@ -69,19 +69,35 @@ class Attention(nn.Module):
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
 
-class Block(nn.Module):
-    """Pre-norm Transformer encoder block: x + MSA(LN(x)), then x + MLP(LN(x))."""
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al. 2016): in training, zero a residual branch for a `rate` fraction of the
+    samples and scale the kept ones by 1 / (1 - rate), so the expected output is unchanged; identity in eval."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
+    def __init__(self, rate: float = 0.0):
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, branch: torch.Tensor) -> torch.Tensor:  # (B, N, D)
+        if not self.training or self.rate == 0.0:
+            return branch
+        keep = torch.rand(branch.shape[0], 1, 1, device=branch.device) >= self.rate  # (B, 1, 1)
+        return branch * keep.to(branch.dtype) / (1.0 - self.rate)
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer encoder block: x + MSA(LN(x)), then x + MLP(LN(x)), each branch under stochastic depth."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, drop_path: float = 0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
+        self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
 class VisionTransformer(nn.Module):
@@ -91,7 +107,7 @@ class VisionTransformer(nn.Module):
     (MPP corrupts them) after the projection and before position embeddings are added.
     """
 
-    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int):
+    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, drop_path: float = 0.0):
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image size {image_size} is not divisible by patch size {patch_size}")
@@ -104,7 +120,13 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches + 1, width))
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.set_drop_path(drop_path)
         self.reset_parameters()
+
+    def set_drop_path(self, rate: float) -> None:
+        """Stochastic depth rising linearly over the blocks, from 0 at the first to `rate` at the last (as in DeiT, BEiT)."""
+        for i, block in enumerate(self.blocks):
+            block.drop_path.rate = rate * i / max(1, self.depth - 1)
 
     def reset_parameters(self) -> None:
         trunc_normal(self.pos_embed)
@@ -123,6 +145,11 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, 1 + N, D)
         return self.encode(self.embed_patches(images))
+
+
+def pool(encoded: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Encoder outputs (B, 1 + N, D) -> (B, D): the [class] token's output (cls) or the mean of the patch outputs (mean)."""
+    return encoded[:, 0] if pooling == "cls" else encoded[:, 1:].mean(dim=1)
 
 
 def resize_pos_embed(pos_embed: torch.Tensor, grid: int) -> torch.Tensor:
@@ -158,8 +185,8 @@ def init_weights(module: nn.Module) -> None:
 
 
 def build_vit(name: str, image_size: int, patch_size: int | None = None, *, width: int | None = None,
-              depth: int | None = None, heads: int | None = None) -> VisionTransformer:
+              depth: int | None = None, heads: int | None = None, drop_path: float = 0.0) -> VisionTransformer:
     """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden."""
     size, named_patch = parse_model_name(name)
     return VisionTransformer(image_size, patch_size or named_patch or 16, width or size.width,
-                             depth or size.depth, heads or size.heads)
+                             depth or size.depth, heads or size.heads, drop_path)

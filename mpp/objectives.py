@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from mpp.model import VisionTransformer, init_weights, trunc_normal
+from mpp.model import VisionTransformer, init_weights, pool, trunc_normal
 
 # Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.5
@@ -76,36 +77,88 @@ class Corruption:
     kinds: torch.Tensor  # (B, K) MASK, RANDOM or KEEP
     sources: torch.Tensor  # (B, K) flat index into (B * N) of the patch that supplied the embedding
 
+    def to(self, device) -> Corruption:
+        return Corruption(self.positions.to(device), self.kinds.to(device), self.sources.to(device))
+
 
 def num_corrupted(num_patches: int, rate: float) -> int:
     """A fixed count per image keeps shapes static (one head matmul over B * K rows, compile-friendly)."""
     return max(1, round(rate * num_patches))
 
 
-def corrupt_patches(
-    tokens: torch.Tensor, mask_embedding: torch.Tensor, rate: float, mask_prob: float, random_prob: float
-) -> tuple[torch.Tensor, Corruption]:
-    """BERT-style corruption of patch embeddings (B, N, D), as in the ViT paper's appendix B.1.2.
+def random_rectangles(b: int, grid: int, min_area: float, max_area: torch.Tensor, device, generator=None) -> torch.Tensor:
+    """One axis-aligned rectangle of patches per image (B, grid, grid) bool, as BEiT draws its blocks:
+    area uniform in [min_area, max_area] (max_area per image, (B,)), aspect ratio log-uniform in [0.3, 1/0.3]."""
+    u = torch.rand(b, 4, device=device, generator=generator)
+    area = min_area + u[:, 0] * (max_area - min_area).clamp(min=0)
+    aspect = torch.exp((u[:, 1] * 2 - 1) * math.log(1 / 0.3))
+    h = (area * aspect).sqrt().round().clamp(1, grid).long()  # (B,)
+    w = (area / aspect).sqrt().round().clamp(1, grid).long()
+    top = (u[:, 2] * (grid - h + 1)).long()
+    left = (u[:, 3] * (grid - w + 1)).long()
+    index = torch.arange(grid, device=device)
+    rows = (index >= top[:, None]) & (index < (top + h)[:, None])  # (B, grid)
+    cols = (index >= left[:, None]) & (index < (left + w)[:, None])
+    return rows[:, :, None] & cols[:, None, :]
 
-    `rate` of the positions are chosen per image; of those, `mask_prob` get the [mask] embedding,
-    `random_prob` the embedding of a random other patch from the batch, and the rest stay as they are.
+
+def block_positions(b: int, grid: int, k: int, device, generator=None) -> torch.Tensor:
+    """BEiT's blockwise masking with exactly k positions per image (B, K), static shapes and no host sync.
+
+    A bounded number of rounds each draws one rectangle per image and keeps it where it does not overshoot k;
+    the few positions still missing are then topped up at random (taking every rectangle position first, by rank).
     """
-    b, n, d = tokens.shape
+    n = grid * grid
+    min_area = max(1.0, 16 * n / 196)  # BEiT's smallest block, 16 of 14 x 14 patches, scaled to this grid
+    mask = torch.zeros(b, n, dtype=torch.bool, device=device)
+    for _ in range(2 * math.ceil(k / min_area) + 4):
+        count = mask.sum(dim=1)  # (B,)
+        block = random_rectangles(b, grid, min_area, (k - count).float(), device, generator).reshape(b, n)
+        fits = count + (block & ~mask).sum(dim=1) <= k
+        mask = mask | (block & fits[:, None])
+    rank = mask.float() + 0.5 * torch.rand(b, n, device=device, generator=generator)  # rectangles first, then random
+    return rank.topk(k, dim=1).indices
+
+
+def draw_corruption(b: int, n: int, rate: float, mask_prob: float, random_prob: float, masking: str = "random",
+                    device=None, generator: torch.Generator | None = None) -> Corruption:
+    """Which `rate` of the N positions of each of B images are corrupted, and how (MASK, RANDOM or KEEP).
+
+    `generator` (on `device`) gives a reproducible corruption without touching the global RNG.
+    """
     k = num_corrupted(n, rate)
-    positions = torch.rand(b, n, device=tokens.device).argsort(dim=1)[:, :k]  # (B, K)
-    u = torch.rand(b, k, device=tokens.device)
+    if masking == "block":
+        positions = block_positions(b, math.isqrt(n), k, device, generator)
+    else:
+        positions = torch.rand(b, n, device=device, generator=generator).argsort(dim=1)[:, :k]  # (B, K)
+    u = torch.rand(b, k, device=device, generator=generator)
     # torch.where, not boolean-index assignment: no data-dependent shapes, so no host sync on GPU.
     kinds = torch.where(u < mask_prob, MASK, torch.where(u < mask_prob + random_prob, RANDOM, KEEP))
-
-    own = positions + torch.arange(b, device=tokens.device)[:, None] * n  # (B, K) flat indices
-    other = torch.randint(0, b * n - 1, (b, k), device=tokens.device)
+    own = positions + torch.arange(b, device=device)[:, None] * n  # (B, K) flat indices
+    other = torch.randint(0, b * n - 1, (b, k), device=device, generator=generator)
     other = other + (other >= own).long()  # skip the patch itself: uniform over the other B*N - 1
-    sources = torch.where(kinds == RANDOM, other, own)
+    return Corruption(positions, kinds, torch.where(kinds == RANDOM, other, own))
 
+
+def apply_corruption(tokens: torch.Tensor, mask_embedding: torch.Tensor, corruption: Corruption) -> torch.Tensor:
+    """Patch embeddings (B, N, D) with the corrupted positions replaced as `corruption` says."""
+    b, n, d = tokens.shape
     flat = tokens.reshape(b * n, d)
-    replacement = torch.where((kinds == MASK)[..., None], mask_embedding.to(tokens.dtype), flat[sources])
-    corrupted = tokens.scatter(1, positions[..., None].expand(-1, -1, d), replacement)
-    return corrupted, Corruption(positions, kinds, sources)
+    replacement = torch.where((corruption.kinds == MASK)[..., None], mask_embedding.to(tokens.dtype), flat[corruption.sources])
+    return tokens.scatter(1, corruption.positions[..., None].expand(-1, -1, d), replacement)
+
+
+def corrupt_patches(tokens: torch.Tensor, mask_embedding: torch.Tensor, rate: float, mask_prob: float, random_prob: float,
+                    masking: str = "random") -> tuple[torch.Tensor, Corruption]:
+    """BERT-style corruption of patch embeddings (B, N, D), as in the ViT paper's appendix B.1.2.
+
+    `rate` of the positions are chosen per image (at random, or in rectangles with masking="block"); of those,
+    `mask_prob` get the [mask] embedding, `random_prob` the embedding of a random other patch from the batch,
+    and the rest stay as they are.
+    """
+    b, n, _ = tokens.shape
+    corruption = draw_corruption(b, n, rate, mask_prob, random_prob, masking, tokens.device)
+    return apply_corruption(tokens, mask_embedding, corruption), corruption
 
 
 def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (B, N, ...) , (B, K) -> (B, K, ...)
@@ -120,7 +173,7 @@ class MaskedPatchPrediction(nn.Module):
     """Corrupt patch embeddings, encode, and predict each corrupted patch's target from its own output."""
 
     def __init__(self, backbone: VisionTransformer, target: str = "color", corrupt_rate: float = 0.5,
-                 mask_prob: float = 0.8, random_prob: float = 0.1, color_bits: int = 3):
+                 mask_prob: float = 0.8, random_prob: float = 0.1, color_bits: int = 3, masking: str = "random"):
         super().__init__()
         p = backbone.patch_size
         if target == "color4x4" and p % 4:
@@ -128,6 +181,7 @@ class MaskedPatchPrediction(nn.Module):
         self.backbone = backbone
         self.target, self.bits = target, color_bits
         self.corrupt_rate, self.mask_prob, self.random_prob = corrupt_rate, mask_prob, random_prob
+        self.masking = masking
         self.num_colors = 1 << (3 * color_bits)
         out = {"color": self.num_colors, "color4x4": 16 * self.num_colors, "pixels": 3 * p * p}[target]
         self.mask_embedding = nn.Parameter(torch.zeros(backbone.width))
@@ -143,15 +197,22 @@ class MaskedPatchPrediction(nn.Module):
             return color4x4_targets(images, p, self.bits)
         return pixel_targets(images, p)
 
-    def predict(self, images: torch.Tensor) -> tuple[torch.Tensor, Corruption]:
-        """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out)."""
+    def draw_corruption(self, batch_size: int, device=None, generator: torch.Generator | None = None) -> Corruption:
+        return draw_corruption(batch_size, self.backbone.num_patches, self.corrupt_rate, self.mask_prob, self.random_prob,
+                               self.masking, device, generator)
+
+    def predict(self, images: torch.Tensor, corruption: Corruption | None = None) -> tuple[torch.Tensor, Corruption]:
+        """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out); a fresh corruption
+        unless one is given (the pretext validation reuses a fixed one)."""
         tokens = self.backbone.embed_patches(normalize(images))
-        tokens, corruption = corrupt_patches(tokens, self.mask_embedding, self.corrupt_rate, self.mask_prob, self.random_prob)
+        if corruption is None:
+            corruption = self.draw_corruption(images.shape[0], images.device)
+        tokens = apply_corruption(tokens, self.mask_embedding, corruption)
         encoded = self.backbone.encode(tokens)[:, 1:]  # drop [class]
         return self.head(gather_positions(encoded, corruption.positions)), corruption
 
-    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> StepOutput:
-        predictions, corruption = self.predict(images)
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None, corruption: Corruption | None = None) -> StepOutput:
+        predictions, corruption = self.predict(images, corruption)
         targets = gather_positions(self.targets(images), corruption.positions)
         if self.target == "pixels":
             loss = F.mse_loss(predictions.float(), targets)
@@ -228,22 +289,25 @@ def finetuning_head(width: int, num_classes: int) -> nn.Linear:
 
 
 class Classification(nn.Module):
-    """Cross-entropy on the [class] token's output: supervised pretraining and fine-tuning differ only in the head.
+    """Cross-entropy on the [class] token's output (or the mean patch output, pool="mean"): supervised pretraining
+    and fine-tuning differ only in the head.
 
     `export_head` says whether model.safetensors keeps the head (fine-tuning: a usable classifier, keys
     `head.weight` and `head.bias` beside the backbone's) or holds the backbone alone (pretraining).
     """
 
-    def __init__(self, backbone: VisionTransformer, head: nn.Module, *, export_head: bool):
+    def __init__(self, backbone: VisionTransformer, head: nn.Module, *, export_head: bool, pool: str = "cls",
+                 label_smoothing: float = 0.0):
         super().__init__()
         self.backbone, self.head, self.export_head = backbone, head, export_head
+        self.pool, self.label_smoothing = pool, label_smoothing
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> (B, K)
-        return self.head(self.backbone(normalize(images))[:, 0])
+        return self.head(pool(self.backbone(normalize(images)), self.pool))
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
         logits = self.logits(images).float()
-        loss = F.cross_entropy(logits, labels)
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         return StepOutput(loss, {"accuracy": (logits.argmax(-1) == labels).float().mean()})
 
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
+from mpp.model import VisionTransformer
 
 CHECKPOINT_PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -113,18 +114,43 @@ def cpu_threads(cfg: TrainConfig) -> int:
     return max(1, available // local_processes)
 
 
+def layer_id(name: str, depth: int) -> int:
+    """BEiT/MAE layer numbering of a parameter of an objective (or bare backbone): patch embedding, [class], [mask]
+    and position embeddings are layer 0, block i is layer i + 1, the final norm and every head layer depth + 1."""
+    name = name.removeprefix("backbone.")
+    if name.startswith(("patch_embed.", "cls_token", "pos_embed", "mask_embedding")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1
+
+
 def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """No weight decay on biases, norms, tokens and position embeddings (common ViT practice)."""
-    decay, no_decay = [], []
+    """No weight decay on biases, norms, tokens and position embeddings (common ViT practice); with
+    cfg.layer_decay < 1, layer l learns at lr x decay^(depth + 1 - l) (BEiT/MAE), one group per layer and decay.
+
+    Each group's lr is its peak; the scheduler's factor multiplies every group's own, so warmup and cosine keep
+    the ratios. With decay 1 every layer has scale 1 and the groups are today's two.
+    """
+    depth = next(m for m in module.modules() if isinstance(m, VisionTransformer)).depth
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
     for name, param in module.named_parameters():
         if param.requires_grad:
-            (no_decay if param.ndim <= 1 or name.split(".")[-1] in NO_DECAY else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            scale = cfg.layer_decay ** (depth + 1 - layer_id(name, depth))
+            exempt = param.ndim <= 1 or name.split(".")[-1] in NO_DECAY
+            groups.setdefault((scale, exempt), []).append(param)
+    groups = [{"params": params, "lr": cfg.lr * scale, "lr_scale": scale, "weight_decay": 0.0 if exempt else cfg.weight_decay}
+              for (scale, exempt), params in sorted(groups.items())]
     # Fused kernels (CPU and CUDA): one pass over all parameters, and they honour `found_inf` (see apply_gradients).
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
     optimizer = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     return optimizer(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
+
+
+def head_lr(scheduler) -> float:
+    """The learning rate of the head (the top layer, scale 1): what train/lr shows under layer decay."""
+    return max(scheduler.get_last_lr())
 
 
 def apply_gradients(accelerator: Accelerator, objective: nn.Module, optimizer, clip_grad_norm: float | None
@@ -460,7 +486,7 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
                 if diverged_at:
                     raise TrainingDiverged(
                         f"{cfg.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
-                        f"{diverged_at} (lr {scheduler.get_last_lr()[0]:.3g}); lower train.lr, lengthen train.warmup_steps, "
+                        f"{diverged_at} (lr {head_lr(scheduler):.3g}); lower train.lr, lengthen train.warmup_steps, "
                         f"keep train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
                 elapsed = time.perf_counter() - window_start
                 scalars = {f"train/{k}": v for k, v in meter.means(accelerator).items()}
@@ -469,7 +495,7 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
                                                          device=accelerator.device), reduction="sum").tolist()
                 scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
                 scalars["train/nonfinite_steps"] = int(nonfinite["total"])
-                scalars["train/lr"] = scheduler.get_last_lr()[0]
+                scalars["train/lr"] = head_lr(scheduler)
                 scalars["perf/images_per_sec"] = images_seen * accelerator.num_processes / elapsed
                 scalars["perf/data_wait_fraction"] = waited / elapsed
                 accelerator.log(scalars, step=step)

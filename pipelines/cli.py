@@ -48,6 +48,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     fewshot.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     fewshot.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR fewshot.shots=[5]")
 
+    knn = stages.add_parser("knn", help="k-nearest-neighbour evaluation of a backbone's frozen features")
+    knn.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
+    knn.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    knn.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR knn.features=mean")
+
     export = stages.add_parser("export", help="write a checkpoint as a Hugging Face transformers ViT")
     export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
@@ -92,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             from pipelines.common import checkpoint_config
 
             fewshot.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+        elif args.stage == "knn":
+            from pipelines import knn
+            from pipelines.common import checkpoint_config
+
+            knn.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
         elif args.stage == "export":
             from pipelines import export
             from pipelines.common import checkpoint_config

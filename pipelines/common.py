@@ -30,7 +30,7 @@ SYNTHETIC_ROOT = Path("data")
 
 def build_backbone(cfg: Config) -> VisionTransformer:
     m = cfg.model
-    return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads)
+    return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads, drop_path=m.drop_path)
 
 
 def start_training(cfg: Config) -> Accelerator:
@@ -246,6 +246,10 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headlin
     for summary in hparams_summaries(flat_config(cfg), HPARAMS_METRICS):
         writer.file_writer.add_summary(summary)
     charts = {"training": headline}
+    if cfg.eval.every and cfg.data.val_shards and run_name == "pretrain":
+        charts["pretext validation"] = {"loss and accuracy on fixed held-out images, fixed corruption": ["^val/"]}
+    if cfg.knn.every:
+        charts["kNN evaluation"] = {"kNN top-1 of frozen features": ["^knn/"]}
     if cfg.fewshot.every:
         charts["few-shot evaluation"] = {"few-shot accuracy by shots per class": ["^fewshot/"]}
     charts["optimisation"] = {"learning rate": ["^train/lr$"], "gradient norm (before clipping)": ["^train/grad_norm$"],

@@ -1,23 +1,25 @@
-"""Comparison stage: MPP pretraining vs supervised pretraining vs training from scratch, one recipe for all.
+"""Comparison stage: MPP pretraining vs supervised pretraining vs training from scratch, each at its best recipe.
 
-Stages, each in its own directory under output_dir (so `tensorboard --logdir output_dir` shows every run):
-pretrain_mpp, pretrain_supervised -> [split: a dev split held out of the downstream training shards] ->
-finetune_<arm>_lr<lr> for every arm and learning rate -> [test_<arm>_lr<lr>: the dev-picked run on the
-evaluation shards] -> fewshot_<arm> -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is
-skipped when the command is repeated; an interrupted training stage resumes from its newest checkpoint.
+Stages, each in its own directory under output_dir (so `tensorboard --logdir output_dir` shows every run, under
+short names): pre/mpp, pre/supervised -> [split: a dev split held out of the downstream training shards] ->
+ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-s<seed> for the other seeds
+of each arm's dev-picked recipe -> [test/<arm>/<run>: each of those runs on the evaluation shards] -> fewshot/<arm>
+-> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
+repeated; an interrupted training stage resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
+import yaml
 from accelerate import PartialState
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
@@ -55,6 +57,8 @@ class CompareConfig(Section):
     pretrain: dict[str, Any] = Field({}, description="Run-config keys of both pretraining runs: data.shards (upstream; labelled for supervised), train.*, mpp.*.")
     finetune: dict[str, Any] = Field({}, description="Run-config keys of every fine-tuning run: data.shards (downstream training), data.val_shards (evaluation), train.*, finetune.eval_every.")
     lrs: list[float] = Field([], description="Fine-tuning learning rates tried per arm, the best picked on the dev split; empty: finetune's train.lr alone, no dev split.")
+    grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best per arm is picked on the dev split.")
+    seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and whether each gap exceeds that spread. Empty: finetune's train.seed alone.")
     dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's learning rate.")
 
 
@@ -68,7 +72,7 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. pretrain.train.steps=1000)")
     try:
         raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))), resolve=True)
-    except (OmegaConfBaseException, ValueError) as exc:
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read {path} with the overrides given ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
     try:
         cc = CompareConfig.model_validate(raw or {})
@@ -76,10 +80,47 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"comparison config key '{key}': {first['msg']}; see configs/compare/tiny.yaml") from None
+    if cc.grid and cc.lrs:
+        raise ConfigError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
     for arm in ("mpp", "supervised"):
         stage_config(cc, "pretrain", objective=arm)
-    stage_config(cc, "finetune")
+    for recipe in recipes(cc).values():
+        stage_config(cc, "finetune", **recipe)
     return cc
+
+
+def dotted(keys: dict, prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 0.1}} or {'train.lr': 0.1} -> {'train.lr': 0.1}."""
+    flat = {}
+    for key, value in keys.items():
+        if isinstance(value, dict):
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+SHORT = {"train.optimizer": "", "train.lr": "", "finetune.pool": "", "train.layer_decay": "ld", "model.drop_path": "dp",
+         "train.label_smoothing": "ls", "train.weight_decay": "wd", "train.steps": "st"}
+
+
+def recipes(cc: CompareConfig) -> dict[str, dict[str, Any]]:
+    """The fine-tuning grid as {short name: dotted keys}: a recipe's own `name`, else its values (sgd-0.03,
+    adamw-0.001-ld0.75), else r<index> when that is long; short so TensorBoard's run list shows them whole
+    (report.md's legend gives every recipe's keys)."""
+    grid = [dotted(r) for r in cc.grid] or [{"train.lr": lr} for lr in cc.lrs] or [{}]
+    named: dict[str, dict[str, Any]] = {}
+    for i, recipe in enumerate(grid):
+        given = recipe.pop("name", None)
+        parts = [f"{SHORT.get(k, k.split('.')[-1][:4])}{v:g}" if isinstance(v, float) else f"{SHORT.get(k, k.split('.')[-1][:4])}{v}"
+                 for k, v in recipe.items()]
+        name = str(given) if given is not None else "-".join(parts) or "base"
+        if given is not None and (name in named or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()):
+            raise ConfigError(f"grid recipe name '{name}' is taken or not a plain name; give each recipe a distinct name of letters, digits, '-', '_' or '.'")
+        if given is None and (len(name) > 24 or name in named or "/" in name):
+            name = f"r{i}"
+        named[name] = recipe
+    return named
 
 
 def stage_config(cc: CompareConfig, section: str, **keys) -> Config:
@@ -131,13 +172,14 @@ def run(cc: CompareConfig) -> dict:
     pretrained: dict[str, dict] = {}
     for arm in ("mpp", "supervised"):
         if arm in cc.arms:
-            cfg = stage_config(cc, "pretrain", objective=arm, output_dir=out / f"pretrain_{arm}")
-            pretrained[arm] = stage(out / f"pretrain_{arm}", f"{arm} pretraining", settings(cfg),
+            cfg = stage_config(cc, "pretrain", objective=arm, output_dir=out / "pre" / arm)
+            pretrained[arm] = stage(out / "pre" / arm, f"{arm} pretraining", settings(cfg),
                                   lambda cfg=cfg: pretrain_stage(cfg))
 
     base = stage_config(cc, "finetune")
-    lrs = cc.lrs or [base.train.lr]
-    select_on_dev = len(lrs) > 1
+    grid = recipes(cc)
+    select_on_dev = len(grid) > 1
+    seeds = cc.seeds or [base.train.seed]
     train_shards, val_shards = base.data.shards, base.data.val_shards
     if select_on_dev:
         split = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
@@ -145,34 +187,49 @@ def run(cc: CompareConfig) -> dict:
                       lambda: split_stage(base, out / "split", cc.dev_fraction))
         train_shards, val_shards = split["train"], split["dev"]
 
+    def fine_tune(arm: str, ckpt: str | None, run_name: str, recipe: dict, seed: int) -> tuple[Path, dict]:
+        directory = out / "ft" / arm / run_name
+        cfg = stage_config(cc, "finetune", output_dir=directory, **{**recipe, "train.seed": seed,
+                                                                   "data.shards": train_shards, "data.val_shards": val_shards})
+        return directory, stage(directory, f"{arm} fine-tuning {run_name}", {**settings(cfg), "ckpt": ckpt},
+                                lambda: finetune_stage(cfg, ckpt))
+
     for arm in cc.arms:
-        ckpt = str(out / f"pretrain_{arm}") if arm in pretrained else None
-        runs = {}
-        for lr in lrs:
-            directory = out / f"finetune_{arm}_lr{lr:g}"
-            cfg = stage_config(cc, "finetune", output_dir=directory, **{"train.lr": lr, "data.shards": train_shards,
-                                                                        "data.val_shards": val_shards})
-            runs[lr] = stage(directory, f"{arm} fine-tuning at lr {lr:g}", {**settings(cfg), "ckpt": ckpt},
-                            lambda cfg=cfg, ckpt=ckpt: finetune_stage(cfg, ckpt))
-        best = max(lrs, key=lambda lr: runs[lr]["top1"])
-        chosen = out / f"finetune_{arm}_lr{best:g}"
-        entry = {"objective": OBJECTIVE[arm], "lr": best, "lrs": {f"{lr:g}": runs[lr]["top1"] for lr in lrs},
-                 "finetune": runs[best], "pretrain": pretrained.get(arm)}
+        ckpt = str(out / "pre" / arm) if arm in pretrained else None
+        runs = {name: fine_tune(arm, ckpt, name, recipe, base.train.seed) for name, recipe in grid.items()}
+        best = max(grid, key=lambda name: runs[name][1]["top1"])
+        # The picked recipe at every seed; the seed the grid ran with reuses its run.
+        seeded = {seed: runs[best] if seed == base.train.seed else fine_tune(arm, ckpt, f"{best}-s{seed}", grid[best], seed)
+                  for seed in seeds}
+        tests = {}
+        for seed, (directory, result) in seeded.items():
+            if select_on_dev:
+                test_dir = out / "test" / arm / directory.name
+                test_cfg = stage_config(cc, "finetune", output_dir=test_dir, **{**grid[best], "train.seed": seed})
+                tests[seed] = stage(test_dir, f"{arm}: {directory.name} on {val_shards_name(base)}",
+                                    {**settings(test_cfg), "run": directory},
+                                    lambda cfg=test_cfg, directory=directory: test_stage(cfg, directory))
+            else:
+                tests[seed] = result
+        top1 = [tests[seed]["top1"] for seed in seeds]
+        entry = {"objective": OBJECTIVE[arm], "recipe": best, "settings": grid[best],
+                 "lr": stage_config(cc, "finetune", **grid[best]).train.lr,
+                 "grid": {name: runs[name][1]["top1"] for name in grid}, "run": str(runs[best][0]),
+                 "finetune": runs[best][1], "pretrain": pretrained.get(arm),
+                 "test": {"top1": statistics.fmean(top1), "top1_std": statistics.stdev(top1) if len(top1) > 1 else None,
+                          "top1_seeds": {str(seed): t for seed, t in zip(seeds, top1)},
+                          **({"top5": statistics.fmean(tests[s]["top5"] for s in seeds)} if "top5" in tests[seeds[0]] else {})}}
         if select_on_dev:
-            entry["dev_top1"] = runs[best]["top1"]
-            # Named by the pick, so a run with a longer lr grid that picks another lr scores that one.
-            directory = out / f"test_{arm}_lr{best:g}"
-            test_cfg = stage_config(cc, "finetune", output_dir=directory)
-            entry["test"] = stage(directory, f"{arm}: the dev-picked run (lr {best:g}) on {val_shards_name(base)}",
-                                  {**settings(test_cfg), "run": chosen}, lambda cfg=test_cfg: test_stage(cfg, chosen))
-        else:
-            entry["test"] = {"top1": runs[best]["top1"], **({"top5": runs[best]["top5"]} if "top5" in runs[best] else {})}
-        fewshot_cfg = stage_config(cc, "finetune", output_dir=out / f"fewshot_{arm}")
-        entry["fewshot"] = stage(out / f"fewshot_{arm}", f"{arm} few-shot evaluation", {**settings(fewshot_cfg), "ckpt": ckpt},
+            entry["dev_top1"] = runs[best][1]["top1"]
+        fewshot_cfg = stage_config(cc, "finetune", output_dir=out / "fewshot" / arm)
+        entry["fewshot"] = stage(out / "fewshot" / arm, f"{arm} few-shot evaluation", {**settings(fewshot_cfg), "ckpt": ckpt},
                                  lambda cfg=fewshot_cfg, ckpt=ckpt: fewshot_stage(cfg, ckpt))
         report["arms"][arm] = entry
 
     report["select_on_dev"] = select_on_dev
+    report["seeds"] = seeds
+    report["recipes"] = grid
+    report["gaps"] = gaps(report["arms"])
     if PartialState().is_main_process:
         (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         (out / "report.md").write_text(report_markdown(report, cc, base))
@@ -182,6 +239,21 @@ def run(cc: CompareConfig) -> dict:
         print(f"[compare] report in {out / 'report.md'}, plot in {out / 'comparison.png'}, "
               f"all runs in TensorBoard: tensorboard --logdir {out}")
     return report
+
+
+def gaps(arms: dict[str, dict]) -> list[dict]:
+    """Every pair of arms: the difference of mean test top-1 and whether it exceeds the seeds' spread (the sum of
+    the two standard deviations); with one seed there is no spread to judge by (exceeds_spread None)."""
+    names = list(arms)
+    result = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            ta, tb = arms[a]["test"], arms[b]["test"]
+            spread = None if ta["top1_std"] is None or tb["top1_std"] is None else ta["top1_std"] + tb["top1_std"]
+            gap = ta["top1"] - tb["top1"]
+            result.append({"arms": [a, b], "gap": gap, "spread": spread,
+                           "exceeds_spread": None if spread is None else abs(gap) > spread})
+    return result
 
 
 def settings(cfg: Config) -> dict:
@@ -293,37 +365,58 @@ def training_time(run_dir: Path) -> float:
     return total
 
 
+def percent_with_spread(test: dict) -> str:
+    return f"{100 * test['top1']:.2f}%" + (f" ± {100 * test['top1_std']:.2f}" if test["top1_std"] is not None else "")
+
+
 def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     out = Path(cc.output_dir)
-    shots = sorted({int(n) for e in report["arms"].values() for n in e["fewshot"] if n.isdigit()})
+    arms, grid, seeds = report["arms"], report["recipes"], report["seeds"]
+    shots = sorted({int(n) for e in arms.values() for n in e["fewshot"] if n.isdigit()})
     evaluated_on = "the dev split" if report["select_on_dev"] else val_shards_name(base)
-    head = ["run", "pretraining objective", "pretraining images seen", "fine-tuning lr", "fine-tuning images seen",
-            "wall time (s)", *(["dev top-1"] if report["select_on_dev"] else []), "top-1 (evaluation shards)",
+    seeds_note = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    head = ["run", "pretraining objective", "pretraining images seen", "fine-tuning recipe", "fine-tuning images seen",
+            "wall time (s)", *(["dev top-1"] if report["select_on_dev"] else []), f"top-1 (evaluation shards, {seeds_note})",
             *[f"{n}-shot" for n in shots]]
     lines = ["# MPP vs supervised pretraining vs scratch", "",
-             f"Fine-tuning: the same recipe for every arm ({base.train.steps} steps, batch {base.train.batch_size}, "
-             f"{base.train.optimizer}, warmup {base.train.warmup_steps}); learning rate "
-             + (f"picked per arm from {', '.join(f'{lr:g}' for lr in cc.lrs)} by top-1 on a dev split "
-                f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning)." if report["select_on_dev"]
-                else f"{base.train.lr:g} for every arm (no dev split: set `lrs` for per-arm selection)."),
+             f"Fine-tuning: {base.train.steps} steps at batch {base.train.batch_size}, warmup {base.train.warmup_steps}, "
+             f"then cosine; "
+             + (f"each arm's recipe picked from the {len(grid)} of the grid below by top-1 on a dev split "
+                f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning), so no arm is held to a recipe "
+                f"that suits another." if report["select_on_dev"]
+                else f"one recipe ({base.train.optimizer}, lr {base.train.lr:g}) for every arm (no dev split: set `grid` "
+                     f"or `lrs` for per-arm selection)."),
+             f"Top-1 on the evaluation shards: the picked recipe fine-tuned with {seeds_note}.",
              f"Few-shot: ridge regression onto +-1 targets from frozen {base.fewshot.features} features, examples drawn "
-             f"from the downstream training shards, mean of {base.fewshot.draws} draws. Top-1 and few-shot accuracies are "
-             f"measured on the evaluation shards, {val_shards_name(base)}.",
+             f"from the downstream training shards, mean of {base.fewshot.draws} draws, scored on {val_shards_name(base)}.",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm, e in report["arms"].items():
+    for arm, e in arms.items():
         pre = e["pretrain"] or {}
-        wall = (training_time(out / f"pretrain_{arm}") if pre else 0) + training_time(out / f"finetune_{arm}_lr{e['lr']:g}")
-        row = [arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", f"{e['lr']:g}",
+        wall = (training_time(out / "pre" / arm) if pre else 0) + training_time(Path(e["run"]))
+        row = [arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", e["recipe"],
                f"{e['finetune']['images_seen']:,}", f"{wall:.0f}",
-               *([f"{100 * e['dev_top1']:.2f}%"] if report["select_on_dev"] else []), f"{100 * e['test']['top1']:.2f}%",
+               *([f"{100 * e['dev_top1']:.2f}%"] if report["select_on_dev"] else []), percent_with_spread(e["test"]),
                *[f"{100 * e['fewshot'][str(n)]:.1f}%" for n in shots]]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Dev top-1 of every learning rate tried: "
-              + "; ".join(f"{arm}: " + ", ".join(f"{lr} -> {100 * t:.2f}%" for lr, t in e["lrs"].items())
-                          for arm, e in report["arms"].items()) if report["select_on_dev"] else "",
-              "", f"Wall time: pretraining plus the chosen fine-tuning run, from the first to the last logged training step "
-              f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png; every run in TensorBoard "
-              f"(`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]
+    if report["select_on_dev"]:
+        lines += ["", "## The whole grid (dev top-1; the pick of each arm in bold)", "",
+                  "| recipe | " + " | ".join(arms) + " |", "|" + "---|" * (len(arms) + 1)]
+        for name in grid:
+            cells = [f"**{100 * e['grid'][name]:.2f}%**" if e["recipe"] == name else f"{100 * e['grid'][name]:.2f}%"
+                     for e in arms.values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Recipes (run names under `ft/<arm>/`; keys on top of the plan's `finetune` section):", ""]
+    lines += [f"- `{name}`: " + (", ".join(f"{k}={v}" for k, v in recipe.items()) or "the plan's finetune section as it is")
+              for name, recipe in grid.items()]
+    lines += ["", "## Gaps", ""]
+    for g in report["gaps"]:
+        a, b = g["arms"]
+        verdict = ("one seed: no spread to judge the gap by (set `seeds`)" if g["spread"] is None else
+                   f"{'exceeds' if g['exceeds_spread'] else 'does not exceed'} the spread (sum of the two std, {100 * g['spread']:.2f})")
+        lines.append(f"- {a} - {b}: {100 * g['gap']:+.2f} points top-1; {verdict}.")
+    lines += ["", f"Wall time: pretraining plus the picked fine-tuning run, from the first to the last logged training step "
+              f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png; every "
+              f"run in TensorBoard (`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]
     return "\n".join(lines)
 
 

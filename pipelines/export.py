@@ -33,7 +33,8 @@ def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
     # A fine-tuned model keeps its linear head as head.weight/head.bias; a supervised pretraining MLP head
     # (head.0, head.2) is the paper's throwaway pretraining head and has no ViTForImageClassification form.
     head = {"weight": weights["head.weight"], "bias": weights["head.bias"]} if "head.weight" in weights else None
-    kind = export_hf(backbone, out_dir, head, id2label=class_names(cfg) if head is not None else None)
+    kind = export_hf(backbone, out_dir, head, id2label=class_names(cfg) if head is not None else None,
+                     pool=cfg.finetune.pool)
     (Path(out_dir) / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
     print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
           f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")

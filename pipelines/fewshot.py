@@ -18,6 +18,19 @@ from mpp.train import Evaluator, make_accelerator
 from pipelines.common import class_names, resolve_shards
 
 
+def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int, *, labelled_by: str | None = None,
+                 labels: bool = True):
+    """One pass over `spec`, in shard order, no augmentation; its own loader, so the training stream is not touched.
+
+    Named labels map to ids as in training: through the class names of `labelled_by` (default data.shards) and
+    data.val_shards; labels=False never reads them.
+    """
+    names = class_names(cfg, accelerator, labelled_by or cfg.data.shards, cfg.data.val_shards) if labels else None
+    return make_loader(resolve_shards(spec, cfg, accelerator), EvalTransform(cfg.model.image_size), batch_size,
+                       num_workers=0, rank=accelerator.process_index, world=accelerator.num_processes,
+                       resampled=False, loop=False, labels=labels, class_names=names)
+
+
 class FewShot:
     """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone."""
 
@@ -27,18 +40,11 @@ class FewShot:
                                "(or fewshot.every=0 to turn it off)")
         self.cfg, self.accelerator = cfg.fewshot, accelerator
         train_shards = cfg.fewshot.shards or cfg.data.shards
-        self.pool = LabelledImages(accelerator, self._batches(train_shards, cfg), cfg.fewshot.train_images,
+        batches = lambda spec: eval_batches(spec, cfg, accelerator, cfg.fewshot.batch_size, labelled_by=train_shards)  # noqa: E731
+        self.pool = LabelledImages(accelerator, batches(train_shards), cfg.fewshot.train_images,
                                    f"few-shot training shards {train_shards}")
-        self.eval = LabelledImages(accelerator, self._batches(cfg.data.val_shards, cfg), cfg.fewshot.eval_images,
+        self.eval = LabelledImages(accelerator, batches(cfg.data.val_shards), cfg.fewshot.eval_images,
                                    f"evaluation shards {cfg.data.val_shards}")
-
-    def _batches(self, spec: str, cfg: Config):
-        # One pass, in shard order, no augmentation; its own loader, so the training stream is not touched.
-        return make_loader(resolve_shards(spec, cfg, self.accelerator), EvalTransform(cfg.model.image_size),
-                           cfg.fewshot.batch_size, num_workers=0, rank=self.accelerator.process_index,
-                           world=self.accelerator.num_processes, resampled=False, loop=False,
-                           class_names=class_names(cfg, self.accelerator, cfg.fewshot.shards or cfg.data.shards,
-                                                   cfg.data.val_shards))
 
     def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
         """{shots: [accuracy of each draw]}, identical on every process."""

@@ -36,7 +36,9 @@ class History:
 def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classification:
     """The one difference between fine-tuning and training from scratch is where the backbone comes from."""
     backbone = load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg)
-    return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True)
+    backbone.set_drop_path(cfg.model.drop_path)
+    return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True, pool=cfg.finetune.pool,
+                          label_smoothing=cfg.train.label_smoothing)
 
 
 @torch.no_grad()

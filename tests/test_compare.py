@@ -17,7 +17,8 @@ TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "comm
              "common.fewshot.shots=[1,2]", "common.fewshot.draws=2", "common.fewshot.train_images=60",
              "common.fewshot.eval_images=40", "pretrain.train.steps=3", "pretrain.train.warmup_steps=1",
              "pretrain.train.batch_size=8", "finetune.train.steps=4", "finetune.train.warmup_steps=1",
-             "finetune.train.batch_size=8", "finetune.finetune.eval_every=2", "lrs=[0.01,0.1]", "dev_fraction=0.25"]
+             "finetune.train.batch_size=8", "finetune.finetune.eval_every=2", "dev_fraction=0.25"]
+# The shipped tiny plan's grid (SGD and the AdamW/layer-decay/mean-pooling recipe) and seeds [0, 1], as they are.
 
 
 @pytest.fixture(autouse=True)
@@ -28,8 +29,8 @@ def fresh_accelerator():
 
 
 def tiny(tmp_path, *overrides):
-    up = write_test_shards(tmp_path / "up", [40, 40], size=32)
-    down = write_test_shards(tmp_path / "down", [200, 200], size=32)  # 40 per class: 10 of each in the dev split
+    write_test_shards(tmp_path / "up", [40, 40], size=32)
+    write_test_shards(tmp_path / "down", [200, 200], size=32)  # 40 per class: 10 of each in the dev split
     val = write_test_shards(tmp_path / "val", [30], size=32)
     for directory in ("up", "down"):  # the class count comes from summary.json, as `launch.py prepare` writes it
         (tmp_path / directory / "summary.json").write_text(json.dumps({"labels": True, "classes": 10}))
@@ -38,41 +39,70 @@ def tiny(tmp_path, *overrides):
         f"finetune.data.val_shards={val[0]}", f"common.data.val_shards={val[0]}", *TINY_RUNS, *overrides])
 
 
-def test_compare_writes_a_complete_report_and_a_rerun_skips_finished_stages(tmp_path, capsys):
+def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_skips_finished_stages(tmp_path, capsys):
     cc = tiny(tmp_path)
     report = compare.run(cc)
     out = tmp_path / "cmp"
     assert set(report["arms"]) == {"mpp", "supervised", "scratch"}
     text = (out / "report.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    table = text.split("## The whole grid")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| run")]
     assert [r.split(" | ")[0] for r in rows] == ["| mpp", "| supervised", "| scratch"]
     for row in rows:
         cells = row.strip("| ").split(" | ")
         assert len(cells) == 10 and all(cells), row  # no empty cell
-        assert re.fullmatch(r"\d+\.\d\d%", cells[6]) and re.fullmatch(r"\d+\.\d\d%", cells[7])  # dev and test top-1
+        assert cells[3] in ("sgd-0.03", "mim")  # the recipe each arm picked
+        assert re.fullmatch(r"\d+\.\d\d%", cells[6]) and re.fullmatch(r"\d+\.\d\d% ± \d+\.\d\d", cells[7])  # dev; test mean ± std
         assert re.fullmatch(r"\d+\.\d%", cells[8]) and re.fullmatch(r"\d+\.\d%", cells[9])  # 1- and 2-shot
-    assert "79.9%" in text
+    grid_rows = [line for line in text.split("## The whole grid")[1].splitlines() if line.startswith(("| sgd-0.03", "| mim"))]
+    assert len(grid_rows) == 2 and sum(row.count("**") for row in grid_rows) == 2 * 3  # every arm's pick in bold
+    assert "`mim`: train.optimizer=adamw, train.lr=0.001, train.weight_decay=0.05, train.layer_decay=0.75, finetune.pool=mean" in text
+    assert "79.9%" in text and "mpp - scratch:" in text and "the spread" in text
     results = json.loads((out / "results.json").read_text())
     assert results["arms"]["scratch"]["pretrain"] is None and results["arms"]["mpp"]["pretrain"]["images_seen"] == 24
-    assert set(results["arms"]["mpp"]["lrs"]) == {"0.01", "0.1"}
+    assert results["seeds"] == [0, 1]
+    for arm in results["arms"].values():
+        assert set(arm["grid"]) == {"sgd-0.03", "mim"} and arm["recipe"] in arm["grid"]
+        test = arm["test"]
+        seeds = list(test["top1_seeds"].values())
+        assert set(test["top1_seeds"]) == {"0", "1"}
+        assert test["top1"] == pytest.approx(sum(seeds) / 2)
+        assert test["top1_std"] == pytest.approx(abs(seeds[0] - seeds[1]) / 2 ** 0.5)  # sample std of two
+    gap = next(g for g in results["gaps"] if g["arms"] == ["mpp", "scratch"])
+    assert gap["exceeds_spread"] == (abs(gap["gap"]) > gap["spread"])
     split = json.loads((out / "split" / "stage.json").read_text())
     assert split["train_images"] + split["dev_images"] == 400 and split["dev_images_per_class"] == {str(c): 10 for c in range(10)}
     with Image.open(out / "comparison.png") as png:
         assert png.size == (720, 440)
-    events = {p.parent.parent.parent.name for p in out.rglob("events.out.tfevents*")}
-    assert {"pretrain_mpp", "pretrain_supervised", "finetune_scratch_lr0.01", "finetune_mpp_lr0.1"} <= events
+    # Short TensorBoard run names: ft/<arm>/<recipe>[-s<seed>], pre/<arm>.
+    events = {str(p.relative_to(out)).split("/tensorboard/")[0] for p in out.rglob("events.out.tfevents*")}
+    picked = results["arms"]["mpp"]["recipe"]
+    assert {"pre/mpp", "pre/supervised", "ft/scratch/sgd-0.03", "ft/mpp/mim", f"ft/mpp/{picked}-s1"} <= events
+    assert max(len(name) for name in events) <= len("ft/supervised/sgd-0.03-s1")
 
     capsys.readouterr()
     AcceleratorState._reset_state(True)
     assert compare.run(tiny(tmp_path)) == report
     log = capsys.readouterr().out
-    assert log.count("finished before, skipped") == 2 + 1 + 6 + 3 + 3 and "running in" not in log
+    # 2 pretrainings, the split, 3 arms x (2 recipes + 1 more seed), 3 x 2 test scorings, 3 few-shot evaluations
+    assert log.count("finished before, skipped") == 2 + 1 + 9 + 6 + 3 and "running in" not in log
+
+
+def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="both lrs and grid"):
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["lrs=[0.1]"])
+    with pytest.raises(ConfigError, match="grid recipe name 'a' is taken"):
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{name: a}, {name: a, train: {lr: 0.1}}]"])
+    with pytest.raises(ConfigError, match=r"cannot read .* \(ScannerError"):  # YAML flow maps need a space after ':'
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train:{lr:0.1}}]"])
+    with pytest.raises(ConfigError, match="'finetune' runs .*train.lrr"):
+        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
 
 
 def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
-    cc = tiny(tmp_path, "arms=[scratch]", "lrs=[]")
+    cc = tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]")
     compare.run(cc)
-    (tmp_path / "cmp" / "fewshot_scratch" / "stage.json").unlink()  # as if it had crashed before finishing
+    (tmp_path / "cmp" / "fewshot" / "scratch" / "stage.json").unlink()  # as if it had crashed before finishing
     capsys.readouterr()
     compare.run(cc)
     log = capsys.readouterr().out
@@ -80,10 +110,10 @@ def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
 
 
 def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
-    compare.run(tiny(tmp_path, "arms=[scratch]", "lrs=[]"))
+    compare.run(tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]"))
     AcceleratorState._reset_state(True)
-    with pytest.raises(compare.CompareError, match=r"finetune_scratch_lr0.01 holds a scratch fine-tuning .* \(train\)"):
-        compare.run(tiny(tmp_path, "arms=[scratch]", "lrs=[]", "finetune.train.steps=5"))
+    with pytest.raises(compare.CompareError, match=r"ft/scratch/base holds a scratch fine-tuning .* \(train\)"):
+        compare.run(tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]", "finetune.train.steps=5"))
 
 
 def test_compare_config_mistakes_are_one_line(tmp_path):
@@ -96,7 +126,7 @@ def test_compare_config_mistakes_are_one_line(tmp_path):
 def test_shipped_tiny_plan_runs_on_the_synthetic_corpus(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the synthetic corpus is generated under ./data
     cc = compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
-        f"output_dir={tmp_path / 'cmp'}", "common.data.synthetic_size=400", "arms=[mpp,scratch]", *TINY_RUNS])
+        f"output_dir={tmp_path / 'cmp'}", "common.data.synthetic_size=400", "arms=[mpp,scratch]", "seeds=[0]", *TINY_RUNS])
     report = compare.run(cc)
     assert set(report["arms"]) == {"mpp", "scratch"} and (tmp_path / "cmp" / "report.md").is_file()
     split = json.loads((tmp_path / "cmp" / "split" / "stage.json").read_text())

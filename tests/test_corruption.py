@@ -1,7 +1,8 @@
 import torch
 
 from mpp.model import build_vit
-from mpp.objectives import KEEP, MASK, RANDOM, MaskedPatchPrediction, corrupt_patches, normalize, num_corrupted
+from mpp.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, corrupt_patches, normalize, num_corrupted,
+                            random_rectangles)
 
 
 def test_fractions_match_the_paper_split():
@@ -107,3 +108,48 @@ def test_every_target_trains_end_to_end():
         panel = obj.panel(torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8))
         assert set(panel) == {"crops", "corrupted", "target", "predicted"}
         assert all(v.shape == (2, 3, 16, 16) and v.dtype == torch.uint8 for v in panel.values())
+
+
+def boundary_edges(mask):
+    """Neighbouring (4-connected) pairs of patches where one is corrupted and the other not, per image."""
+    return (mask[:, 1:, :] != mask[:, :-1, :]).sum(dim=(1, 2)) + (mask[:, :, 1:] != mask[:, :, :-1]).sum(dim=(1, 2))
+
+
+def test_random_rectangles_are_axis_aligned_rectangles():
+    torch.manual_seed(5)
+    rects = random_rectangles(200, 14, 16.0, torch.full((200,), 98.0), "cpu")
+    rows, cols = rects.any(dim=2), rects.any(dim=1)  # (B, grid) each
+    assert torch.equal(rects, rows[:, :, None] & cols[:, None, :])  # the outer product of a row and a column range
+    for r in (rows, cols):  # each range is contiguous
+        assert torch.all(r.int().diff(dim=1).abs().sum(dim=1) <= 2)
+    assert rects.sum(dim=(1, 2)).min() >= 1
+
+
+def test_block_masking_keeps_the_exact_count_forms_blocks_and_the_paper_split():
+    torch.manual_seed(6)
+    b, grid = 256, 14
+    tokens, mask = torch.randn(b, grid * grid, 4), torch.randn(4)
+    _, block = corrupt_patches(tokens, mask, 0.4, 0.8, 0.1, masking="block")
+    _, rand = corrupt_patches(tokens, mask, 0.4, 0.8, 0.1)
+    k = num_corrupted(grid * grid, 0.4)
+    assert block.positions.shape == (b, k)
+    assert all(len(set(row.tolist())) == k for row in block.positions)  # exactly k distinct positions per image
+    as_grid = lambda c: torch.zeros(b, grid * grid, dtype=torch.bool).scatter_(1, c.positions, True).reshape(b, grid, grid)
+    # Blocks: far fewer corrupted/clean borders than scattered positions (a 78-patch square has 36).
+    assert boundary_edges(as_grid(block)).float().mean() < 0.4 * boundary_edges(as_grid(rand)).float().mean()
+    kinds = block.kinds.flatten().float()
+    assert abs((kinds == MASK).float().mean() - 0.8) < 0.02
+    assert abs((kinds == RANDOM).float().mean() - 0.1) < 0.02
+    assert abs((kinds == KEEP).float().mean() - 0.1) < 0.02
+
+
+def test_block_masking_trains_and_is_reproducible_with_a_generator():
+    obj = MaskedPatchPrediction(build_vit("vit_ti", 32, 4, width=32, depth=1, heads=2), masking="block")
+    out = obj(torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8))
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    a = obj.draw_corruption(4, generator=torch.Generator().manual_seed(1))
+    state = torch.random.get_rng_state()
+    b = obj.draw_corruption(4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.random.get_rng_state(), state)  # a private generator leaves the global RNG alone
+    assert all(torch.equal(x, y) for x, y in ((a.positions, b.positions), (a.kinds, b.kinds), (a.sources, b.sources)))

@@ -1,0 +1,70 @@
+"""kNN evaluation stage: of a saved backbone (`launch.py knn`) or periodically during pretraining (`knn/top1`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from accelerate import Accelerator
+from torch import nn
+
+from mpp.checkpoint import load_backbone
+from mpp.config import Config
+from mpp.fewshot import FewShotError, LabelledImages
+from mpp.knn import knn_accuracy
+from mpp.model import VisionTransformer
+from mpp.train import Evaluator, make_accelerator
+from pipelines.fewshot import eval_batches
+
+
+class Knn:
+    """The labelled neighbour pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone.
+
+    Features are gathered from every process before voting, so the accuracy is the same however many there are.
+    """
+
+    def __init__(self, cfg: Config, accelerator: Accelerator):
+        if cfg.data.val_shards is None:
+            raise FewShotError("kNN evaluation needs evaluation images; set data.val_shards to labelled shards "
+                               "(or knn.every=0 to turn it off)")
+        self.cfg, self.accelerator = cfg.knn, accelerator
+        pool_shards = cfg.knn.shards or cfg.data.shards
+        self.pool = LabelledImages(accelerator, eval_batches(pool_shards, cfg, accelerator, cfg.knn.batch_size, labelled_by=pool_shards),
+                                   cfg.knn.train_images, f"kNN neighbour shards {pool_shards}")
+        self.eval = LabelledImages(accelerator, eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.knn.batch_size, labelled_by=pool_shards),
+                                   cfg.knn.eval_images, f"evaluation shards {cfg.data.val_shards}")
+
+    def scores(self, backbone: VisionTransformer) -> dict[str, float]:
+        c = self.cfg
+        train_x, train_y = self.pool.features(self.accelerator, backbone, c.features, c.batch_size)
+        eval_x, eval_y = self.eval.features(self.accelerator, backbone, c.features, c.batch_size)
+        return {"knn/top1": knn_accuracy(train_x, train_y, eval_x, eval_y, k=c.k, temperature=c.temperature)}
+
+
+def training_evaluator(cfg: Config, accelerator: Accelerator) -> Evaluator:
+    """The loop's hook: every knn.every steps, evaluate the objective's backbone."""
+    knn = Knn(cfg, accelerator)
+
+    def run(module: nn.Module, step: int) -> dict[str, float]:
+        return knn.scores(module.backbone)
+
+    return Evaluator(cfg.knn.every, run)
+
+
+def run(cfg: Config, *, ckpt: str) -> dict:
+    """Evaluate the backbone in `ckpt`; print the accuracy and write it to output_dir/knn.json."""
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
+    knn = Knn(cfg, accelerator)
+    c = cfg.knn
+    result = {"ckpt": str(ckpt), "features": c.features, "k": c.k, "temperature": c.temperature,
+              "train_images": knn.pool.total, "eval_images": knn.eval.total, "top1": knn.scores(backbone)["knn/top1"]}
+    if accelerator.is_main_process:
+        out = Path(cfg.output_dir) / "knn.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"kNN top-1 of {ckpt} ({c.features} features, k={c.k}, T={c.temperature:g}, {knn.pool.total} neighbours, "
+              f"{knn.eval.total} evaluation images, {accelerator.num_processes} process(es)): "
+              f"{100 * result['top1']:.2f}%; written to {out}")
+    accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
+    return result

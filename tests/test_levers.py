@@ -1,0 +1,167 @@
+"""Fine-tuning levers: layer-wise lr decay, stochastic depth, mean pooling, label smoothing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from accelerate.state import AcceleratorState, GradientState
+
+import launch
+from mpp.config import TrainConfig, load_config
+from mpp.model import DropPath, VisionTransformer
+from mpp.objectives import Classification, MaskedPatchPrediction, normalize
+from mpp.train import NO_DECAY, build_optimizer, head_lr, warmup_cosine
+from pipelines import finetune
+
+from test_pretrain import TINY
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def classifier(depth=2, drop_path=0.0, pool="cls", seed=0):
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(32, 5)  # not zero-initialised, so the backbone gets gradients from the first step
+    return Classification(VisionTransformer(16, 4, 32, depth, 2, drop_path), head, export_head=True, pool=pool)
+
+
+def test_layer_decay_scales_follow_the_beit_formula_through_warmup_and_cosine():
+    model = classifier(depth=2)
+    cfg = TrainConfig(optimizer="adamw", lr=1e-2, layer_decay=0.5, steps=10, warmup_steps=2)
+    optimizer = build_optimizer(model, cfg)
+    scale_of = {id(p): g["lr_scale"] for g in optimizer.param_groups for p in g["params"]}
+    wd_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    expected = {"backbone.patch_embed.proj.weight": 0.5 ** 3, "backbone.cls_token": 0.5 ** 3, "backbone.pos_embed": 0.5 ** 3,
+                "backbone.blocks.0.attn.qkv.weight": 0.5 ** 2, "backbone.blocks.0.norm1.bias": 0.5 ** 2,
+                "backbone.blocks.1.mlp.2.weight": 0.5, "backbone.norm.weight": 1.0, "head.weight": 1.0, "head.bias": 1.0}
+    params = dict(model.named_parameters())
+    assert {name: scale_of[id(params[name])] for name in expected} == expected
+    assert len(scale_of) == len(params)  # every parameter in exactly one group
+    for name, p in params.items():  # the weight-decay exclusions still hold in every layer
+        exempt = p.ndim <= 1 or name.split(".")[-1] in NO_DECAY
+        assert wd_of[id(p)] == (0.0 if exempt else 0.05), name
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
+    factor = warmup_cosine(cfg.warmup_steps, cfg.steps)
+    for step in range(6):
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(cfg.lr * group["lr_scale"] * factor(step))
+        assert head_lr(scheduler) == pytest.approx(cfg.lr * factor(step))  # what train/lr logs: the head's
+        optimizer.step()
+        scheduler.step()
+
+
+def test_mask_embedding_is_an_input_token_for_layer_decay():
+    torch.manual_seed(0)
+    objective = MaskedPatchPrediction(VisionTransformer(16, 4, 32, 3, 2))
+    optimizer = build_optimizer(objective, TrainConfig(layer_decay=0.8))
+    scale_of = {id(p): g["lr_scale"] for g in optimizer.param_groups for p in g["params"]}
+    assert scale_of[id(objective.mask_embedding)] == pytest.approx(0.8 ** 4)
+    assert scale_of[id(objective.head.weight)] == 1.0
+
+
+def todays_optimizer(module, cfg):
+    """The optimiser before layer decay existed: two groups, decayed and exempt."""
+    decay, no_decay = [], []
+    for name, param in module.named_parameters():
+        (no_decay if param.ndim <= 1 or name.split(".")[-1] in NO_DECAY else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_layer_decay_one_is_todays_optimizer_exactly(name):
+    cfg = TrainConfig(optimizer=name, lr=0.05, layer_decay=1.0, steps=10, warmup_steps=2)
+    ours, reference = classifier(seed=3), classifier(seed=3)
+    opt_ours, opt_ref = build_optimizer(ours, cfg), todays_optimizer(reference, cfg)
+    assert len(opt_ours.param_groups) == 2
+    images = torch.randint(0, 256, (6, 3, 16, 16), dtype=torch.uint8)
+    labels = torch.arange(6) % 5
+    for model, optimizer in ((ours, opt_ours), (reference, opt_ref)):
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
+        for _ in range(4):
+            model(images, labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    for (name_a, a), (_, b) in zip(ours.named_parameters(), reference.named_parameters()):
+        assert torch.equal(a, b), name_a
+
+
+def test_drop_path_is_identity_in_eval_and_drops_about_its_rate_in_training():
+    torch.manual_seed(0)
+    branch = torch.ones(20000, 1, 1)
+    drop = DropPath(0.3).train()
+    out = drop(branch)
+    dropped = (out == 0).float().mean().item()
+    assert abs(dropped - 0.3) < 0.02
+    assert torch.allclose(out[out != 0], torch.tensor(1 / 0.7))  # kept samples rescaled: same expectation
+    assert torch.equal(drop.eval()(branch), branch)
+
+    model = VisionTransformer(16, 4, 32, 3, 2, drop_path=0.2)
+    assert [b.drop_path.rate for b in model.blocks] == pytest.approx([0.0, 0.1, 0.2])  # linear over the blocks
+    reference = VisionTransformer(16, 4, 32, 3, 2)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 16, 16)
+    model.eval(), reference.eval()
+    assert torch.equal(model(x), reference(x))
+
+
+def test_a_blocks_residual_branch_is_dropped_for_the_rate_of_samples():
+    torch.manual_seed(1)
+    model = VisionTransformer(16, 4, 32, 2, 2, drop_path=0.4).train()
+    block = model.blocks[1]  # rate 0.4
+    x = torch.randn(4000, 5, 32)
+    with torch.no_grad():
+        attn_branch = block.drop_path(block.attn(block.norm1(x)))
+    dropped = (attn_branch.abs().sum(dim=(1, 2)) == 0).float().mean().item()
+    assert abs(dropped - 0.4) < 0.03
+
+
+def test_drop_path_zero_is_todays_model_and_draws_no_random_numbers():
+    model = VisionTransformer(16, 4, 32, 2, 2, drop_path=0.0).train()
+    x = torch.randn(3, 3, 16, 16)
+    before = torch.random.get_rng_state()
+    trained = model(x)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the training run's random stream is unchanged
+    assert torch.equal(trained, model.eval()(x))
+
+
+def test_label_smoothing_reaches_the_loss(tmp_path):
+    cfg = load_config(None, [*TINY, "train.label_smoothing=0.1", "finetune.pool=mean", "model.drop_path=0.1"])
+    model = finetune.build_classifier(cfg, None, 5)
+    assert model.label_smoothing == 0.1 and model.pool == "mean" and model.backbone.blocks[-1].drop_path.rate == 0.1
+    images, labels = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
+    model.eval()
+    logits = model.logits(images).float()
+    assert torch.equal(model(images, labels).loss, F.cross_entropy(logits, labels, label_smoothing=0.1))
+
+
+def test_mean_pooled_classifier_reads_the_mean_patch_output():
+    model = classifier(pool="mean").eval()
+    images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+    with torch.no_grad():
+        encoded = model.backbone(normalize(images))
+        assert torch.allclose(model.logits(images), model.head(encoded[:, 1:].mean(dim=1)))
+        assert not torch.allclose(model.logits(images), model.head(encoded[:, 0]))
+
+
+def test_mean_pooled_fine_tuning_trains_and_its_export_is_refused(tmp_path, make_shards, capsys):
+    make_shards([30, 30], size=32)
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'shards'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "model.num_classes=10", "train.steps=3",
+                             "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=3",
+                             "finetune.eval_every=3", "finetune.pool=mean", "train.layer_decay=0.75", "model.drop_path=0.1"])
+    finetune.run(cfg, ckpt=None)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    capsys.readouterr()
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "finetune.pool=mean" in err and "cannot represent" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists()  # nothing half-written
