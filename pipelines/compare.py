@@ -1,7 +1,8 @@
 """Comparison stage: MPP pretraining vs supervised pretraining vs training from scratch, each at its best recipe.
 
 Stages, each in its own directory under output_dir (so `tensorboard --logdir output_dir` shows every run, under
-short names): pre/mpp, pre/supervised -> [split: a dev split held out of the downstream training shards] ->
+short names): [split: a dev split held out of the downstream training shards, first, so a split too small to
+rank the grid is refused before any pretraining] -> pre/mpp, pre/supervised ->
 ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-s<seed> for the other seeds
 of each arm's dev-picked recipe -> [test/<arm>/<run>: each of those runs on the evaluation shards] -> fewshot/<arm>
 -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
@@ -169,13 +170,7 @@ def run(cc: CompareConfig) -> dict:
     out = Path(cc.output_dir)
     report: dict[str, Any] = {"arms": {}, "config": cc.model_dump()}
 
-    pretrained: dict[str, dict] = {}
-    for arm in ("mpp", "supervised"):
-        if arm in cc.arms:
-            cfg = stage_config(cc, "pretrain", objective=arm, output_dir=out / "pre" / arm)
-            pretrained[arm] = stage(out / "pre" / arm, f"{arm} pretraining", settings(cfg),
-                                  lambda cfg=cfg: pretrain_stage(cfg))
-
+    # The split first: a dev split too small to rank the grid is refused before hours of pretraining.
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
     select_on_dev = len(grid) > 1
@@ -186,6 +181,13 @@ def run(cc: CompareConfig) -> dict:
                       {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
                       lambda: split_stage(base, out / "split", cc.dev_fraction))
         train_shards, val_shards = split["train"], split["dev"]
+
+    pretrained: dict[str, dict] = {}
+    for arm in ("mpp", "supervised"):
+        if arm in cc.arms:
+            cfg = stage_config(cc, "pretrain", objective=arm, output_dir=out / "pre" / arm)
+            pretrained[arm] = stage(out / "pre" / arm, f"{arm} pretraining", settings(cfg),
+                                  lambda cfg=cfg: pretrain_stage(cfg))
 
     def fine_tune(arm: str, ckpt: str | None, run_name: str, recipe: dict, seed: int) -> tuple[Path, dict]:
         directory = out / "ft" / arm / run_name

@@ -173,3 +173,10 @@ def test_dev_split_too_small_to_rank_the_grid_is_refused(tmp_path):
     with pytest.raises(compare.CompareError, match=r"at least 10 images of every class \(class 2 has 30 images, so 6 in dev\)"):
         compare.split_stage(cfg, tmp_path / "split", 0.2)
     assert not (tmp_path / "split").exists()  # refused before writing anything
+
+
+def test_a_dev_split_too_small_is_refused_before_any_pretraining(tmp_path):
+    cc = tiny(tmp_path, "dev_fraction=0.05")  # 2 dev images per class
+    with pytest.raises(compare.CompareError, match="too small to pick"):
+        compare.run(cc)
+    assert not (tmp_path / "cmp" / "pre").exists()  # no pretraining spent on a comparison that cannot rank its grid
