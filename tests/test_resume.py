@@ -181,9 +181,9 @@ def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_
     from pipelines import compare
     from test_compare import tiny
 
-    cc = tiny(tmp_path, "arms=[scratch]", "lrs=[0.01]")
+    cc = tiny(tmp_path, "arms=[scratch]", "grid=[]", "lrs=[0.01]", "seeds=[0]")
     first = compare.run(cc)["arms"]["scratch"]["test"]["top1"]
-    stage = tmp_path / "cmp" / "finetune_scratch_lr0.01"
+    stage = tmp_path / "cmp" / "ft" / "scratch" / "0.01"
     for written_after_the_last_checkpoint in ("results.json", "stage.json", "model.safetensors"):
         (stage / written_after_the_last_checkpoint).unlink()
     reset_accelerator()
