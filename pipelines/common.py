@@ -23,7 +23,8 @@ from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shard
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
 from mpp.shards import synthetic_samples, write_shards
-from mpp.train import complete_checkpoints, make_accelerator, resumable_checkpoint
+from mpp.rundir import CONFIG, complete_checkpoints, run_config_of
+from mpp.train import make_accelerator, resumable_checkpoint
 
 SYNTHETIC_ROOT = Path("data")
 
@@ -135,7 +136,7 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
         return []
     if not resume:
         raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
-    saved = out / "config.yaml"
+    saved = out / CONFIG
     if not saved.is_file():
         return []
     before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
@@ -235,7 +236,7 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headlin
     if not accelerator.is_main_process:
         return
     text = config_to_yaml(cfg)
-    saved = Path(cfg.output_dir) / "config.yaml"
+    saved = Path(cfg.output_dir) / CONFIG
     notes = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith("#")] if resumed_from and saved.is_file() else []
     if resumed_from and changes:
         notes.append(f"# resumed from {resumed_from.name} with {', '.join(changes)}; the steps before it ran with the earlier values\n")
@@ -310,7 +311,5 @@ def hparams_summary(tag: str, content: plugin_data_pb2.HParamsPluginData) -> Sum
 def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
     """--config if given, else the config.yaml of the run that wrote `ckpt` (its model and data carry over); then overrides."""
     if config is None:
-        weights = resolve_checkpoint(ckpt)
-        run_dir = weights.parent.parent.parent if weights.parent.parent.name == "checkpoints" else weights.parent
-        config = run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else None
+        config = run_config_of(resolve_checkpoint(ckpt))
     return load_config(config, overrides)

@@ -36,6 +36,7 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError, Section, validate_config
 from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
+from mpp.rundir import RESULTS, WEIGHTS
 from mpp.shards import Sample, write_shards
 from mpp.train import make_accelerator
 from pipelines import finetune, pretrain
@@ -284,7 +285,7 @@ def pretrain_stage(cfg: Config) -> dict:
 
 def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
     finetune.run(cfg, ckpt=ckpt, resume=True)
-    return json.loads((Path(cfg.output_dir) / "results.json").read_text())
+    return json.loads((Path(cfg.output_dir) / RESULTS).read_text())
 
 
 def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
@@ -331,7 +332,7 @@ def test_stage(cfg: Config, run_dir: Path) -> dict:
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     classes = num_classes(cfg, urls)
     classifier = finetune.build_classifier(cfg, str(run_dir), classes)
-    weights = load_file(str(run_dir / "model.safetensors"))
+    weights = load_file(str(run_dir / WEIGHTS))
     classifier.head.load_state_dict({"weight": weights["head.weight"], "bias": weights["head.bias"]})
     scores = finetune.evaluate(accelerator, classifier.to(accelerator.device),
                                resolve_shards(cfg.data.val_shards, cfg, accelerator), cfg, classes)

@@ -14,6 +14,7 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
 from mpp.data import BadLabel, DataError, EvalTransform, LabelReader, label_members, make_loader
 from mpp.objectives import Classification, finetuning_head
+from mpp.rundir import RESULTS, WEIGHTS
 from mpp.train import Evaluator, precision_label, train
 from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, class_names, command_line, end_tracking,
                               labelled, num_classes, resolve_shards, resume_command, resume_point, start_training,
@@ -132,9 +133,9 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         "command": command_line(),
     }
     if accelerator.is_main_process:
-        out = Path(cfg.output_dir) / "results.json"
+        out = Path(cfg.output_dir) / RESULTS
         out.write_text(json.dumps(summary, indent=2) + "\n")
         top5 = f", top-5 {100 * summary['top5']:.2f}%" if "top5" in summary else ""
         print(f"fine-tuned {cfg.train.steps} steps in {summary['wall_time_s']:.0f}s: top-1 {100 * summary['top1']:.2f}%{top5} "
-              f"on data.val_shards; results in {out}, weights in {cfg.output_dir}/model.safetensors")
+              f"on data.val_shards; results in {out}, weights in {cfg.output_dir}/{WEIGHTS}")
     return {k: v for k, v in summary.items() if k in ("top1", "top5", "steps", "images_seen", "wall_time_s")}

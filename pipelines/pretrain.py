@@ -12,6 +12,7 @@ from torch import nn
 from mpp.config import Config
 from mpp.fewshot import LabelledImages
 from mpp.objectives import Classification, MaskedPatchPrediction, pretraining_head
+from mpp.rundir import RESULTS, WEIGHTS
 from mpp.train import Evaluator, precision_label, train
 from mpp.validation import PretextValidation
 from pipelines import knn
@@ -82,11 +83,11 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
                         evaluators=evaluators, resume_hint=resume_command())
         end_tracking(accelerator)
         if accelerator.is_main_process:
-            (Path(cfg.output_dir) / "results.json").write_text(json.dumps(
+            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(
                 {"objective": cfg.objective, "steps": cfg.train.steps, "final": {k: v for k, v in results.items() if k.startswith(("train/", "fewshot/"))},
                  "command": command_line()}, indent=2) + "\n")
     summary = ", ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in results.items() if k.startswith("train/") and k != "train/lr")
     skipped = ", ".join(f"{v:.0f} {k.removeprefix('data/skipped_')}" for k, v in results.items() if k.startswith("data/skipped_") and v)
     accelerator.print(f"done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): {summary or 'no step trained'}; "
-                      f"skipped: {skipped or 'none'}; weights in {cfg.output_dir}/model.safetensors")
+                      f"skipped: {skipped or 'none'}; weights in {cfg.output_dir}/{WEIGHTS}")
     return results
