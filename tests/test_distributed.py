@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 
 from mpp.train import complete_checkpoints
 
-from conftest import ROOT
-from test_pretrain import TINY
+from conftest import ROOT, TINY
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
