@@ -64,14 +64,21 @@ class Progress:
         self.stream.load_state_dict(state["stream"])
 
 
-def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
+def accelerator_settings(cfg: TrainConfig) -> tuple[str, bool]:
+    """(mixed precision, compile) with auto resolved for this machine. Accelerate keeps both in its per-process
+    state, set by the process's first Accelerator: stages that run in one process must agree on them."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = default_precision(device) if cfg.mixed_precision == "auto" else cfg.mixed_precision
+    return precision, (device == "cuda" if cfg.compile == "auto" else cfg.compile)
+
+
+def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision, compile_model = accelerator_settings(cfg)
     project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / TENSORBOARD))
     # Accelerate 1.x sets up gloo for a multi-process launch without GPUs only when told cpu=True;
     # otherwise every process silently trains alone.
     cpu_processes = device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    compile_model = device == "cuda" if cfg.compile == "auto" else cfg.compile
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes,
                               dynamo_backend="inductor" if compile_model else "no", log_with="tensorboard",
                               project_config=project)

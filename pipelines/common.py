@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -34,15 +35,34 @@ def build_backbone(cfg: Config) -> VisionTransformer:
     return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads, drop_path=m.drop_path)
 
 
-def start_training(cfg: Config) -> Accelerator:
-    """The Accelerator of a training stage, with train.batch_size resolved for its processes and each rank seeded.
+class Run(NamedTuple):
+    """A started stage: what every stage reads first, resolved once for this process's launch.
 
-    Ranks get different seeds (different corruptions and augmentations); DDP keeps their weights in sync.
+    `cfg` is the stage's config with train.batch_size derived from train.global_batch_size for the processes (a new
+    object; the config the stage was given is not changed); `global_batch` is the images per optimiser step over all
+    processes (per-process batch x processes x accumulation steps), what the start line and images_seen report.
+    Immutable, and it unpacks: `accelerator, cfg, global_batch = start_run(cfg)`.
+    """
+
+    accelerator: Accelerator
+    cfg: Config
+    global_batch: int
+
+
+def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
+    """The one way a stage starts: its Accelerator, its resolved config, each rank seeded. A stage begins with
+    `accelerator, cfg, global_batch = start_run(cfg)` and reads only the returned config from then on.
+
+    Training ranks get different seeds (different corruptions and augmentations; DDP keeps their weights in sync);
+    an evaluation (per_process_seed=False) seeds every rank alike, so a fresh backbone is the same on all of them.
+    Stages run one after another in one process (compare) share the process's Accelerate state: see
+    train.accelerator_settings.
     """
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    cfg.train = cfg.train.for_processes(accelerator.num_processes)
-    set_seed(cfg.train.seed, device_specific=True)
-    return accelerator
+    train = cfg.train.for_processes(accelerator.num_processes)
+    set_seed(train.seed, device_specific=per_process_seed)
+    global_batch = train.batch_size * accelerator.num_processes * train.grad_accum
+    return Run(accelerator, cfg.model_copy(update={"train": train}, deep=True), global_batch)
 
 
 def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
@@ -263,12 +283,23 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headlin
 
 
 def end_tracking(accelerator: Accelerator) -> None:
-    """Mark the run's HParams session as finished, then close the trackers."""
+    """Mark the run's HParams session as finished, then close the trackers.
+
+    Not Accelerator.end_training: that also ends the process group, which belongs to the process and serves its
+    later stages (compare runs several); end_process closes it when the command is done.
+    """
     if accelerator.is_main_process:
         end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
         writer = accelerator.get_tracker("tensorboard", unwrap=True)
         writer.file_writer.add_summary(hparams_summary("_hparams_/session_end_info", plugin_data_pb2.HParamsPluginData(session_end_info=end)))
-    accelerator.end_training()
+    for tracker in accelerator.trackers:
+        tracker.finish()
+
+
+def end_process() -> None:
+    """Close the process group of a multi-process launch, once the command's stages are all done."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def flat_config(cfg: Config) -> dict[str, bool | int | float | str]:
