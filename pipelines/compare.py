@@ -294,6 +294,7 @@ def pretrain_stage(cfg: Config) -> dict:
 
 def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
     finetune.run(cfg, ckpt=ckpt, resume=True)
+    PartialState().wait_for_everyone()  # the main process writes results.json
     return json.loads((Path(cfg.output_dir) / RESULTS).read_text())
 
 
