@@ -23,8 +23,8 @@ from mpp.config import Config, config_to_yaml, load_config
 from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
-from mpp.shards import synthetic_samples, write_shards
 from mpp.rundir import CONFIG, complete_checkpoints, run_config_of
+from mpp.shards import synthetic_samples, write_shards
 from mpp.train import make_accelerator, resumable_checkpoint
 
 SYNTHETIC_ROOT = Path("data")
