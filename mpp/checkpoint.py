@@ -12,9 +12,8 @@ from safetensors.torch import load_file
 
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, parse_model_name, resize_pos_embed
-from mpp.train import CHECKPOINT_PREFIX, checkpoint_fault, complete_checkpoints
+from mpp.rundir import WEIGHTS, newest_verified, run_config_of
 
-WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
 VIT_KEYS = ("cls_token", "pos_embed", "patch_embed.proj.weight", "norm.weight")
 
 
@@ -32,7 +31,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory, a checkpoints/step_N directory or a .safetensors file to --ckpt")
     if (path / WEIGHTS).is_file():
         return path / WEIGHTS
-    verified = next((c for c in reversed(complete_checkpoints(path)) if checkpoint_fault(c) is None), None)
+    verified = newest_verified(path)
     if verified is not None and (verified / WEIGHTS).is_file():
         return verified / WEIGHTS
     raise CheckpointError(f"{path} holds neither {WEIGHTS} nor a checkpoint that verifies; pass a run directory, a checkpoints/step_N directory or a .safetensors file to --ckpt")
@@ -47,11 +46,8 @@ def backbone_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def saved_heads(weights_file: Path) -> int | None:
     """Attention heads are not visible in tensor shapes: read them from the run's config.yaml, if there is one."""
-    run_dir = weights_file.parent
-    if run_dir.name.startswith(CHECKPOINT_PREFIX) and run_dir.parent.name == "checkpoints":
-        run_dir = run_dir.parent.parent
-    config = run_dir / "config.yaml"
-    if not config.is_file():
+    config = run_config_of(weights_file)
+    if config is None:
         return None
     model = OmegaConf.to_container(OmegaConf.load(config)).get("model") or {}
     try:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 import os
 import shutil
@@ -31,9 +29,8 @@ from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
 from mpp.model import VisionTransformer
+from mpp.rundir import TENSORBOARD, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
 
-CHECKPOINT_PREFIX = "step_"
-MANIFEST = "manifest.json"
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 PANEL_IMAGES = 8
 PANEL_GAP = 4  # white pixels between the panel's cells
@@ -67,14 +64,21 @@ class Progress:
         self.stream.load_state_dict(state["stream"])
 
 
-def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
+def accelerator_settings(cfg: TrainConfig) -> tuple[str, bool]:
+    """(mixed precision, compile) with auto resolved for this machine. Accelerate keeps both in its per-process
+    state, set by the process's first Accelerator: stages that run in one process must agree on them."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = default_precision(device) if cfg.mixed_precision == "auto" else cfg.mixed_precision
-    project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / "tensorboard"))
+    return precision, (device == "cuda" if cfg.compile == "auto" else cfg.compile)
+
+
+def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision, compile_model = accelerator_settings(cfg)
+    project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / TENSORBOARD))
     # Accelerate 1.x sets up gloo for a multi-process launch without GPUs only when told cpu=True;
     # otherwise every process silently trains alone.
     cpu_processes = device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    compile_model = device == "cuda" if cfg.compile == "auto" else cfg.compile
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes,
                               dynamo_backend="inductor" if compile_model else "no", log_with="tensorboard",
                               project_config=project)
@@ -180,52 +184,6 @@ def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
 # ---------------------------------------------------------------- checkpoints
 
 
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Finished checkpoints, oldest first; a save in progress lives under a temporary name and is ignored."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
-
-
-def sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def write_manifest(directory: Path, processes: int) -> None:
-    """Size and sha256 of every file of a checkpoint, written last: damage after the save shows on resume."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(directory.iterdir()) if p.is_file()}
-    (directory / MANIFEST).write_text(json.dumps({"processes": processes, "files": files}, indent=1) + "\n")
-
-
-def checkpoint_fault(directory: Path, processes: int | None = None) -> str | None:
-    """Why `directory` cannot be resumed from (by `processes` processes; None: only its weights are wanted), or
-    None when it verifies."""
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-        files, saved_by = manifest["files"], manifest["processes"]
-    except FileNotFoundError:
-        return f"it has no {MANIFEST} (written by an mpp that did not verify its checkpoints)"
-    except (ValueError, KeyError, TypeError):
-        return f"its {MANIFEST} is unreadable"
-    for name, entry in files.items():
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != entry["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes where {entry['bytes']} were written (truncated or overwritten)"
-        if sha256(path) != entry["sha256"]:
-            return f"{name} does not match the sha256 written with it (damaged)"
-    if processes is not None and processes != saved_by:
-        return f"it was saved by {saved_by} process(es) and this run has {processes}; resume with {saved_by}"
-    return None
-
-
 def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Path | None:
     """The newest checkpoint that verifies, saying which newer ones were skipped and why; None when there is none yet.
 
@@ -255,7 +213,7 @@ def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Pa
 def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int) -> Path:
     """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete."""
     root = checkpoint_root(output_dir)
-    final, partial = root / f"{CHECKPOINT_PREFIX}{step:08d}", root / f".partial-{CHECKPOINT_PREFIX}{step:08d}"
+    final, partial = checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step, partial=True)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
@@ -542,7 +500,7 @@ def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg: 
     """
     newest = complete_checkpoints(output_dir)
     if at_step_boundary and accelerator.num_processes == 1 and step > 0:
-        if not newest or newest[-1].name != f"{CHECKPOINT_PREFIX}{step:08d}":
+        if not newest or newest[-1].name != checkpoint_dir(output_dir, step).name:
             newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)]
         accelerator.end_training()
         return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data; checkpoint "

@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
                         quality=args.quality)
+        from pipelines.common import end_process
+
+        end_process()
     except UserError as err:
         return fail(one_line(err))
     except (RuntimeError, MemoryError) as err:

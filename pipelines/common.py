@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -22,8 +23,9 @@ from mpp.config import Config, config_to_yaml, load_config
 from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
+from mpp.rundir import CONFIG, complete_checkpoints, run_config_of
 from mpp.shards import synthetic_samples, write_shards
-from mpp.train import complete_checkpoints, make_accelerator, resumable_checkpoint
+from mpp.train import make_accelerator, resumable_checkpoint
 
 SYNTHETIC_ROOT = Path("data")
 
@@ -33,15 +35,34 @@ def build_backbone(cfg: Config) -> VisionTransformer:
     return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads, drop_path=m.drop_path)
 
 
-def start_training(cfg: Config) -> Accelerator:
-    """The Accelerator of a training stage, with train.batch_size resolved for its processes and each rank seeded.
+class Run(NamedTuple):
+    """A started stage: what every stage reads first, resolved once for this process's launch.
 
-    Ranks get different seeds (different corruptions and augmentations); DDP keeps their weights in sync.
+    `cfg` is the stage's config with train.batch_size derived from train.global_batch_size for the processes (a new
+    object; the config the stage was given is not changed); `global_batch` is the images per optimiser step over all
+    processes (per-process batch x processes x accumulation steps), what the start line and images_seen report.
+    Immutable, and it unpacks: `accelerator, cfg, global_batch = start_run(cfg)`.
+    """
+
+    accelerator: Accelerator
+    cfg: Config
+    global_batch: int
+
+
+def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
+    """The one way a stage starts: its Accelerator, its resolved config, each rank seeded. A stage begins with
+    `accelerator, cfg, global_batch = start_run(cfg)` and reads only the returned config from then on.
+
+    Training ranks get different seeds (different corruptions and augmentations; DDP keeps their weights in sync);
+    an evaluation (per_process_seed=False) seeds every rank alike, so a fresh backbone is the same on all of them.
+    Stages run one after another in one process (compare) share the process's Accelerate state: see
+    train.accelerator_settings.
     """
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    cfg.train = cfg.train.for_processes(accelerator.num_processes)
-    set_seed(cfg.train.seed, device_specific=True)
-    return accelerator
+    train = cfg.train.for_processes(accelerator.num_processes)
+    set_seed(train.seed, device_specific=per_process_seed)
+    global_batch = train.batch_size * accelerator.num_processes * train.grad_accum
+    return Run(accelerator, cfg.model_copy(update={"train": train}, deep=True), global_batch)
 
 
 def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
@@ -135,7 +156,7 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
         return []
     if not resume:
         raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
-    saved = out / "config.yaml"
+    saved = out / CONFIG
     if not saved.is_file():
         return []
     before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
@@ -235,7 +256,7 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headlin
     if not accelerator.is_main_process:
         return
     text = config_to_yaml(cfg)
-    saved = Path(cfg.output_dir) / "config.yaml"
+    saved = Path(cfg.output_dir) / CONFIG
     notes = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith("#")] if resumed_from and saved.is_file() else []
     if resumed_from and changes:
         notes.append(f"# resumed from {resumed_from.name} with {', '.join(changes)}; the steps before it ran with the earlier values\n")
@@ -262,12 +283,23 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, headlin
 
 
 def end_tracking(accelerator: Accelerator) -> None:
-    """Mark the run's HParams session as finished, then close the trackers."""
+    """Mark the run's HParams session as finished, then close the trackers.
+
+    Not Accelerator.end_training: that also ends the process group, which belongs to the process and serves its
+    later stages (compare runs several); end_process closes it when the command is done.
+    """
     if accelerator.is_main_process:
         end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
         writer = accelerator.get_tracker("tensorboard", unwrap=True)
         writer.file_writer.add_summary(hparams_summary("_hparams_/session_end_info", plugin_data_pb2.HParamsPluginData(session_end_info=end)))
-    accelerator.end_training()
+    for tracker in accelerator.trackers:
+        tracker.finish()
+
+
+def end_process() -> None:
+    """Close the process group of a multi-process launch, once the command's stages are all done."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def flat_config(cfg: Config) -> dict[str, bool | int | float | str]:
@@ -310,7 +342,5 @@ def hparams_summary(tag: str, content: plugin_data_pb2.HParamsPluginData) -> Sum
 def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
     """--config if given, else the config.yaml of the run that wrote `ckpt` (its model and data carry over); then overrides."""
     if config is None:
-        weights = resolve_checkpoint(ckpt)
-        run_dir = weights.parent.parent.parent if weights.parent.parent.name == "checkpoints" else weights.parent
-        config = run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else None
+        config = run_config_of(resolve_checkpoint(ckpt))
     return load_config(config, overrides)

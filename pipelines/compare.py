@@ -7,6 +7,11 @@ ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<
 of each arm's dev-picked recipe -> [test/<arm>/<run>: each of those runs on the evaluation shards] -> fewshot/<arm>
 -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
 repeated; an interrupted training stage resumes from its newest checkpoint.
+
+The stages run one after another in this process, each started by common.start_run with its own Accelerator
+(trackers, project directory, accumulation). Accelerate keeps one state per process, which the first Accelerator
+sets and nothing public resets, so every stage of a plan must agree on train.mixed_precision and train.compile: a
+plan that does not is refused when it is loaded.
 """
 
 from __future__ import annotations
@@ -22,8 +27,6 @@ from typing import Any, Literal
 
 import yaml
 from accelerate import PartialState
-from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from PIL import Image, ImageDraw, ImageFont
@@ -36,10 +39,11 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError, Section, validate_config
 from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
+from mpp.rundir import RESULTS, WEIGHTS
 from mpp.shards import Sample, write_shards
-from mpp.train import make_accelerator
+from mpp.train import accelerator_settings, precision_label
 from pipelines import finetune, pretrain
-from pipelines.common import build_backbone, num_classes, resolve_shards
+from pipelines.common import build_backbone, num_classes, resolve_shards, start_run
 from pipelines.fewshot import FewShot
 
 ARMS = ("mpp", "supervised", "scratch")
@@ -83,11 +87,24 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         raise ConfigError(f"comparison config key '{key}': {first['msg']}; see configs/compare/tiny.yaml") from None
     if cc.grid and cc.lrs:
         raise ConfigError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
-    for arm in ("mpp", "supervised"):
-        stage_config(cc, "pretrain", objective=arm)
-    for recipe in recipes(cc).values():
-        stage_config(cc, "finetune", **recipe)
+    stages = {f"{arm} pretraining": stage_config(cc, "pretrain", objective=arm) for arm in ("mpp", "supervised")}
+    stages["fine-tuning and few-shot evaluation"] = stage_config(cc, "finetune")
+    stages.update({f"fine-tuning recipe {name}": stage_config(cc, "finetune", **recipe) for name, recipe in recipes(cc).items()})
+    check_one_process(stages)
     return cc
+
+
+def check_one_process(stages: dict[str, Config]) -> None:
+    """Refuse a plan whose stages need different Accelerate process settings (see the module's docstring)."""
+    (first, cfg), *others = stages.items()
+    precision, compiled = accelerator_settings(cfg.train)
+    for name, other in others:
+        other_precision, other_compiled = accelerator_settings(other.train)
+        if (other_precision, other_compiled) != (precision, compiled):
+            raise ConfigError(f"the comparison's {first} runs with train.mixed_precision {precision_label(precision)} and "
+                              f"train.compile {compiled}, its {name} with {precision_label(other_precision)} and "
+                              f"{other_compiled}; compare runs every stage in one process, which keeps the first stage's "
+                              f"precision and compile setting: set both once, in the plan's common section")
 
 
 def dotted(keys: dict, prefix: str = "") -> dict[str, Any]:
@@ -155,9 +172,6 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
     started = time.perf_counter()
     info = {**work(), "inputs": inputs}
     info["stage_wall_time_s"] = time.perf_counter() - started
-    # Each stage builds its own Accelerator (its own precision, accumulation, trackers and project directory).
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     state = PartialState()
     if state.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
@@ -270,21 +284,18 @@ def val_shards_name(cfg: Config) -> str:
 # ---------------------------------------------------------------- the stages
 
 
-def images_seen(cfg: Config) -> int:
-    return cfg.train.steps * cfg.train.batch_size * cfg.train.grad_accum * PartialState().num_processes
-
-
 def pretrain_stage(cfg: Config) -> dict:
     started = time.perf_counter()
     results = pretrain.run(cfg, resume=True)
-    return {"objective": cfg.objective, "steps": cfg.train.steps, "images_seen": images_seen(cfg),
+    return {"objective": cfg.objective, "steps": cfg.train.steps, "images_seen": results["images_seen"],
             "wall_time_s": time.perf_counter() - started,
             "final": {k: v for k, v in results.items() if k.startswith("train/")}}
 
 
 def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
     finetune.run(cfg, ckpt=ckpt, resume=True)
-    return json.loads((Path(cfg.output_dir) / "results.json").read_text())
+    PartialState().wait_for_everyone()  # the main process writes results.json
+    return json.loads((Path(cfg.output_dir) / RESULTS).read_text())
 
 
 def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
@@ -327,11 +338,11 @@ def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
 
 def test_stage(cfg: Config, run_dir: Path) -> dict:
     """The fine-tuned classifier in run_dir scored on the evaluation shards, with the fine-tuning stage's own metric."""
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     classes = num_classes(cfg, urls)
     classifier = finetune.build_classifier(cfg, str(run_dir), classes)
-    weights = load_file(str(run_dir / "model.safetensors"))
+    weights = load_file(str(run_dir / WEIGHTS))
     classifier.head.load_state_dict({"weight": weights["head.weight"], "bias": weights["head.bias"]})
     scores = finetune.evaluate(accelerator, classifier.to(accelerator.device),
                                resolve_shards(cfg.data.val_shards, cfg, accelerator), cfg, classes)
@@ -340,8 +351,7 @@ def test_stage(cfg: Config, run_dir: Path) -> dict:
 
 def fewshot_stage(cfg: Config, ckpt: str | None) -> dict:
     """Examples drawn from the downstream training shards, scored on the evaluation shards; `None` scores a fresh backbone."""
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    set_seed(cfg.train.seed)
+    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
     backbone = (load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg)).to(accelerator.device)
     accuracies = FewShot(cfg, accelerator).accuracies(backbone)
     return {str(n): sum(a) / len(a) for n, a in accuracies.items()}

@@ -13,8 +13,8 @@ from mpp.config import Config
 from mpp.data import DataError, expand_shards
 from mpp.hf import ExportError, export_hf
 from mpp.model import VisionTransformer
+from mpp.rundir import RESULTS, checkpoint_step, is_checkpoint, run_dir_of
 from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
-from mpp.train import CHECKPOINT_PREFIX
 from pipelines.common import command_line
 
 FORMATS = ("hf",)
@@ -60,11 +60,8 @@ def shards_summary(cfg: Config) -> dict:
 
 def run_record(weights_file: Path) -> tuple[dict, int | None]:
     """The results.json of the run that wrote `weights_file` ({} if none) and, for a checkpoints/step_N, its step."""
-    step = None
-    run_dir = weights_file.parent
-    if run_dir.name.startswith(CHECKPOINT_PREFIX) and run_dir.parent.name == "checkpoints":
-        step, run_dir = int(run_dir.name.removeprefix(CHECKPOINT_PREFIX)), run_dir.parent.parent
-    results = run_dir / "results.json"
+    step = checkpoint_step(weights_file.parent) if is_checkpoint(weights_file.parent) else None
+    results = run_dir_of(weights_file) / RESULTS
     return (json.loads(results.read_text()) if results.is_file() else {}), step
 
 

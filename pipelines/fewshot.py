@@ -14,8 +14,8 @@ from mpp.config import Config
 from mpp.data import EvalTransform, make_loader
 from mpp.fewshot import FewShotError, LabelledImages, few_shot_accuracy
 from mpp.model import VisionTransformer
-from mpp.train import Evaluator, make_accelerator
-from pipelines.common import class_names, resolve_shards
+from mpp.train import Evaluator
+from pipelines.common import class_names, resolve_shards, start_run
 
 
 def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int, *, labelled_by: str | None = None,
@@ -70,7 +70,7 @@ def training_evaluator(cfg: Config, accelerator: Accelerator) -> Evaluator:
 
 def run(cfg: Config, *, ckpt: str) -> dict:
     """Evaluate the backbone in `ckpt`; print the accuracies and write them to output_dir/fewshot.json."""
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
     backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
     fewshot = FewShot(cfg, accelerator)
     accuracies = fewshot.accuracies(backbone)

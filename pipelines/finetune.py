@@ -14,9 +14,10 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
 from mpp.data import BadLabel, DataError, EvalTransform, LabelReader, label_members, make_loader
 from mpp.objectives import Classification, finetuning_head
+from mpp.rundir import RESULTS, WEIGHTS
 from mpp.train import Evaluator, precision_label, train
 from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, class_names, command_line, end_tracking,
-                              labelled, num_classes, resolve_shards, resume_command, resume_point, start_training,
+                              labelled, num_classes, resolve_shards, resume_command, resume_point, start_run,
                               start_tracking, train_loader)
 
 
@@ -89,7 +90,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         raise ConfigError("fine-tuning needs held-out labelled images to evaluate on; set data.val_shards")
     changes = check_output_dir(cfg, resume)
     started = time.perf_counter()
-    accelerator = start_training(cfg)
+    accelerator, cfg, global_batch = start_run(cfg)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
     classes = num_classes(cfg, urls)
@@ -103,7 +104,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         accelerator.print(
             f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "
             f"{b.heads} heads, patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
-            f"{accelerator.num_processes} process(es), {precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+            f"{accelerator.num_processes} process(es), {precision_label(accelerator.mixed_precision)}, global batch {global_batch}")
 
         history = History()
         accelerator.register_for_checkpointing(history)
@@ -126,15 +127,15 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         "steps": cfg.train.steps,
         "ckpt": None if ckpt is None else str(ckpt),
         "num_classes": classes,
-        "images_seen": cfg.train.steps * cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
+        "images_seen": cfg.train.steps * global_batch,
         "wall_time_s": time.perf_counter() - started,
         "history": history.points,
         "command": command_line(),
     }
     if accelerator.is_main_process:
-        out = Path(cfg.output_dir) / "results.json"
+        out = Path(cfg.output_dir) / RESULTS
         out.write_text(json.dumps(summary, indent=2) + "\n")
         top5 = f", top-5 {100 * summary['top5']:.2f}%" if "top5" in summary else ""
         print(f"fine-tuned {cfg.train.steps} steps in {summary['wall_time_s']:.0f}s: top-1 {100 * summary['top1']:.2f}%{top5} "
-              f"on data.val_shards; results in {out}, weights in {cfg.output_dir}/model.safetensors")
+              f"on data.val_shards; results in {out}, weights in {cfg.output_dir}/{WEIGHTS}")
     return {k: v for k, v in summary.items() if k in ("top1", "top5", "steps", "images_seen", "wall_time_s")}

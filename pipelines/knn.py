@@ -13,7 +13,8 @@ from mpp.config import Config
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.knn import knn_accuracy
 from mpp.model import VisionTransformer
-from mpp.train import Evaluator, make_accelerator
+from mpp.train import Evaluator
+from pipelines.common import start_run
 from pipelines.fewshot import eval_batches
 
 
@@ -53,7 +54,7 @@ def training_evaluator(cfg: Config, accelerator: Accelerator) -> Evaluator:
 
 def run(cfg: Config, *, ckpt: str) -> dict:
     """Evaluate the backbone in `ckpt`; print the accuracy and write it to output_dir/knn.json."""
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
     backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
     knn = Knn(cfg, accelerator)
     c = cfg.knn

@@ -12,11 +12,12 @@ from torch import nn
 from mpp.config import Config
 from mpp.fewshot import LabelledImages
 from mpp.objectives import Classification, MaskedPatchPrediction, pretraining_head
+from mpp.rundir import RESULTS, WEIGHTS
 from mpp.train import Evaluator, precision_label, train
 from mpp.validation import PretextValidation
 from pipelines import knn
 from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, command_line, end_tracking, labelled,
-                              num_classes, resolve_shards, resume_command, resume_point, start_training, start_tracking,
+                              num_classes, resolve_shards, resume_command, resume_point, start_run, start_tracking,
                               train_loader)
 from pipelines.fewshot import eval_batches, training_evaluator
 
@@ -53,8 +54,9 @@ def headline_charts(cfg: Config) -> dict[str, list[str]]:
 
 
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
+    """Pretrain and write output_dir/results.json; returns the last logged scalars and images_seen."""
     changes = check_output_dir(cfg, resume)
-    accelerator = start_training(cfg)
+    accelerator, cfg, global_batch = start_run(cfg)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
     classes = num_classes(cfg, urls) if cfg.objective == "supervised" else None
     objective = build_objective(cfg, classes)
@@ -67,7 +69,7 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
             f"{b.image_size} px; {sum(p.numel() for p in b.parameters()) / 1e6:.1f}M params) "
             f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}"
             f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-            f"{precision_label(accelerator.mixed_precision)}, global batch {cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum}")
+            f"{precision_label(accelerator.mixed_precision)}, global batch {global_batch}")
         evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
         evaluators += (knn.training_evaluator(cfg, accelerator),) if cfg.knn.every else ()
         evaluators += (pretext_evaluator(cfg, accelerator, classes),) if cfg.eval.every and cfg.data.val_shards else ()
@@ -82,11 +84,11 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
                         evaluators=evaluators, resume_hint=resume_command())
         end_tracking(accelerator)
         if accelerator.is_main_process:
-            (Path(cfg.output_dir) / "results.json").write_text(json.dumps(
+            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(
                 {"objective": cfg.objective, "steps": cfg.train.steps, "final": {k: v for k, v in results.items() if k.startswith(("train/", "fewshot/"))},
                  "command": command_line()}, indent=2) + "\n")
     summary = ", ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in results.items() if k.startswith("train/") and k != "train/lr")
     skipped = ", ".join(f"{v:.0f} {k.removeprefix('data/skipped_')}" for k, v in results.items() if k.startswith("data/skipped_") and v)
     accelerator.print(f"done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): {summary or 'no step trained'}; "
-                      f"skipped: {skipped or 'none'}; weights in {cfg.output_dir}/model.safetensors")
-    return results
+                      f"skipped: {skipped or 'none'}; weights in {cfg.output_dir}/{WEIGHTS}")
+    return {**results, "images_seen": cfg.train.steps * global_batch}

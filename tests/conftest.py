@@ -4,11 +4,33 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+from accelerate.state import AcceleratorState, GradientState
 
 from mpp.synthetic import synthetic_image
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))  # launch.py and pipelines/ for the stage tests
+
+# A small, fast run: overrides that every stage test starts from.
+TINY = ["model.name=vit_ti", "model.width=64", "model.depth=2", "model.heads=2", "model.image_size=16",
+        "model.patch_size=4", "data.num_workers=0", "data.shuffle_buffer=50", "log.every=5", "log.images_every=50"]
+
+
+def reset_accelerator() -> None:
+    """Forget this process's Accelerate state, so the next Accelerator starts as in a new process.
+
+    A private Accelerate API, for tests alone and kept here, in one place: the product runs stages one after another
+    on the process's state (pipelines/compare.py says how).
+    """
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    """Each test starts with no Accelerate state, whatever the test before it left."""
+    yield
+    reset_accelerator()
 
 
 def write_test_shards(directory: Path, counts: list[int], size: int = 24, labels: bool = True) -> list[str]:

@@ -4,13 +4,12 @@ import re
 
 import pytest
 import webdataset as wds
-from accelerate.state import AcceleratorState, GradientState
 from PIL import Image
 
 from mpp.config import ConfigError, load_config
 from pipelines import compare
 
-from conftest import ROOT, write_test_shards
+from conftest import ROOT, reset_accelerator, write_test_shards
 
 TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "common.model.width=32", "common.model.depth=1",
              "common.model.heads=2", "common.model.image_size=16", "common.log.every=2", "common.log.images_every=50",
@@ -19,13 +18,6 @@ TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "comm
              "pretrain.train.batch_size=8", "finetune.train.steps=4", "finetune.train.warmup_steps=1",
              "finetune.train.batch_size=8", "finetune.finetune.eval_every=2", "dev_fraction=0.25"]
 # The shipped tiny plan's grid (SGD and the AdamW/layer-decay/mean-pooling recipe) and seeds [0, 1], as they are.
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def tiny(tmp_path, *overrides):
@@ -81,7 +73,7 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     assert max(len(name) for name in events) <= len("ft/supervised/sgd-0.03-s1")
 
     capsys.readouterr()
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     assert compare.run(tiny(tmp_path)) == report
     log = capsys.readouterr().out
     # 2 pretrainings, the split, 3 arms x (2 recipes + 1 more seed), 3 x 2 test scorings, 3 few-shot evaluations
@@ -111,7 +103,7 @@ def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
 
 def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
     compare.run(tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]"))
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     with pytest.raises(compare.CompareError, match=r"ft/scratch/base holds a scratch fine-tuning .* \(train\)"):
         compare.run(tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]", "finetune.train.steps=5"))
 
@@ -121,6 +113,18 @@ def test_compare_config_mistakes_are_one_line(tmp_path):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["finetune.train.stepz=3"])
     with pytest.raises(ConfigError, match="dev_fraction"):
         compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["dev_fraction=1.5"])
+
+
+def test_a_plan_whose_stages_need_different_process_settings_is_refused_at_load():
+    # Every stage runs in this process, whose Accelerate state keeps the first stage's precision and compile setting.
+    plan = ROOT / "configs" / "compare" / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"mpp pretraining runs with train.mixed_precision fp32 and train.compile False, "
+                                          r"its fine-tuning and few-shot evaluation with bf16 and False; .* in the plan's common section"):
+        compare.load_compare_config(plan, ["pretrain.train.mixed_precision=no", "finetune.train.mixed_precision=bf16"])
+    with pytest.raises(ConfigError, match=r"its fine-tuning recipe mim with fp32 and True; compare runs every stage in one process"):
+        compare.load_compare_config(plan, ["common.train.mixed_precision=no", "common.train.compile=false",
+                                           "grid=[{train.lr: 0.03}, {name: mim, train.compile: true}]"])
+    assert compare.load_compare_config(plan, ["common.train.mixed_precision=no", "common.train.compile=false"])
 
 
 def test_shipped_tiny_plan_runs_on_the_synthetic_corpus(tmp_path, monkeypatch):

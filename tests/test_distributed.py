@@ -1,5 +1,6 @@
 """Two processes on CPU (gloo) through `accelerate launch`: no hangs, the same numbers as one process, exact resume."""
 
+import json
 import os
 import re
 import shutil
@@ -14,8 +15,8 @@ from safetensors.torch import load_file
 
 from mpp.train import complete_checkpoints
 
-from conftest import ROOT
-from test_pretrain import TINY
+from conftest import ROOT, TINY, write_test_shards
+from test_compare import TINY_RUNS
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
@@ -89,3 +90,19 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, make_shards)
     stops = re.findall(r"stopped at step (\d+) of 100000", stderr)
     assert len(stops) == 2 and stops[0] == stops[1], stderr[-3000:]
     assert complete_checkpoints(tmp_path / "run")[-1].name == f"step_{int(stops[0]):08d}"
+
+
+def test_compare_over_two_processes_runs_its_stages_one_after_another_in_each(tmp_path):
+    # No Accelerate reset between stages: each stage's Accelerator joins the process's state and process group.
+    write_test_shards(tmp_path / "up", [40, 40], size=32)
+    write_test_shards(tmp_path / "down", [100, 100], size=32)
+    write_test_shards(tmp_path / "val", [30], size=32)
+    for directory in ("up", "down"):
+        (tmp_path / directory / "summary.json").write_text(json.dumps({"labels": True, "classes": 10}))
+    proc = run([*TWO_PROCESSES, "launch.py", "compare", "--config", "configs/compare/tiny.yaml", f"output_dir={tmp_path / 'cmp'}",
+                f"pretrain.data.shards={tmp_path / 'up'}", f"finetune.data.shards={tmp_path / 'down'}",
+                f"finetune.data.val_shards={tmp_path / 'val'}", f"common.data.val_shards={tmp_path / 'val'}", *TINY_RUNS,
+                "arms=[mpp]", "grid=[]", "seeds=[]"])
+    assert proc.stdout.count("few-shot evaluation: running") == 2, proc.stdout[-3000:]  # once per rank
+    mpp = json.loads((tmp_path / "cmp" / "results.json").read_text())["arms"]["mpp"]
+    assert mpp["pretrain"]["images_seen"] == 3 * 8 * 2 and mpp["finetune"]["images_seen"] == 4 * 8 * 2  # 2 processes of 8

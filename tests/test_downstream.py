@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -25,19 +24,7 @@ from mpp.train import complete_checkpoints
 from pipelines import finetune, pretrain
 from pipelines.common import build_backbone, resume_command
 
-from conftest import ROOT, write_test_shards
-from test_pretrain import TINY
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    reset_accelerator()
-
-
-def reset_accelerator():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from conftest import ROOT, TINY, reset_accelerator, write_test_shards
 
 
 def pretrain_config(tmp_path, *overrides):

@@ -88,14 +88,13 @@ def test_export_without_transformers_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_shards, capsys):
-    from accelerate.state import AcceleratorState, GradientState
     from safetensors.torch import load_file
 
     import launch
     from mpp.checkpoint import load_backbone
     from mpp.config import load_config
     from pipelines import finetune
-    from test_pretrain import TINY
+    from conftest import TINY, reset_accelerator
 
     make_shards([30, 30], size=32)
     names = ["disc", "square", "triangle", "ring", "h-stripes", "v-stripes", "checkers", "cross", "blob", "star"]
@@ -106,8 +105,7 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
     try:
         finetune.run(cfg, ckpt=None)
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerator()
     assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert "ViTForImageClassification" in capsys.readouterr().out
     theirs, complaints = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
@@ -136,12 +134,10 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
 
 
 def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path, make_shards, monkeypatch):
-    from accelerate.state import AcceleratorState, GradientState
-
     import launch
     from mpp.config import load_config
     from pipelines import pretrain
-    from test_pretrain import TINY
+    from conftest import TINY, reset_accelerator
 
     make_shards([40], size=32)
     monkeypatch.setattr(sys, "argv", ["launch.py", "pretrain", "train.steps=2"])  # the command the card records
@@ -150,8 +146,7 @@ def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path
     try:
         pretrain.run(cfg)
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerator()
     assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
     _, complaints = load_quietly(transformers.ViTModel.from_pretrained, tmp_path / "hf")
     assert complaints == []

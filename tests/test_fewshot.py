@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -14,15 +13,7 @@ from mpp.fewshot import FewShotError, few_shot_accuracy, fit_ridge
 import launch
 from pipelines import pretrain
 
-from conftest import ROOT
-from test_pretrain import TINY
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from conftest import ROOT, TINY, reset_accelerator
 
 
 def separable_problem(per_class: int, classes: int = 4, dim: int = 16, noise_seed: int = 0):
@@ -71,7 +62,7 @@ def test_evaluator_runs_inside_pretraining_logs_and_leaves_training_unchanged(tm
     make_shards([40] * 3, size=32)
     pretrain.run(tiny(tmp_path))
     plain = load_file(tmp_path / "run" / "model.safetensors")
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     (tmp_path / "run").rename(tmp_path / "plain")
     results = pretrain.run(tiny(tmp_path, "fewshot.every=3"))
     evaluated = load_file(tmp_path / "run" / "model.safetensors")
@@ -86,7 +77,7 @@ def test_evaluator_runs_inside_pretraining_logs_and_leaves_training_unchanged(tm
 def test_fewshot_command_scores_a_saved_backbone(tmp_path, make_shards, capsys):
     make_shards([40] * 3, size=32)
     pretrain.run(tiny(tmp_path))
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     # The run's own config.yaml supplies the model and the shards; the command line changes the rest.
     assert launch.main(["fewshot", "--ckpt", str(tmp_path / "run"), f"output_dir={tmp_path / 'eval'}", "fewshot.features=mean"]) == 0
     assert "1-shot" in capsys.readouterr().out

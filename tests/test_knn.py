@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import launch
@@ -20,15 +19,8 @@ from mpp.objectives import MaskedPatchPrediction
 from mpp.validation import PretextValidation
 from pipelines import pretrain
 
-from conftest import ROOT
+from conftest import ROOT, reset_accelerator
 from test_fewshot import tiny
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def unit(degrees):
@@ -57,7 +49,7 @@ def test_knn_runs_inside_pretraining_and_as_a_command(tmp_path, make_shards, cap
     assert 0 <= results["knn/top1"] <= 1
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     assert [e.step for e in EventAccumulator(str(events.parent)).Reload().Scalars("knn/top1")] == [3, 6]
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     assert launch.main(["knn", "--ckpt", str(tmp_path / "run"), f"output_dir={tmp_path / 'eval'}", "knn.features=mean",
                         "knn.train_images=80", "knn.eval_images=40"]) == 0
     assert "kNN top-1" in capsys.readouterr().out
@@ -69,7 +61,7 @@ def test_knn_runs_inside_pretraining_and_as_a_command(tmp_path, make_shards, cap
 def test_knn_command_over_two_processes_equals_one(tmp_path, make_shards):
     make_shards([25, 15, 20], size=32)  # uneven: rank 0 reads shards 0 and 2, rank 1 shard 1
     pretrain.run(tiny(tmp_path))
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     # Every image in both sets: with a limit, the first N in rank order are other images than one process's first N.
     args = ["knn", "--ckpt", str(tmp_path / "run"), "knn.train_images=60", "knn.eval_images=60", "knn.k=7"]
     assert launch.main([*args, f"output_dir={tmp_path / 'one'}"]) == 0
@@ -121,7 +113,7 @@ def test_knn_needs_evaluation_shards_and_labels(tmp_path, make_shards):
     cfg = tiny(tmp_path, "knn.every=3")
     with pytest.raises(FewShotError, match="no class label"):
         pretrain.run(cfg)
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     cfg.data.val_shards = None
     with pytest.raises(FewShotError, match="kNN evaluation needs evaluation images; set data.val_shards"):
         pretrain.run(cfg)
@@ -131,7 +123,7 @@ def test_supervised_pretraining_validates_its_own_loss_and_accuracy(tmp_path, ma
     make_shards([40], size=32)
     results = pretrain.run(tiny(tmp_path, "objective=supervised", "model.num_classes=10", "eval.every=3", "eval.images=16"))
     assert results["val/loss"] > 0 and 0 <= results["val/accuracy"] <= 1
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     from mpp.data import DataError
 
     with pytest.raises(DataError, match=r"data.val_shards \(.*\) holds label .* but the head has 2 classes"):

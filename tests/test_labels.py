@@ -5,7 +5,6 @@ import json
 
 import pytest
 import webdataset as wds
-from accelerate.state import AcceleratorState, GradientState
 
 from mpp.config import load_config
 from mpp.data import DataError, EvalTransform, label_space, make_loader
@@ -13,15 +12,14 @@ from mpp.synthetic import synthetic_image
 from pipelines import pretrain
 from pipelines.common import num_classes
 
-from test_pretrain import TINY
+from conftest import TINY, reset_accelerator
 
 
 @pytest.fixture(autouse=True)
 def fresh_state():
     label_space.cache_clear()  # tests rewrite shards under the same names
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerator()
 
 
 def jpeg(i):
@@ -107,8 +105,7 @@ def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path)
     tolerant = load_config(None, [*common, f"output_dir={tmp_path / 'a'}", "train.steps=3", "data.max_skip_fraction=0.5"])
     with pytest.warns(UserWarning, match="bad_label"):
         assert pretrain.run(tolerant)["data/skipped_bad_label"] > 0
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerator()
     strict = load_config(None, [*common, f"output_dir={tmp_path / 'b'}", "train.steps=60"])
     with pytest.warns(UserWarning, match="bad_label"), pytest.raises(DataError, match="could not be used, over data.max_skip_fraction"):
         pretrain.run(strict)

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, GradientState
 
 import launch
 from mpp.config import TrainConfig, load_config
@@ -12,14 +11,7 @@ from mpp.objectives import Classification, MaskedPatchPrediction, normalize
 from mpp.train import NO_DECAY, build_optimizer, head_lr, warmup_cosine
 from pipelines import finetune
 
-from test_pretrain import TINY
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from conftest import TINY, reset_accelerator
 
 
 def classifier(depth=2, drop_path=0.0, pool="cls", seed=0):
@@ -158,8 +150,7 @@ def test_mean_pooled_fine_tuning_trains_and_its_export_is_refused(tmp_path, make
                              "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=3",
                              "finetune.eval_every=3", "finetune.pool=mean", "train.layer_decay=0.75", "model.drop_path=0.1"])
     finetune.run(cfg, ckpt=None)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerator()
     capsys.readouterr()
     assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err

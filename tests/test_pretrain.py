@@ -4,9 +4,7 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -14,17 +12,7 @@ from mpp.config import load_config
 from mpp.train import complete_checkpoints, default_precision
 from pipelines import pretrain
 
-from conftest import ROOT
-
-TINY = ["model.name=vit_ti", "model.width=64", "model.depth=2", "model.heads=2", "model.image_size=16",
-        "model.patch_size=4", "data.num_workers=0", "data.shuffle_buffer=50", "log.every=5", "log.images_every=50"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from conftest import ROOT, TINY, reset_accelerator
 
 
 def config(tmp_path, shards, *overrides):
@@ -61,7 +49,7 @@ def test_resume_continues_to_the_same_weights(tmp_path, make_shards):
 
     shutil.rmtree(checkpoints[-1])  # as if the run had died after step 3's checkpoint
     (tmp_path / "run" / "model.safetensors").unlink()
-    AcceleratorState._reset_state(True)
+    reset_accelerator()
     pretrain.run(config(tmp_path, tmp_path / "shards", *common), resume=True)
     resumed = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)

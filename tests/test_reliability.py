@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 import webdataset as wds
-from accelerate.state import AcceleratorState, GradientState
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -25,15 +24,7 @@ from mpp.train import TrainingDiverged, complete_checkpoints, make_accelerator, 
 from pipelines.common import build_backbone, start_tracking, train_loader
 from pipelines.pretrain import headline_charts
 
-from conftest import ROOT
-from test_pretrain import TINY
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from conftest import ROOT, TINY
 
 
 def launch(*args, timeout=300):

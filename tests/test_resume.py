@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -22,20 +21,8 @@ from pipelines import finetune, pretrain
 from pipelines.common import build_backbone, start_tracking, train_loader
 from mpp.objectives import MaskedPatchPrediction
 
-from conftest import ROOT, write_test_shards
-from test_pretrain import TINY
+from conftest import ROOT, TINY, reset_accelerator, write_test_shards
 from test_reliability import Watched
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    reset_accelerator()
-
-
-def reset_accelerator():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def pretrain_config(tmp_path, *overrides):

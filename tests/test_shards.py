@@ -208,8 +208,7 @@ def test_a_missing_fashion_mnist_path_names_how_to_get_it(tmp_path):
 
 
 def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, capsys):
-    from accelerate.state import AcceleratorState, GradientState
-
+    from conftest import reset_accelerator
     from mpp.config import load_config
     from mpp.train import make_accelerator
     from pipelines import common
@@ -219,7 +218,6 @@ def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, c
     try:
         urls = common.resolve_shards("synthetic", cfg, make_accelerator(cfg.train, cfg.output_dir))
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerator()
     bar = capsys.readouterr().err
     assert len(urls) == 1 and "writing shards" in bar and "30/30" in bar

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 import webdataset as wds
-from accelerate.state import AcceleratorState, GradientState
 from PIL import Image
 
 from mpp.config import TrainConfig
@@ -23,13 +22,6 @@ from mpp.train import apply_gradients, build_optimizer, cpu_threads, default_pre
 from pipelines import prepare
 
 from conftest import ROOT
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def tiny_objective(seed=0):

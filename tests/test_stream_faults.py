@@ -10,7 +10,6 @@ import threading
 import pytest
 import torch
 import webdataset as wds
-from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader, IterableDataset
 
 from mpp.config import load_config
@@ -20,8 +19,7 @@ import mpp.train
 from mpp.train import Preempted, complete_checkpoints, make_accelerator, next_batch, train
 from pipelines.common import build_backbone
 
-from conftest import ROOT
-from test_pretrain import TINY
+from conftest import ROOT, TINY
 
 STUCK_AFTER_S = 300  # far beyond what any case needs even on a loaded machine; only a real hang reaches it
 
@@ -39,13 +37,6 @@ def fails_if_stuck(seconds=STUCK_AFTER_S):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def write_tar(path, samples):

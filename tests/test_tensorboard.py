@@ -3,7 +3,6 @@ typed values, the headline charts first, one aligned image panel, and a progress
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -13,14 +12,7 @@ from mpp.train import PANEL_GAP, panel_grid
 from pipelines import finetune, pretrain
 from pipelines.common import HPARAMS_METRICS
 
-from test_pretrain import TINY
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from conftest import TINY
 
 
 def runs(run_dir):

@@ -1,0 +1,103 @@
+"""The run directory: what a run writes where, and which run wrote a given file.
+
+    output_dir/
+      config.yaml                   the settings in force, with a comment line per resume that changed some
+      results.json                  the stage's final metrics and the command that ran it
+      model.safetensors             the exported weights (the objective's export_weights())
+      tensorboard/<stage>/          event files
+      checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it) and manifest.json
+      checkpoints/.partial-step_*   a checkpoint being written; renamed to step_* once complete
+
+Everything that reads or writes these names goes through this module; it knows nothing of Accelerate or the loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+CONFIG = "config.yaml"
+RESULTS = "results.json"
+WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
+TENSORBOARD = "tensorboard"
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_PREFIX = "step_"
+MANIFEST = "manifest.json"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def checkpoint_dir(output_dir: str | Path, step: int, *, partial: bool = False) -> Path:
+    """checkpoints/step_N (zero-padded, so names sort by step), or the temporary name it is written under."""
+    name = f"{CHECKPOINT_PREFIX}{step:08d}"
+    return checkpoint_root(output_dir) / (f".partial-{name}" if partial else name)
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first; a save in progress lives under a temporary name and is ignored."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
+
+
+def is_checkpoint(directory: Path) -> bool:
+    return directory.name.startswith(CHECKPOINT_PREFIX) and directory.parent.name == CHECKPOINTS
+
+
+def checkpoint_step(directory: Path) -> int:
+    return int(directory.name.removeprefix(CHECKPOINT_PREFIX))
+
+
+def run_dir_of(weights_file: Path) -> Path:
+    """The run directory that wrote `weights_file`: the one it lies in, or for a checkpoint's file, the checkpoint's run."""
+    directory = weights_file.parent
+    return directory.parent.parent if is_checkpoint(directory) else directory
+
+
+def run_config_of(weights_file: Path) -> Path | None:
+    """The config.yaml of the run that wrote `weights_file`, if there is one."""
+    config = run_dir_of(weights_file) / CONFIG
+    return config if config.is_file() else None
+
+
+def sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path, processes: int) -> None:
+    """Size and sha256 of every file of a checkpoint, written last: damage after the save shows on resume."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(directory.iterdir()) if p.is_file()}
+    (directory / MANIFEST).write_text(json.dumps({"processes": processes, "files": files}, indent=1) + "\n")
+
+
+def checkpoint_fault(directory: Path, processes: int | None = None) -> str | None:
+    """Why `directory` cannot be resumed from (by `processes` processes; None: only its weights are wanted), or
+    None when it verifies."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        files, saved_by = manifest["files"], manifest["processes"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (written by an mpp that did not verify its checkpoints)"
+    except (ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes where {entry['bytes']} were written (truncated or overwritten)"
+        if sha256(path) != entry["sha256"]:
+            return f"{name} does not match the sha256 written with it (damaged)"
+    if processes is not None and processes != saved_by:
+        return f"it was saved by {saved_by} process(es) and this run has {processes}; resume with {saved_by}"
+    return None
+
+
+def newest_verified(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint whose files verify, for its weights alone (any process count)."""
+    return next((c for c in reversed(complete_checkpoints(output_dir)) if checkpoint_fault(c) is None), None)

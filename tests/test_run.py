@@ -1,0 +1,49 @@
+"""One way to start a run: start_run resolves the config once, for every stage, and changes nothing it is given."""
+
+import pytest
+
+from mpp.config import ConfigError, load_config
+from pipelines import compare, fewshot, knn
+from pipelines.common import Run, start_run
+
+from conftest import TINY
+
+
+def test_start_run_resolves_a_new_config_and_leaves_its_argument_alone(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.global_batch_size=12", "train.grad_accum=3"])
+    run = start_run(cfg)
+    assert cfg.train.batch_size == 64 and cfg.train.global_batch_size == 12  # as given
+    assert run.cfg is not cfg and run.cfg.train.batch_size == 4 and run.global_batch == 12
+    with pytest.raises(AttributeError):
+        run.global_batch = 24
+    accelerator, resolved, global_batch = run
+    assert isinstance(run, Run) and accelerator is run.accelerator and (resolved, global_batch) == (run.cfg, 12)
+
+
+def test_a_stage_without_global_batch_size_keeps_its_batch(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.batch_size=6", "train.grad_accum=2"])
+    assert start_run(cfg, per_process_seed=False).global_batch == 12
+
+
+@pytest.mark.parametrize("stage", [fewshot.run, knn.run])
+def test_evaluation_commands_start_through_start_run_and_resolve_the_global_batch(tmp_path, stage):
+    # A global batch that does not split is refused as in training, before the checkpoint is even looked at.
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.global_batch_size=8", "train.grad_accum=3"])
+    with pytest.raises(ConfigError, match="train.global_batch_size 8 does not split evenly over 1 process"):
+        stage(cfg, ckpt=str(tmp_path / "missing"))
+
+
+def test_compare_reads_images_seen_from_the_run_not_from_its_config(tmp_path, make_shards):
+    make_shards([40], size=32)
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                             "train.steps=2", "train.warmup_steps=1", "train.global_batch_size=8", "train.grad_accum=2"])
+    assert compare.pretrain_stage(cfg)["images_seen"] == 2 * 8
+    assert cfg.train.batch_size == 64  # the stage's config is not resolved in place
+
+
+def test_stages_in_one_process_share_its_accelerate_state_so_compare_refuses_plans_that_differ(tmp_path):
+    # Why the refusal: the process's first Accelerator fixes the precision, and Accelerate has no public reset.
+    start_run(load_config(None, [f"output_dir={tmp_path / 'a'}", "train.mixed_precision=no"]))
+    start_run(load_config(None, [f"output_dir={tmp_path / 'b'}", "train.mixed_precision=no", "train.grad_accum=2"]))
+    with pytest.raises(ValueError, match="AcceleratorState has already been initialized"):
+        start_run(load_config(None, [f"output_dir={tmp_path / 'c'}", "train.mixed_precision=fp16"]))

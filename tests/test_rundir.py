@@ -1,0 +1,36 @@
+"""The run directory's layout: checkpoint names, the run that wrote a file, the manifest."""
+
+from mpp import rundir
+
+
+def test_checkpoints_sort_by_step_and_a_partial_save_is_not_listed(tmp_path):
+    for step in (10, 2, 100):
+        rundir.checkpoint_dir(tmp_path, step).mkdir(parents=True)
+    rundir.checkpoint_dir(tmp_path, 200, partial=True).mkdir()
+    assert [c.name for c in rundir.complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000010", "step_00000100"]
+    assert rundir.checkpoint_step(rundir.complete_checkpoints(tmp_path)[-1]) == 100
+
+
+def test_the_run_that_wrote_a_file_is_found_from_its_export_or_its_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    checkpoint = rundir.checkpoint_dir(run, 4)
+    checkpoint.mkdir(parents=True)
+    assert rundir.run_dir_of(run / rundir.WEIGHTS) == run
+    assert rundir.run_dir_of(checkpoint / rundir.WEIGHTS) == run
+    assert rundir.run_config_of(checkpoint / rundir.WEIGHTS) is None
+    (run / rundir.CONFIG).write_text("objective: mpp\n")
+    assert rundir.run_config_of(checkpoint / rundir.WEIGHTS) == run / "config.yaml"
+    assert rundir.run_dir_of(tmp_path / "elsewhere" / "step_00000004" / "w.safetensors") == tmp_path / "elsewhere" / "step_00000004"
+
+
+def test_the_manifest_finds_damage_and_the_newest_verified_checkpoint_skips_it(tmp_path):
+    old, new = rundir.checkpoint_dir(tmp_path, 1), rundir.checkpoint_dir(tmp_path, 2)
+    for checkpoint in (old, new):
+        checkpoint.mkdir(parents=True)
+        (checkpoint / rundir.WEIGHTS).write_bytes(b"weights")
+        rundir.write_manifest(checkpoint, processes=1)
+    assert rundir.checkpoint_fault(new) is None and rundir.newest_verified(tmp_path) == new
+    assert "saved by 1 process(es) and this run has 2" in rundir.checkpoint_fault(new, processes=2)
+    (new / rundir.WEIGHTS).write_bytes(b"weightz")
+    assert rundir.checkpoint_fault(new) == "model.safetensors does not match the sha256 written with it (damaged)"
+    assert rundir.newest_verified(tmp_path) == old
