@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError
-from mpp.model import parse_model_name
+from mpp.model import Variant, parse_model_name, resolve_variant
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -67,17 +67,20 @@ class ModelConfig(Section):
         patch = raw.get("patch_size")
         if patch is not None and named_patch is not None and patch != named_patch:
             raise ValueError(f"model.name {name} implies patch size {named_patch} but model.patch_size is {patch}; drop the number from the name or the override")
-        return {**raw, "patch_size": patch or named_patch or 16}
+        return {**raw, "patch_size": resolve_variant(str(name), patch).patch_size}
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"model.image_size {self.image_size} is not divisible by model.patch_size {self.patch_size}; pick sizes where it is (e.g. 224 and 16)")
-        size, _ = parse_model_name(self.name)
-        width, heads = self.width or size.width, self.heads or size.heads
+        width, heads = self.variant.width, self.variant.heads
         if width % heads:
             raise ValueError(f"model width {width} is not divisible by {heads} heads; set model.heads to a divisor of the width")
         return self
+
+    @property
+    def variant(self) -> Variant:
+        return resolve_variant(self.name, self.patch_size, width=self.width, depth=self.depth, heads=self.heads)
 
 
 class MPPConfig(Section):
@@ -225,7 +228,7 @@ class Config(Section):
             raise ValueError(f"mpp.target=color4x4 predicts a 4x4 downsized patch, so model.patch_size must be divisible by 4, "
                              f"got {patch}; pick such a patch size or mpp.target=color")
         outputs = {"color": 1 << 3 * bits, "color4x4": 16 << 3 * bits, "pixels": 3 * patch * patch}[self.mpp.target]
-        width = self.model.width or parse_model_name(self.model.name)[0].width
+        width = self.model.variant.width
         head_bytes = 4 * (width + 1) * outputs  # fp32 weights and biases
         if head_bytes > MAX_HEAD_BYTES:
             raise ValueError(f"mpp.target={self.mpp.target} with mpp.color_bits={bits} needs a {outputs:,}-way prediction head of "

@@ -10,16 +10,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from mpp.model import VisionTransformer, init_weights, pool, trunc_normal
-
-# Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
-PIXEL_MEAN, PIXEL_STD = 0.5, 0.5
+from mpp.model import PIXEL_MEAN, PIXEL_STD, VisionTransformer, init_weights, normalize, pool, trunc_normal
 
 MASK, RANDOM, KEEP = 0, 1, 2
-
-
-def normalize(images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> float in [-1, 1]
-    return (images.float() / 255.0 - PIXEL_MEAN) / PIXEL_STD
 
 
 @dataclass
