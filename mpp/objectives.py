@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
-from mpp.model import PIXEL_MEAN, PIXEL_STD, VisionTransformer, init_weights, normalize, pool, trunc_normal
+from mpp.model import VisionTransformer, init_weights, normalize, patchify, pool, trunc_normal, unpatchify
+from mpp.targets import TARGETS
 
 MASK, RANDOM, KEEP = 0, 1, 2
 
@@ -19,46 +19,6 @@ MASK, RANDOM, KEEP = 0, 1, 2
 class StepOutput:
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------- targets
-
-
-def quantize_color_sums(sums: torch.Tensor, pixels: int, bits: int) -> torch.Tensor:
-    """Per-channel pixel sums (B, 3, ...) of `pixels` pixels -> colour class ids (B, ...).
-
-    Integer arithmetic on the sums, so a mean exactly on a bin edge (e.g. 32 for 3 bits) lands in the upper bin.
-    """
-    levels = 1 << bits
-    q = (sums.round().long() * levels) // (256 * pixels)  # floor(mean / (256 / levels))
-    return (q[:, 0] * levels + q[:, 1]) * levels + q[:, 2]
-
-
-def mean_color_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
-    """(B, 3, H, W) uint8 -> (B, N) class ids of each patch's mean colour, `bits` per channel."""
-    sums = F.avg_pool2d(images.float(), patch_size, divisor_override=1)  # exact integer sums
-    return rearrange(quantize_color_sums(sums, patch_size * patch_size, bits), "b h w -> b (h w)")
-
-
-def color4x4_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
-    """(B, 3, H, W) uint8 -> (B, N, 16) class ids of each patch downsized to 4 x 4."""
-    cell = patch_size // 4
-    sums = F.avg_pool2d(images.float(), cell, divisor_override=1)
-    classes = quantize_color_sums(sums, cell * cell, bits)  # (B, 4h, 4w)
-    return rearrange(classes, "b (h i) (w j) -> b (h w) (i j)", i=4, j=4)
-
-
-def pixel_targets(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(B, 3, H, W) uint8 -> (B, N, P*P*3) normalised pixels, in PatchEmbed's flattening order."""
-    p = patch_size
-    return rearrange(normalize(images), "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p)
-
-
-def color_class_to_rgb(classes: torch.Tensor, bits: int = 3) -> torch.Tensor:
-    """Class ids (...) -> uint8 RGB bin centres (..., 3)."""
-    levels = 1 << bits
-    rgb = torch.stack([classes // (levels * levels), (classes // levels) % levels, classes % levels], dim=-1)
-    return ((rgb * 256 + 128) // levels).to(torch.uint8)
 
 
 # ---------------------------------------------------------------- corruption
@@ -168,27 +128,17 @@ class MaskedPatchPrediction(nn.Module):
     def __init__(self, backbone: VisionTransformer, target: str = "color", corrupt_rate: float = 0.5,
                  mask_prob: float = 0.8, random_prob: float = 0.1, color_bits: int = 3, masking: str = "random"):
         super().__init__()
-        p = backbone.patch_size
-        if target == "color4x4" and p % 4:
-            raise ValueError(f"target color4x4 needs a patch size divisible by 4, got {p}")
         self.backbone = backbone
-        self.target, self.bits = target, color_bits
+        self.target = TARGETS[target](backbone.patch_size, color_bits)
         self.corrupt_rate, self.mask_prob, self.random_prob = corrupt_rate, mask_prob, random_prob
         self.masking = masking
-        self.num_colors = 1 << (3 * color_bits)
-        out = {"color": self.num_colors, "color4x4": 16 * self.num_colors, "pixels": 3 * p * p}[target]
         self.mask_embedding = nn.Parameter(torch.zeros(backbone.width))
         trunc_normal(self.mask_embedding)
-        self.head = nn.Linear(backbone.width, out)
+        self.head = nn.Linear(backbone.width, self.target.outputs)
         init_weights(self.head)
 
-    def targets(self, images: torch.Tensor) -> torch.Tensor:  # (B, N) or (B, N, 16) or (B, N, 3P^2)
-        p = self.backbone.patch_size
-        if self.target == "color":
-            return mean_color_targets(images, p, self.bits)
-        if self.target == "color4x4":
-            return color4x4_targets(images, p, self.bits)
-        return pixel_targets(images, p)
+    def targets(self, images: torch.Tensor) -> torch.Tensor:  # (B, N, ...) as the target computes them
+        return self.target(images)
 
     def draw_corruption(self, batch_size: int, device=None, generator: torch.Generator | None = None) -> Corruption:
         return draw_corruption(batch_size, self.backbone.num_patches, self.corrupt_rate, self.mask_prob, self.random_prob,
@@ -207,18 +157,7 @@ class MaskedPatchPrediction(nn.Module):
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None, corruption: Corruption | None = None) -> StepOutput:
         predictions, corruption = self.predict(images, corruption)
         targets = gather_positions(self.targets(images), corruption.positions)
-        if self.target == "pixels":
-            loss = F.mse_loss(predictions.float(), targets)
-            prior = F.mse_loss(targets.mean(dim=(0, 1)).expand_as(targets), targets)
-            return StepOutput(loss, {"loss_prior": prior})
-        logits = predictions.float().reshape(-1, self.num_colors)
-        targets = targets.reshape(-1)
-        loss = F.cross_entropy(logits, targets)
-        accuracy = (logits.argmax(-1) == targets).float().mean()
-        # scatter_add, not bincount: bincount sizes its output from the data, a host sync on GPU.
-        counts = torch.zeros(self.num_colors, device=targets.device).scatter_add_(0, targets, torch.ones_like(logits[:, 0]))
-        prior = counts.max() / targets.numel()
-        return StepOutput(loss, {"color_acc": accuracy, "color_acc_prior": prior})
+        return StepOutput(*self.target.loss(predictions.float(), targets))
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """What model.safetensors holds after pretraining: the backbone alone."""
@@ -228,39 +167,17 @@ class MaskedPatchPrediction(nn.Module):
     def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Images for TensorBoard (each (B, 3, H, W) uint8): crops, corrupted view, true and predicted targets."""
         predictions, corruption = self.predict(images)
-        true = self.render(self.targets(images))  # (B, N, P*P*3)
-        if self.target == "pixels":
-            predicted = predictions.float()
-        else:
-            predicted = predictions.float().unflatten(-1, (-1, self.num_colors)).argmax(-1).squeeze(-1)
-        mosaic = true.scatter(1, corruption.positions[..., None].expand(-1, -1, true.shape[-1]), self.render(predicted))
-        pixels = self.to_patches(images)
+        p, grid = self.backbone.patch_size, self.backbone.grid
+        true = self.target.render(self.targets(images))  # (B, N, P*P*3)
+        predicted = self.target.render(self.target.decode(predictions.float()))  # (B, K, P*P*3)
+        mosaic = true.scatter(1, corruption.positions[..., None].expand(-1, -1, true.shape[-1]), predicted)
+        pixels = patchify(images, p)
         b, n, _ = pixels.shape
         seen = pixels.reshape(b * n, -1)[corruption.sources]
         seen[corruption.kinds == MASK] = 127
         corrupted = pixels.scatter(1, corruption.positions[..., None].expand(-1, -1, pixels.shape[-1]), seen)
-        return {"crops": images, "corrupted": self.from_patches(corrupted),
-                "target": self.from_patches(true), "predicted": self.from_patches(mosaic)}
-
-    def render(self, targets: torch.Tensor) -> torch.Tensor:
-        """Targets (B, K[, 16]) or pixels (B, K, 3P^2) -> uint8 patches (B, K, P*P*3) for display."""
-        p = self.backbone.patch_size
-        if self.target == "pixels":
-            return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)
-        rgb = color_class_to_rgb(targets, self.bits)
-        if self.target == "color":
-            return rgb[:, :, None, :].expand(-1, -1, p * p, -1).flatten(2)
-        cells = rearrange(rgb, "b k (i j) c -> (b k) c i j", i=4)
-        cells = F.interpolate(cells.float(), scale_factor=p // 4, mode="nearest").to(torch.uint8)
-        return rearrange(cells, "(b k) c p1 p2 -> b k (p1 p2 c)", b=targets.shape[0])
-
-    def to_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, N, P*P*3)
-        p = self.backbone.patch_size
-        return rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p)
-
-    def from_patches(self, patches: torch.Tensor) -> torch.Tensor:  # (B, N, P*P*3) -> (B, 3, H, W)
-        p, g = self.backbone.patch_size, self.backbone.grid
-        return rearrange(patches, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=g, p1=p, p2=p)
+        return {"crops": images, "corrupted": unpatchify(corrupted, p, grid),
+                "target": unpatchify(true, p, grid), "predicted": unpatchify(mosaic, p, grid)}
 
 
 # ---------------------------------------------------------------- classification

@@ -1,7 +1,8 @@
 import torch
 from einops import rearrange
 
-from mpp.objectives import color4x4_targets, color_class_to_rgb, mean_color_targets, normalize, pixel_targets
+from mpp.model import normalize
+from mpp.targets import color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
 
 
 def solid_patches(colors, patch):
