@@ -1,8 +1,12 @@
-"""Training objectives over a ViT backbone. Each maps a uint8 batch to a loss and metrics; the loop is shared."""
+"""Training objectives over a ViT backbone. Each maps a uint8 batch to a loss and metrics; the loop is shared.
+
+The loop knows an objective only through `Objective`; OBJECTIVES maps the config's `objective` name to a builder.
+"""
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +23,46 @@ MASK, RANDOM, KEEP = 0, 1, 2
 class StepOutput:
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Objective(nn.Module, ABC):
+    """What the training loop trains: a ViT `backbone` with the heads and loss of one task.
+
+    An implementer provides:
+    - `backbone`: the VisionTransformer it trains (the evaluators score it, checkpoints name it `backbone.*`);
+    - `forward(images, labels) -> StepOutput`: images (B, 3, H, W) uint8, labels (B,) or None on unlabelled
+      shards -> the loss and the metrics logged as train/<name>;
+    - `export_weights()`: what model.safetensors holds at the end of the run.
+    and may override:
+    - `no_weight_decay()`: add the names of its own input tokens (MPP's [mask]);
+    - `panel(images)`: images for TensorBoard's panel (none by default);
+    - `fixed_randomness(batch_size, generator, device)`: forward's random choices, fixed for the pretext validation
+      (none by default: a deterministic forward).
+    Register a builder in OBJECTIVES to make it selectable with `objective=<name>`.
+    """
+
+    backbone: VisionTransformer
+
+    @abstractmethod
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None) -> StepOutput: ...
+
+    @abstractmethod
+    def export_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def no_weight_decay(self) -> set[str]:
+        """Names (as named_parameters() gives them) of the input tokens and embeddings, as timm's no_weight_decay:
+        they get no weight decay, and layer decay counts them with the patch embedding (layer 0)."""
+        return {f"backbone.{name}" for name in self.backbone.no_weight_decay()}
+
+    def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows of images (each (B, 3, H, W) uint8) for TensorBoard's panel, by name; empty: no panel."""
+        return {}
+
+    def fixed_randomness(self, batch_size: int, generator: torch.Generator, device) -> dict[str, object]:
+        """Keyword arguments of forward fixing its random choices for a batch of `batch_size`, drawn from `generator`
+        (on the CPU) and moved to `device`. The pretext validation draws them once and reuses them, so each
+        evaluation scores the same task."""
+        return {}
 
 
 # ---------------------------------------------------------------- corruption
@@ -122,7 +166,7 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: 
 # ---------------------------------------------------------------- the objective
 
 
-class MaskedPatchPrediction(nn.Module):
+class MaskedPatchPrediction(Objective):
     """Corrupt patch embeddings, encode, and predict each corrupted patch's target from its own output."""
 
     def __init__(self, backbone: VisionTransformer, target: str = "color", corrupt_rate: float = 0.5,
@@ -143,6 +187,12 @@ class MaskedPatchPrediction(nn.Module):
     def draw_corruption(self, batch_size: int, device=None, generator: torch.Generator | None = None) -> Corruption:
         return draw_corruption(batch_size, self.backbone.num_patches, self.corrupt_rate, self.mask_prob, self.random_prob,
                                self.masking, device, generator)
+
+    def fixed_randomness(self, batch_size: int, generator: torch.Generator, device) -> dict[str, object]:
+        return {"corruption": self.draw_corruption(batch_size, "cpu", generator).to(device)}
+
+    def no_weight_decay(self) -> set[str]:
+        return super().no_weight_decay() | {"mask_embedding"}
 
     def predict(self, images: torch.Tensor, corruption: Corruption | None = None) -> tuple[torch.Tensor, Corruption]:
         """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out); a fresh corruption
@@ -198,7 +248,7 @@ def finetuning_head(width: int, num_classes: int) -> nn.Linear:
     return head
 
 
-class Classification(nn.Module):
+class Classification(Objective):
     """Cross-entropy on the [class] token's output (or the mean patch output, pool="mean"): supervised pretraining
     and fine-tuning differ only in the head.
 
