@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError
 from mpp.model import Variant, parse_model_name, resolve_variant
+from mpp.objectives import OBJECTIVES
 from mpp.targets import TARGETS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -222,7 +223,7 @@ class KnnConfig(Section):
 
 
 class Config(Section):
-    objective: Literal["mpp", "supervised"] = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
+    objective: str = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
     output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -233,6 +234,11 @@ class Config(Section):
     fewshot: FewShotConfig = Field(default_factory=FewShotConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     knn: KnnConfig = Field(default_factory=KnnConfig)
+
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, objective: str) -> str:
+        return one_of("objective", objective, OBJECTIVES)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,9 @@ from torch import nn
 
 from mpp.model import VisionTransformer, init_weights, normalize, patchify, pool, trunc_normal, unpatchify
 from mpp.targets import TARGETS
+
+if TYPE_CHECKING:
+    from mpp.config import Config  # the config imports OBJECTIVES to validate `objective`
 
 MASK, RANDOM, KEEP = 0, 1, 2
 
@@ -275,3 +280,25 @@ class Classification(Objective):
         if self.export_head:
             weights.update({f"head.{name}": value for name, value in self.head.state_dict().items()})
         return weights
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def masked_patch_prediction(backbone: VisionTransformer, cfg: Config, classes: int | None) -> MaskedPatchPrediction:
+    m = cfg.mpp
+    return MaskedPatchPrediction(backbone, target=m.target, corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob,
+                                 random_prob=m.random_prob, color_bits=m.color_bits, masking=m.masking)
+
+
+def supervised(backbone: VisionTransformer, cfg: Config, classes: int | None) -> Classification:
+    return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False,
+                          label_smoothing=cfg.train.label_smoothing)
+
+
+# The config's `objective` -> a builder of it around a fresh backbone: (backbone, cfg, classes) -> Objective,
+# where classes is the label count of supervised shards (None for MPP).
+OBJECTIVES: dict[str, Callable[[VisionTransformer, Config, int | None], Objective]] = {
+    "mpp": masked_patch_prediction,
+    "supervised": supervised,
+}
