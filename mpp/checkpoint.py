@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from mpp.errors import UserError
-from mpp.model import VisionTransformer, parse_model_name, resize_pos_embed
+from mpp.model import VisionTransformer, resize_pos_embed, resolve_variant
 from mpp.rundir import WEIGHTS, newest_verified, run_config_of
 
 VIT_KEYS = ("cls_token", "pos_embed", "patch_embed.proj.weight", "norm.weight")
@@ -51,7 +51,7 @@ def saved_heads(weights_file: Path) -> int | None:
         return None
     model = OmegaConf.to_container(OmegaConf.load(config)).get("model") or {}
     try:
-        return model.get("heads") or parse_model_name(str(model.get("name")))[0].heads
+        return resolve_variant(str(model.get("name")), heads=model.get("heads")).heads
     except ValueError:
         return None
 
@@ -86,7 +86,7 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
         raise CheckpointError(f"{path} has patch embedding weights of shape {proj} (patch size {patch}) but model.patch_size={model_cfg.patch_size} "
                               f"needs {expected}; set model.patch_size={patch} (a ViT cannot change its patch size)")
     depth = len({k.split(".")[1] for k in weights if k.startswith("blocks.")})
-    heads = saved_heads(path) or model_cfg.heads or parse_model_name(model_cfg.name)[0].heads
+    heads = saved_heads(path) or model_cfg.variant.heads
     if width % heads:
         raise CheckpointError(f"{path} has width {width}, which {heads} attention heads do not divide; set model.heads to the pretraining run's value")
 

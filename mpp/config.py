@@ -9,7 +9,9 @@ from typing import Annotated, Literal
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError
-from mpp.model import parse_model_name
+from mpp.model import Variant, parse_model_name, resolve_variant
+from mpp.objectives import OBJECTIVES
+from mpp.targets import TARGETS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -22,6 +24,15 @@ class ConfigError(UserError):
 
 # One vocabulary for what a head or probe reads from the encoder: fine-tuning, few-shot and kNN.
 Pooling = Literal["cls", "mean"]
+
+
+def one_of(key: str, value: str, choices) -> str:
+    """`value` if it names one of `choices` (a registry); else the error pydantic gives a Literal, worded the same."""
+    if value in choices:
+        return value
+    names = [f"'{c}'" for c in choices]
+    listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    raise ValueError(f"invalid value for '{key}': Input should be {listed} (got {value!r})")
 
 
 class Section(BaseModel):
@@ -67,26 +78,34 @@ class ModelConfig(Section):
         patch = raw.get("patch_size")
         if patch is not None and named_patch is not None and patch != named_patch:
             raise ValueError(f"model.name {name} implies patch size {named_patch} but model.patch_size is {patch}; drop the number from the name or the override")
-        return {**raw, "patch_size": patch or named_patch or 16}
+        return {**raw, "patch_size": resolve_variant(str(name), patch).patch_size}
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"model.image_size {self.image_size} is not divisible by model.patch_size {self.patch_size}; pick sizes where it is (e.g. 224 and 16)")
-        size, _ = parse_model_name(self.name)
-        width, heads = self.width or size.width, self.heads or size.heads
+        width, heads = self.variant.width, self.variant.heads
         if width % heads:
             raise ValueError(f"model width {width} is not divisible by {heads} heads; set model.heads to a divisor of the width")
         return self
 
+    @property
+    def variant(self) -> Variant:
+        return resolve_variant(self.name, self.patch_size, width=self.width, depth=self.depth, heads=self.heads)
+
 
 class MPPConfig(Section):
-    target: Literal["color", "color4x4", "pixels"] = Field("color", description="What a corrupted patch predicts: its 3-bit mean colour (512 classes), its 4x4-downsized 3-bit colours (16 x 512), or its pixels (L2).")
+    target: str = Field("color", description="What a corrupted patch predicts: its 3-bit mean colour (512 classes), its 4x4-downsized 3-bit colours (16 x 512), or its pixels (L2).")
     corrupt_rate: float = Field(0.5, gt=0, lt=1, description="Fraction of patch positions corrupted per image (paper: 0.5; 0.15 also tried).")
     mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
     random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
     color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
     masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: uniformly at random (the paper) or in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
+
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, target: str) -> str:
+        return one_of("mpp.target", target, TARGETS)
 
     @model_validator(mode="after")
     def _check(self) -> MPPConfig:
@@ -204,7 +223,7 @@ class KnnConfig(Section):
 
 
 class Config(Section):
-    objective: Literal["mpp", "supervised"] = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
+    objective: str = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
     output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -216,16 +235,18 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     knn: KnnConfig = Field(default_factory=KnnConfig)
 
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, objective: str) -> str:
+        return one_of("objective", objective, OBJECTIVES)
+
     @model_validator(mode="after")
     def _check(self) -> Config:
         if self.objective != "mpp":
             return self
-        patch, bits = self.model.patch_size, self.mpp.color_bits
-        if self.mpp.target == "color4x4" and patch % 4:
-            raise ValueError(f"mpp.target=color4x4 predicts a 4x4 downsized patch, so model.patch_size must be divisible by 4, "
-                             f"got {patch}; pick such a patch size or mpp.target=color")
-        outputs = {"color": 1 << 3 * bits, "color4x4": 16 << 3 * bits, "pixels": 3 * patch * patch}[self.mpp.target]
-        width = self.model.width or parse_model_name(self.model.name)[0].width
+        bits = self.mpp.color_bits
+        outputs = TARGETS[self.mpp.target](self.model.patch_size, bits).outputs  # raises for a patch size it cannot use
+        width = self.model.variant.width
         head_bytes = 4 * (width + 1) * outputs  # fp32 weights and biases
         if head_bytes > MAX_HEAD_BYTES:
             raise ValueError(f"mpp.target={self.mpp.target} with mpp.color_bits={bits} needs a {outputs:,}-way prediction head of "

@@ -13,11 +13,9 @@ import json
 from pathlib import Path
 
 import torch
-from einops import rearrange
 
 from mpp.errors import UserError
-from mpp.model import VisionTransformer
-from mpp.objectives import PIXEL_MEAN, PIXEL_STD
+from mpp.model import PIXEL_MEAN, PIXEL_STD, VisionTransformer, unpatchify
 
 MLP_RATIO = 4  # Block's hidden width over the model width
 
@@ -47,8 +45,8 @@ def hf_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor] | N
     out = {
         "embeddings.cls_token": ours["cls_token"],
         "embeddings.position_embeddings": ours["pos_embed"],
-        # Linear over (p1 p2 c) -> Conv2d kernel (D, C, P, P): the same weights, indexed the way a convolution reads.
-        "embeddings.patch_embeddings.projection.weight": rearrange(ours["patch_embed.proj.weight"], "d (p1 p2 c) -> d c p1 p2", p1=p, p2=p),
+        # Linear over patchify's layout -> Conv2d kernel (D, C, P, P): each output's weights unpatchified as one patch.
+        "embeddings.patch_embeddings.projection.weight": unpatchify(ours["patch_embed.proj.weight"][:, None], p, grid=1),
         "embeddings.patch_embeddings.projection.bias": ours["patch_embed.proj.bias"],
         "layernorm.weight": ours["norm.weight"],
         "layernorm.bias": ours["norm.bias"],

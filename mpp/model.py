@@ -12,11 +12,38 @@ from einops import rearrange
 from torch import nn
 
 
+# Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
+PIXEL_MEAN, PIXEL_STD = 0.5, 0.5
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> float in [-1, 1]
+    return (images.float() / 255.0 - PIXEL_MEAN) / PIXEL_STD
+
+
+def patchify(images: torch.Tensor, p: int) -> torch.Tensor:  # (B, C, H, W) -> (B, N, P*P*C), patches row-major
+    """The one patch layout: each P x P patch flattened as (p1 p2 c), the order PatchEmbed's weights read."""
+    return rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p)
+
+
+def unpatchify(patches: torch.Tensor, p: int, grid: int) -> torch.Tensor:  # (B, grid*grid, P*P*C) -> (B, C, H, W)
+    return rearrange(patches, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=grid, p1=p, p2=p)
+
+
 @dataclass(frozen=True)
 class ViTSize:
     width: int
     depth: int
     heads: int
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a model name and its overrides build: the one place the name, the overrides and the defaults meet."""
+
+    width: int
+    depth: int
+    heads: int
+    patch_size: int
 
 
 # The paper's Table 1 plus the DeiT Ti/S sizes that are customary for small-scale work.
@@ -39,6 +66,13 @@ def parse_model_name(name: str) -> tuple[ViTSize, int | None]:
     return VIT_SIZES[match.group(1)], int(match.group(2)) if match.group(2) else None
 
 
+def resolve_variant(name: str, patch_size: int | None = None, *, width: int | None = None, depth: int | None = None,
+                    heads: int | None = None) -> Variant:
+    """'vit_b16' plus overrides -> its width, depth, heads and patch size (the override, else the name's number, else 16)."""
+    size, named_patch = parse_model_name(name)
+    return Variant(width or size.width, depth or size.depth, heads or size.heads, patch_size or named_patch or 16)
+
+
 class PatchEmbed(nn.Module):
     """Linear projection of flattened P x P patches."""
 
@@ -48,8 +82,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Linear(channels * patch_size * patch_size, dim)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, N, D)
-        p = self.patch_size
-        return self.proj(rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p))
+        return self.proj(patchify(images, self.patch_size))
 
 
 class Attention(nn.Module):
@@ -133,6 +166,10 @@ class VisionTransformer(nn.Module):
         trunc_normal(self.cls_token)
         self.apply(init_weights)
 
+    def no_weight_decay(self) -> set[str]:
+        """The input tokens, exempt from weight decay (timm's convention; biases and norms are exempt anyway)."""
+        return {"cls_token", "pos_embed"}
+
     def embed_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) float -> (B, N, D)
         return self.patch_embed(images)
 
@@ -187,6 +224,5 @@ def init_weights(module: nn.Module) -> None:
 def build_vit(name: str, image_size: int, patch_size: int | None = None, *, width: int | None = None,
               depth: int | None = None, heads: int | None = None, drop_path: float = 0.0) -> VisionTransformer:
     """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden."""
-    size, named_patch = parse_model_name(name)
-    return VisionTransformer(image_size, patch_size or named_patch or 16, width or size.width,
-                             depth or size.depth, heads or size.heads, drop_path)
+    v = resolve_variant(name, patch_size, width=width, depth=depth, heads=heads)
+    return VisionTransformer(image_size, v.patch_size, v.width, v.depth, v.heads, drop_path)

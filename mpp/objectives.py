@@ -1,25 +1,27 @@
-"""Training objectives over a ViT backbone. Each maps a uint8 batch to a loss and metrics; the loop is shared."""
+"""Training objectives over a ViT backbone. Each maps a uint8 batch to a loss and metrics; the loop is shared.
+
+The loop knows an objective only through `Objective`; OBJECTIVES maps the config's `objective` name to a builder.
+"""
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
-from mpp.model import VisionTransformer, init_weights, pool, trunc_normal
+from mpp.model import VisionTransformer, init_weights, normalize, patchify, pool, trunc_normal, unpatchify
+from mpp.targets import TARGETS
 
-# Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
-PIXEL_MEAN, PIXEL_STD = 0.5, 0.5
+if TYPE_CHECKING:
+    from mpp.config import Config  # the config imports OBJECTIVES to validate `objective`
 
 MASK, RANDOM, KEEP = 0, 1, 2
-
-
-def normalize(images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> float in [-1, 1]
-    return (images.float() / 255.0 - PIXEL_MEAN) / PIXEL_STD
 
 
 @dataclass
@@ -28,44 +30,44 @@ class StepOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- targets
+class Objective(nn.Module, ABC):
+    """What the training loop trains: a ViT `backbone` with the heads and loss of one task.
 
-
-def quantize_color_sums(sums: torch.Tensor, pixels: int, bits: int) -> torch.Tensor:
-    """Per-channel pixel sums (B, 3, ...) of `pixels` pixels -> colour class ids (B, ...).
-
-    Integer arithmetic on the sums, so a mean exactly on a bin edge (e.g. 32 for 3 bits) lands in the upper bin.
+    An implementer provides:
+    - `backbone`: the VisionTransformer it trains (the evaluators score it, checkpoints name it `backbone.*`);
+    - `forward(images, labels) -> StepOutput`: images (B, 3, H, W) uint8, labels (B,) or None on unlabelled
+      shards -> the loss and the metrics logged as train/<name>;
+    - `export_weights()`: what model.safetensors holds at the end of the run.
+    and may override:
+    - `no_weight_decay()`: add the names of its own input tokens (MPP's [mask]);
+    - `panel(images)`: images for TensorBoard's panel (none by default);
+    - `fixed_randomness(batch_size, generator, device)`: forward's random choices, fixed for the pretext validation
+      (none by default: a deterministic forward).
+    Register a builder in OBJECTIVES to make it selectable with `objective=<name>`.
     """
-    levels = 1 << bits
-    q = (sums.round().long() * levels) // (256 * pixels)  # floor(mean / (256 / levels))
-    return (q[:, 0] * levels + q[:, 1]) * levels + q[:, 2]
 
+    backbone: VisionTransformer
 
-def mean_color_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
-    """(B, 3, H, W) uint8 -> (B, N) class ids of each patch's mean colour, `bits` per channel."""
-    sums = F.avg_pool2d(images.float(), patch_size, divisor_override=1)  # exact integer sums
-    return rearrange(quantize_color_sums(sums, patch_size * patch_size, bits), "b h w -> b (h w)")
+    @abstractmethod
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None) -> StepOutput: ...
 
+    @abstractmethod
+    def export_weights(self) -> dict[str, torch.Tensor]: ...
 
-def color4x4_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
-    """(B, 3, H, W) uint8 -> (B, N, 16) class ids of each patch downsized to 4 x 4."""
-    cell = patch_size // 4
-    sums = F.avg_pool2d(images.float(), cell, divisor_override=1)
-    classes = quantize_color_sums(sums, cell * cell, bits)  # (B, 4h, 4w)
-    return rearrange(classes, "b (h i) (w j) -> b (h w) (i j)", i=4, j=4)
+    def no_weight_decay(self) -> set[str]:
+        """Names (as named_parameters() gives them) of the input tokens and embeddings, as timm's no_weight_decay:
+        they get no weight decay, and layer decay counts them with the patch embedding (layer 0)."""
+        return {f"backbone.{name}" for name in self.backbone.no_weight_decay()}
 
+    def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows of images (each (B, 3, H, W) uint8) for TensorBoard's panel, by name; empty: no panel."""
+        return {}
 
-def pixel_targets(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(B, 3, H, W) uint8 -> (B, N, P*P*3) normalised pixels, in PatchEmbed's flattening order."""
-    p = patch_size
-    return rearrange(normalize(images), "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p)
-
-
-def color_class_to_rgb(classes: torch.Tensor, bits: int = 3) -> torch.Tensor:
-    """Class ids (...) -> uint8 RGB bin centres (..., 3)."""
-    levels = 1 << bits
-    rgb = torch.stack([classes // (levels * levels), (classes // levels) % levels, classes % levels], dim=-1)
-    return ((rgb * 256 + 128) // levels).to(torch.uint8)
+    def fixed_randomness(self, batch_size: int, generator: torch.Generator, device) -> dict[str, object]:
+        """Keyword arguments of forward fixing its random choices for a batch of `batch_size`, drawn from `generator`
+        (on the CPU) and moved to `device`. The pretext validation draws them once and reuses them, so each
+        evaluation scores the same task."""
+        return {}
 
 
 # ---------------------------------------------------------------- corruption
@@ -169,37 +171,33 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: 
 # ---------------------------------------------------------------- the objective
 
 
-class MaskedPatchPrediction(nn.Module):
+class MaskedPatchPrediction(Objective):
     """Corrupt patch embeddings, encode, and predict each corrupted patch's target from its own output."""
 
     def __init__(self, backbone: VisionTransformer, target: str = "color", corrupt_rate: float = 0.5,
                  mask_prob: float = 0.8, random_prob: float = 0.1, color_bits: int = 3, masking: str = "random"):
         super().__init__()
-        p = backbone.patch_size
-        if target == "color4x4" and p % 4:
-            raise ValueError(f"target color4x4 needs a patch size divisible by 4, got {p}")
         self.backbone = backbone
-        self.target, self.bits = target, color_bits
+        self.target = TARGETS[target](backbone.patch_size, color_bits)
         self.corrupt_rate, self.mask_prob, self.random_prob = corrupt_rate, mask_prob, random_prob
         self.masking = masking
-        self.num_colors = 1 << (3 * color_bits)
-        out = {"color": self.num_colors, "color4x4": 16 * self.num_colors, "pixels": 3 * p * p}[target]
         self.mask_embedding = nn.Parameter(torch.zeros(backbone.width))
         trunc_normal(self.mask_embedding)
-        self.head = nn.Linear(backbone.width, out)
+        self.head = nn.Linear(backbone.width, self.target.outputs)
         init_weights(self.head)
 
-    def targets(self, images: torch.Tensor) -> torch.Tensor:  # (B, N) or (B, N, 16) or (B, N, 3P^2)
-        p = self.backbone.patch_size
-        if self.target == "color":
-            return mean_color_targets(images, p, self.bits)
-        if self.target == "color4x4":
-            return color4x4_targets(images, p, self.bits)
-        return pixel_targets(images, p)
+    def targets(self, images: torch.Tensor) -> torch.Tensor:  # (B, N, ...) as the target computes them
+        return self.target(images)
 
     def draw_corruption(self, batch_size: int, device=None, generator: torch.Generator | None = None) -> Corruption:
         return draw_corruption(batch_size, self.backbone.num_patches, self.corrupt_rate, self.mask_prob, self.random_prob,
                                self.masking, device, generator)
+
+    def fixed_randomness(self, batch_size: int, generator: torch.Generator, device) -> dict[str, object]:
+        return {"corruption": self.draw_corruption(batch_size, "cpu", generator).to(device)}
+
+    def no_weight_decay(self) -> set[str]:
+        return super().no_weight_decay() | {"mask_embedding"}
 
     def predict(self, images: torch.Tensor, corruption: Corruption | None = None) -> tuple[torch.Tensor, Corruption]:
         """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out); a fresh corruption
@@ -214,18 +212,7 @@ class MaskedPatchPrediction(nn.Module):
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None, corruption: Corruption | None = None) -> StepOutput:
         predictions, corruption = self.predict(images, corruption)
         targets = gather_positions(self.targets(images), corruption.positions)
-        if self.target == "pixels":
-            loss = F.mse_loss(predictions.float(), targets)
-            prior = F.mse_loss(targets.mean(dim=(0, 1)).expand_as(targets), targets)
-            return StepOutput(loss, {"loss_prior": prior})
-        logits = predictions.float().reshape(-1, self.num_colors)
-        targets = targets.reshape(-1)
-        loss = F.cross_entropy(logits, targets)
-        accuracy = (logits.argmax(-1) == targets).float().mean()
-        # scatter_add, not bincount: bincount sizes its output from the data, a host sync on GPU.
-        counts = torch.zeros(self.num_colors, device=targets.device).scatter_add_(0, targets, torch.ones_like(logits[:, 0]))
-        prior = counts.max() / targets.numel()
-        return StepOutput(loss, {"color_acc": accuracy, "color_acc_prior": prior})
+        return StepOutput(*self.target.loss(predictions.float(), targets))
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """What model.safetensors holds after pretraining: the backbone alone."""
@@ -235,39 +222,17 @@ class MaskedPatchPrediction(nn.Module):
     def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Images for TensorBoard (each (B, 3, H, W) uint8): crops, corrupted view, true and predicted targets."""
         predictions, corruption = self.predict(images)
-        true = self.render(self.targets(images))  # (B, N, P*P*3)
-        if self.target == "pixels":
-            predicted = predictions.float()
-        else:
-            predicted = predictions.float().unflatten(-1, (-1, self.num_colors)).argmax(-1).squeeze(-1)
-        mosaic = true.scatter(1, corruption.positions[..., None].expand(-1, -1, true.shape[-1]), self.render(predicted))
-        pixels = self.to_patches(images)
+        p, grid = self.backbone.patch_size, self.backbone.grid
+        true = self.target.render(self.targets(images))  # (B, N, P*P*3)
+        predicted = self.target.render(self.target.decode(predictions.float()))  # (B, K, P*P*3)
+        mosaic = true.scatter(1, corruption.positions[..., None].expand(-1, -1, true.shape[-1]), predicted)
+        pixels = patchify(images, p)
         b, n, _ = pixels.shape
         seen = pixels.reshape(b * n, -1)[corruption.sources]
         seen[corruption.kinds == MASK] = 127
         corrupted = pixels.scatter(1, corruption.positions[..., None].expand(-1, -1, pixels.shape[-1]), seen)
-        return {"crops": images, "corrupted": self.from_patches(corrupted),
-                "target": self.from_patches(true), "predicted": self.from_patches(mosaic)}
-
-    def render(self, targets: torch.Tensor) -> torch.Tensor:
-        """Targets (B, K[, 16]) or pixels (B, K, 3P^2) -> uint8 patches (B, K, P*P*3) for display."""
-        p = self.backbone.patch_size
-        if self.target == "pixels":
-            return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)
-        rgb = color_class_to_rgb(targets, self.bits)
-        if self.target == "color":
-            return rgb[:, :, None, :].expand(-1, -1, p * p, -1).flatten(2)
-        cells = rearrange(rgb, "b k (i j) c -> (b k) c i j", i=4)
-        cells = F.interpolate(cells.float(), scale_factor=p // 4, mode="nearest").to(torch.uint8)
-        return rearrange(cells, "(b k) c p1 p2 -> b k (p1 p2 c)", b=targets.shape[0])
-
-    def to_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, N, P*P*3)
-        p = self.backbone.patch_size
-        return rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=p, p2=p)
-
-    def from_patches(self, patches: torch.Tensor) -> torch.Tensor:  # (B, N, P*P*3) -> (B, 3, H, W)
-        p, g = self.backbone.patch_size, self.backbone.grid
-        return rearrange(patches, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=g, p1=p, p2=p)
+        return {"crops": images, "corrupted": unpatchify(corrupted, p, grid),
+                "target": unpatchify(true, p, grid), "predicted": unpatchify(mosaic, p, grid)}
 
 
 # ---------------------------------------------------------------- classification
@@ -288,7 +253,7 @@ def finetuning_head(width: int, num_classes: int) -> nn.Linear:
     return head
 
 
-class Classification(nn.Module):
+class Classification(Objective):
     """Cross-entropy on the [class] token's output (or the mean patch output, pool="mean"): supervised pretraining
     and fine-tuning differ only in the head.
 
@@ -315,3 +280,25 @@ class Classification(nn.Module):
         if self.export_head:
             weights.update({f"head.{name}": value for name, value in self.head.state_dict().items()})
         return weights
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def masked_patch_prediction(backbone: VisionTransformer, cfg: Config, classes: int | None) -> MaskedPatchPrediction:
+    m = cfg.mpp
+    return MaskedPatchPrediction(backbone, target=m.target, corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob,
+                                 random_prob=m.random_prob, color_bits=m.color_bits, masking=m.masking)
+
+
+def supervised(backbone: VisionTransformer, cfg: Config, classes: int | None) -> Classification:
+    return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False,
+                          label_smoothing=cfg.train.label_smoothing)
+
+
+# The config's `objective` -> a builder of it around a fresh backbone: (backbone, cfg, classes) -> Objective,
+# where classes is the label count of supervised shards (None for MPP).
+OBJECTIVES: dict[str, Callable[[VisionTransformer, Config, int | None], Objective]] = {
+    "mpp": masked_patch_prediction,
+    "supervised": supervised,
+}

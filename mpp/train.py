@@ -28,13 +28,12 @@ from tqdm.auto import tqdm
 from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
-from mpp.model import VisionTransformer
+from mpp.objectives import Objective
 from mpp.rundir import TENSORBOARD, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
 
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 PANEL_IMAGES = 8
 PANEL_GAP = 4  # white pixels between the panel's cells
-NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")
 
 
 @dataclass
@@ -118,30 +117,29 @@ def cpu_threads(cfg: TrainConfig) -> int:
     return max(1, available // local_processes)
 
 
-def layer_id(name: str, depth: int) -> int:
-    """BEiT/MAE layer numbering of a parameter of an objective (or bare backbone): patch embedding, [class], [mask]
-    and position embeddings are layer 0, block i is layer i + 1, the final norm and every head layer depth + 1."""
-    name = name.removeprefix("backbone.")
-    if name.startswith(("patch_embed.", "cls_token", "pos_embed", "mask_embedding")):
+def layer_id(name: str, depth: int, tokens: set[str]) -> int:
+    """BEiT/MAE layer numbering of a parameter of an objective: the patch embedding and the input `tokens` ([class],
+    position embeddings, [mask]) are layer 0, block i is layer i + 1, the final norm and every head layer depth + 1."""
+    if name in tokens or name.startswith("backbone.patch_embed."):
         return 0
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) + 1
+    if name.startswith("backbone.blocks."):
+        return int(name.split(".")[2]) + 1
     return depth + 1
 
 
-def build_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """No weight decay on biases, norms, tokens and position embeddings (common ViT practice); with
+def build_optimizer(objective: Objective, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """No weight decay on biases, norms and the objective's no_weight_decay() tokens (common ViT practice); with
     cfg.layer_decay < 1, layer l learns at lr x decay^(depth + 1 - l) (BEiT/MAE), one group per layer and decay.
 
     Each group's lr is its peak; the scheduler's factor multiplies every group's own, so warmup and cosine keep
     the ratios. With decay 1 every layer has scale 1 and the groups are today's two.
     """
-    depth = next(m for m in module.modules() if isinstance(m, VisionTransformer)).depth
+    depth, tokens = objective.backbone.depth, objective.no_weight_decay()
     groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
-    for name, param in module.named_parameters():
+    for name, param in objective.named_parameters():
         if param.requires_grad:
-            scale = cfg.layer_decay ** (depth + 1 - layer_id(name, depth))
-            exempt = param.ndim <= 1 or name.split(".")[-1] in NO_DECAY
+            scale = cfg.layer_decay ** (depth + 1 - layer_id(name, depth, tokens))
+            exempt = param.ndim <= 1 or name in tokens
             groups.setdefault((scale, exempt), []).append(param)
     groups = [{"params": params, "lr": cfg.lr * scale, "lr_scale": scale, "weight_decay": 0.0 if exempt else cfg.weight_decay}
               for (scale, exempt), params in sorted(groups.items())]
@@ -462,7 +460,7 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
                 window_start, waited, images_seen = time.perf_counter(), 0.0, 0
                 check_skip_rate(sum(totals[:-1]), totals[-1], max_skip_fraction)
 
-            if (step % log.images_every == 0 or step == cfg.steps) and hasattr(accelerator.unwrap_model(objective), "panel"):
+            if step % log.images_every == 0 or step == cfg.steps:
                 log_panel(accelerator, objective, batch, step)
 
             stopping = stop.agreed(accelerator)
@@ -536,13 +534,16 @@ def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
 
 
 def log_panel(accelerator: Accelerator, objective: nn.Module, batch: Batch, step: int) -> None:
+    """The objective's panel for this batch, if it draws one (see Objective.panel)."""
     if not accelerator.is_main_process:
         return
-    module = accelerator.unwrap_model(objective)
+    module: Objective = accelerator.unwrap_model(objective)
     module.eval()
     with accelerator.autocast():
         panel = module.panel(batch.images[:PANEL_IMAGES])
     module.train()
+    if not panel:
+        return
     tracker = accelerator.get_tracker("tensorboard", unwrap=True)
     tracker.add_image("panel", panel_grid({name: for_display(images) for name, images in panel.items()}), global_step=step)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
-from torch import nn
 
 from mpp.fewshot import LabelledImages
+from mpp.objectives import Objective
 
 
 class PretextValidation:
@@ -20,34 +20,32 @@ class PretextValidation:
 
     def __init__(self, accelerator: Accelerator, images: LabelledImages, batch_size: int, seed: int):
         self.accelerator, self.images, self.batch_size, self.seed = accelerator, images, batch_size, seed
-        self.corruptions: list | None = None
+        self.fixed: list[dict[str, object]] | None = None
 
-    def _fixed_corruptions(self, objective: nn.Module) -> list:
-        """One corruption per evaluation batch, drawn once on the CPU and kept: same positions at every evaluation."""
-        if not hasattr(objective, "draw_corruption"):
-            return [None] * len(self.starts)
+    def _fixed_randomness(self, objective: Objective) -> list[dict[str, object]]:
+        """The objective's random choices (MPP: its corruption) for each evaluation batch, drawn once on the CPU and
+        kept: the same task at every evaluation."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.accelerator.process_index)
-        return [objective.draw_corruption(min(self.batch_size, self.images.images.shape[0] - start), "cpu", generator)
-                .to(self.accelerator.device) for start in self.starts]
+        return [objective.fixed_randomness(min(self.batch_size, self.images.images.shape[0] - start), generator,
+                                           self.accelerator.device) for start in self.starts]
 
     @property
     def starts(self) -> range:
         return range(0, self.images.images.shape[0], self.batch_size)
 
     @torch.no_grad()
-    def scores(self, objective: nn.Module) -> dict[str, float]:
-        if self.corruptions is None:
-            self.corruptions = self._fixed_corruptions(objective)
+    def scores(self, objective: Objective) -> dict[str, float]:
+        if self.fixed is None:
+            self.fixed = self._fixed_randomness(objective)
         device = self.accelerator.device
         was_training = objective.training
         objective.eval()
         sums: dict[str, torch.Tensor] = {}
-        for start, corruption in zip(self.starts, self.corruptions):
+        for start, fixed in zip(self.starts, self.fixed):
             images = self.images.images[start : start + self.batch_size].to(device)
             labels = self.images.labels[start : start + self.batch_size].to(device)
-            extra = {} if corruption is None else {"corruption": corruption}
             with self.accelerator.autocast():
-                out = objective(images, labels, **extra)
+                out = objective(images, labels, **fixed)
             for name, value in {"loss": out.loss, **out.metrics}.items():
                 sums[name] = sums.get(name, 0) + value.detach().float() * images.shape[0]
         objective.train(was_training)

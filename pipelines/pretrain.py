@@ -7,11 +7,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from mpp.config import Config
 from mpp.fewshot import LabelledImages
-from mpp.objectives import Classification, MaskedPatchPrediction, pretraining_head
+from mpp.objectives import OBJECTIVES, Objective
 from mpp.rundir import RESULTS, WEIGHTS
 from mpp.train import Evaluator, precision_label, train
 from mpp.validation import PretextValidation
@@ -22,14 +21,8 @@ from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, c
 from pipelines.fewshot import eval_batches, training_evaluator
 
 
-def build_objective(cfg: Config, classes: int | None) -> nn.Module:
-    backbone = build_backbone(cfg)
-    if cfg.objective == "supervised":
-        return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False,
-                              label_smoothing=cfg.train.label_smoothing)
-    m = cfg.mpp
-    return MaskedPatchPrediction(backbone, target=m.target, corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob,
-                                 random_prob=m.random_prob, color_bits=m.color_bits, masking=m.masking)
+def build_objective(cfg: Config, classes: int | None) -> Objective:
+    return OBJECTIVES[cfg.objective](build_backbone(cfg), cfg, classes)
 
 
 def pretext_evaluator(cfg: Config, accelerator, classes: int | None) -> Evaluator:

@@ -17,13 +17,13 @@ from torch import nn  # noqa: E402
 from mpp.config import load_config  # noqa: E402
 from mpp.data import Batch, StreamPosition  # noqa: E402
 from mpp.model import build_vit  # noqa: E402
-from mpp.objectives import StepOutput  # noqa: E402
+from mpp.objectives import Objective, StepOutput  # noqa: E402
 from mpp.train import make_accelerator, train  # noqa: E402
 
 STEPS, CLASSES = 4, 4
 
 
-class LabelPrediction(nn.Module):
+class LabelPrediction(Objective):
     """A deterministic objective (MPP draws corruptions per rank), so every layout must take the same steps."""
 
     def __init__(self, backbone: nn.Module):

@@ -47,6 +47,8 @@ def test_mixed_precision_no_is_not_read_as_false(tmp_path):
     (["model.name=vit_b16", "model.patch_size=8"], "implies patch size 16"),
     (["train.batch_size=zero"], "invalid value for 'train.batch_size'"),
     (["mpp.target=edges"], "invalid value for 'mpp.target'"),
+    (["mpp.target=edges"], "invalid value for 'mpp.target': Input should be 'color', 'color4x4' or 'pixels' (got 'edges')"),
+    (["objective=edges"], "invalid value for 'objective': Input should be 'mpp' or 'supervised' (got 'edges')"),
     (["mpp.mask_prob=0.95"], "mpp.mask_prob + mpp.random_prob must be at most 1"),
     (["steps"], "not of the form key=value"),
     (["train.betas=[0.9,1.5]"], "train.betas must both lie in [0, 1), got [0.9, 1.5]"),

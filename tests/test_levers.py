@@ -8,10 +8,12 @@ import launch
 from mpp.config import TrainConfig, load_config
 from mpp.model import DropPath, VisionTransformer
 from mpp.objectives import Classification, MaskedPatchPrediction, normalize
-from mpp.train import NO_DECAY, build_optimizer, head_lr, warmup_cosine
+from mpp.train import build_optimizer, head_lr, warmup_cosine
 from pipelines import finetune
 
 from conftest import TINY, reset_accelerator
+
+NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")  # the input tokens, exempt from weight decay, by name
 
 
 def classifier(depth=2, drop_path=0.0, pool="cls", seed=0):
@@ -53,6 +55,17 @@ def test_mask_embedding_is_an_input_token_for_layer_decay():
     scale_of = {id(p): g["lr_scale"] for g in optimizer.param_groups for p in g["params"]}
     assert scale_of[id(objective.mask_embedding)] == pytest.approx(0.8 ** 4)
     assert scale_of[id(objective.head.weight)] == 1.0
+
+
+def test_no_weight_decay_names_the_input_tokens_of_backbone_and_objective():
+    objective = MaskedPatchPrediction(VisionTransformer(16, 4, 32, 2, 2))
+    assert objective.no_weight_decay() == {"backbone.cls_token", "backbone.pos_embed", "mask_embedding"}
+    assert classifier().no_weight_decay() == {"backbone.cls_token", "backbone.pos_embed"}
+    optimizer = build_optimizer(objective, TrainConfig(weight_decay=0.05))
+    wd_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    for name, p in objective.named_parameters():
+        exempt = p.ndim <= 1 or name.split(".")[-1] in NO_DECAY
+        assert wd_of[id(p)] == (0.0 if exempt else 0.05), name
 
 
 def todays_optimizer(module, cfg):

@@ -4,11 +4,15 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mpp.config import load_config
+from mpp.config import ConfigError, load_config
+from mpp.model import normalize
+from mpp.objectives import OBJECTIVES, Objective, StepOutput
 from mpp.train import complete_checkpoints, default_precision
 from pipelines import pretrain
 
@@ -36,6 +40,40 @@ def test_short_pretrain_learns_and_beats_the_colour_prior(tmp_path, make_shards)
     weights = load_file(tmp_path / "run" / "model.safetensors")
     assert "pos_embed" in weights and not any(k.startswith("head") for k in weights)
     assert (tmp_path / "run" / "config.yaml").read_text().count("vit_ti") == 1
+
+
+class MeanBrightness(Objective):
+    """A test-local objective: regress each image's mean brightness from its [class] token (no panel, no own tokens)."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(backbone.width, 1)
+
+    def forward(self, images, labels=None):
+        x = normalize(images)
+        predicted = self.head(self.backbone(x)[:, 0]).squeeze(-1).float()
+        return StepOutput(F.mse_loss(predicted, x.mean(dim=(1, 2, 3))))
+
+    def export_weights(self):
+        return self.backbone.state_dict()
+
+
+def test_a_registered_objective_is_chosen_by_the_config_and_trained_by_the_loop(tmp_path, make_shards, monkeypatch):
+    monkeypatch.setitem(OBJECTIVES, "brightness", lambda backbone, cfg, classes: MeanBrightness(backbone))
+    with pytest.raises(ConfigError, match="Input should be 'mpp', 'supervised' or 'brightness' \\(got 'brightnes'\\)"):
+        load_config(None, ["objective=brightnes"])
+    make_shards([20] * 2, size=32)
+    cfg = config(tmp_path, tmp_path / "shards", "objective=brightness", "train.steps=4", "train.warmup_steps=1",
+                 "train.batch_size=4", "log.every=2", "log.images_every=2", f"data.val_shards={tmp_path / 'shards'}",
+                 "eval.every=2", "eval.images=8", "eval.batch_size=4")
+    results = pretrain.run(cfg)
+    assert {"train/loss", "val/loss"} <= set(results)
+    events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
+    acc = EventAccumulator(str(events.parent), size_guidance={"images": 0}).Reload()
+    assert "train/loss" in acc.Tags()["scalars"] and not acc.Tags()["images"]  # no panel: the default draws none
+    weights = load_file(tmp_path / "run" / "model.safetensors")
+    assert "pos_embed" in weights and not any(k.startswith("head") for k in weights)
 
 
 def test_resume_continues_to_the_same_weights(tmp_path, make_shards):

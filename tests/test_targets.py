@@ -1,7 +1,14 @@
+import pytest
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 
-from mpp.objectives import color4x4_targets, color_class_to_rgb, mean_color_targets, normalize, pixel_targets
+from mpp.config import ConfigError, load_config
+from mpp.model import normalize
+from mpp.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
+from pipelines import pretrain
+
+from test_pretrain import TINY
 
 
 def solid_patches(colors, patch):
@@ -67,3 +74,49 @@ def test_pixel_targets_follow_patch_embedding_order():
 
 def test_class_to_rgb_returns_bin_centres():
     assert color_class_to_rgb(torch.tensor([color_id(0, 7, 3)])).tolist() == [[16, 240, 112]]
+
+
+class MeanGray(Target):
+    """A test-local target: each patch's mean grey level in [-1, 1], regressed."""
+
+    def __init__(self, patch_size, color_bits):
+        super().__init__(patch_size, color_bits)
+        self.outputs = 1
+
+    def __call__(self, images):  # (B, N, 1)
+        return pixel_targets(images, self.patch_size).mean(-1, keepdim=True)
+
+    def loss(self, predictions, targets):
+        return F.mse_loss(predictions, targets), {"gray_error": (predictions - targets).abs().mean()}
+
+    def decode(self, predictions):
+        return predictions
+
+    def render(self, targets):  # (B, K, 1) -> (B, K, P*P*3)
+        grey = ((targets * 0.5 + 0.5) * 255).clamp(0, 255).to(torch.uint8)
+        return grey.expand(-1, -1, 3 * self.patch_size ** 2)
+
+
+def test_a_registered_target_is_chosen_by_the_config_and_brings_its_head_loss_metrics_and_panel(monkeypatch):
+    monkeypatch.setitem(TARGETS, "gray", MeanGray)
+    with pytest.raises(ConfigError, match="Input should be 'color', 'color4x4', 'pixels' or 'gray' \\(got 'grey'\\)"):
+        load_config(None, [*TINY, "mpp.target=grey"])
+    objective = pretrain.build_objective(load_config(None, [*TINY, "mpp.target=gray"]), None)
+    assert objective.head.out_features == 1
+    images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+    out = objective(images)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and set(out.metrics) == {"gray_error"}
+    panel = objective.panel(images)
+    assert set(panel) == {"crops", "corrupted", "target", "predicted"}
+    assert all(v.shape == (2, 3, 16, 16) and v.dtype == torch.uint8 for v in panel.values())
+    assert torch.all(panel["target"][:, 0] == panel["target"][:, 2])  # grey: the target row has R = B
+
+
+def test_each_target_keeps_its_head_size_and_metrics():
+    for name, outputs, metrics in (("color", 512, {"color_acc", "color_acc_prior"}),
+                                   ("color4x4", 16 * 512, {"color_acc", "color_acc_prior"}),
+                                   ("pixels", 3 * 4 * 4, {"loss_prior"})):
+        objective = pretrain.build_objective(load_config(None, [*TINY, f"mpp.target={name}"]), None)
+        assert objective.head.out_features == outputs
+        assert set(objective(torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)).metrics) == metrics, name
