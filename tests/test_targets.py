@@ -8,7 +8,7 @@ from mpp.model import normalize
 from mpp.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
 from pipelines import pretrain
 
-from test_pretrain import TINY
+from conftest import TINY
 
 
 def solid_patches(colors, patch):
