@@ -42,7 +42,14 @@ NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")
 
 @dataclass
 class Evaluator:
-    """Runs on every process every `every` steps and at the end; returns scalars to log (name -> value)."""
+    """What the loop evaluates: `run(module, step)` is called on every process every `every` steps and after the
+    last, with the unwrapped objective (its `backbone` is the encoder being trained), and returns the scalars to log
+    under their TensorBoard tags ({'fewshot/5shot': 0.41}); they also go into train's results.
+
+    An implementer returns the same tags on every process, leaves the training RNG and data stream alone (a
+    private generator, its own loader: the run's weights do not change with it), and may leave the module in eval
+    mode (the loop sets train mode again). Stages build theirs from config: pipelines/evaluators.py.
+    """
 
     every: int
     run: Callable[[nn.Module, int], dict[str, float]]

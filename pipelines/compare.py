@@ -40,6 +40,7 @@ from mpp.shards import Sample, write_shards
 from mpp.train import make_accelerator
 from pipelines import finetune, pretrain
 from pipelines.common import build_backbone, num_classes, resolve_shards
+from pipelines.evaluators import Stage, TopK
 from pipelines.fewshot import FewShot
 
 ARMS = ("mpp", "supervised", "scratch")
@@ -333,8 +334,7 @@ def test_stage(cfg: Config, run_dir: Path) -> dict:
     classifier = finetune.build_classifier(cfg, str(run_dir), classes)
     weights = load_file(str(run_dir / "model.safetensors"))
     classifier.head.load_state_dict({"weight": weights["head.weight"], "bias": weights["head.bias"]})
-    scores = finetune.evaluate(accelerator, classifier.to(accelerator.device),
-                               resolve_shards(cfg.data.val_shards, cfg, accelerator), cfg, classes)
+    scores = TopK(cfg, accelerator, Stage("finetune", classes)).scores(classifier.to(accelerator.device))
     return {"run": str(run_dir), "top1": scores["eval/top1"], **({"top5": scores["eval/top5"]} if "eval/top5" in scores else {})}
 
 
