@@ -2,9 +2,10 @@
 
 EVALUATORS names every evaluator once: the stages it runs in, how often, read from its own config section (0 turns
 it off), and its builder. A builder is called once, before training, as build(cfg, accelerator, stage) and returns
-the function the loop calls as run(module, step) -> {tag: value} (see mpp.train.Evaluator); it reads its images up
-front through pipelines.common.eval_batches, as every evaluator here does, so a bad evaluation set stops the run
-before its first step. Adding an evaluator is one class (its builder) and one line in EVALUATORS.
+the function the loop calls as run(module, step) -> {tag: value} (the contract: mpp.train.Evaluator). Evaluators
+read their images through pipelines.common.eval_batches; one that scores a fixed set reads it in its builder, so a
+bad evaluation set stops the run before its first step. Adding an evaluator is one class (its builder) and one
+line in EVALUATORS.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pipelines.common import eval_batches, labelled
 from pipelines.fewshot import FewShot
 from pipelines.knn import Knn
 
-Scores = Callable[[nn.Module, int], dict[str, float]]
+Evaluate = Callable[[nn.Module, int], dict[str, float]]  # run(module, step) -> {tag: value}
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Registration:
 
     stages: tuple[str, ...]
     every: Callable[[Config], int]
-    build: Callable[[Config, Accelerator, Stage], Scores]
+    build: Callable[[Config, Accelerator, Stage], Evaluate]
 
 
 class TopK:
@@ -93,7 +94,7 @@ class Pretext:
         return self.validation.scores(objective)
 
 
-def of_backbone(probe: FewShot | Knn) -> Scores:
+def of_backbone(probe: FewShot | Knn) -> Evaluate:
     """A probe of frozen features (few-shot, kNN) scores the objective's backbone."""
     return lambda objective, step: probe.scores(objective.backbone)
 
