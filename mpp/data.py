@@ -26,6 +26,7 @@ from einops import rearrange
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from mpp.config import DataConfig
 from mpp.errors import UserError
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
@@ -468,15 +469,17 @@ class Barren:
                 f"fix or remove these shards, or point data.shards at usable ones")
 
 
-def make_loader(urls: list[str], transform: Callable, batch_size: int, *, num_workers: int, rank: int = 0,
-                world: int = 1, seed: int = 0, resampled: bool = True, shuffle_buffer: int = 0,
-                loop: bool = True, pin_memory: bool = False, state: StreamState | None = None,
-                labels: bool = True, class_names: Sequence[str] | None = None) -> DataLoader:
-    """A DataLoader over a ShardStream; `state` (from a checkpoint) continues a stream where it stopped.
+def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_size: int, *, rank: int = 0,
+                world: int = 1, seed: int = 0, one_pass: bool = False, pin_memory: bool = False,
+                state: StreamState | None = None, labels: bool = True, class_names: Sequence[str] | None = None) -> DataLoader:
+    """A DataLoader over a ShardStream of `data`'s workers and shuffle buffer; `state` (from a checkpoint) continues
+    a stream where it stopped.
 
-    labels=False never reads labels (pretraining without them must not stop on one it cannot parse); class names
-    map to ids through `class_names`, by default the shard set's own (`label_names`).
+    The training stream loops forever, drawing shards as data.resampled says; `one_pass` reads each rank's shards
+    once, in order (evaluation). labels=False never reads labels (pretraining without them must not stop on one it
+    cannot parse); class names map to ids through `class_names`, by default the shard set's own (`label_names`).
     """
+    num_workers, resampled, loop = data.num_workers, data.resampled and not one_pass, not one_pass
     if loop and not resampled:
         if len(urls) < world:
             raise DataError(f"{len(urls)} shards cannot give each of {world} processes one; write more shards or set data.resampled=true")
@@ -486,7 +489,7 @@ def make_loader(urls: list[str], transform: Callable, batch_size: int, *, num_wo
     if labels:
         reader = LabelReader(tuple(label_names(tuple(urls)) if class_names is None else class_names))
     stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,
-                         resampled=resampled, shuffle_buffer=shuffle_buffer, loop=loop, start=state.positions,
+                         resampled=resampled, shuffle_buffer=data.shuffle_buffer, loop=loop, start=state.positions,
                          worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None)
     # Its own generator: starting workers must not draw from the global RNG that drives corruption,
     # or a resumed run (which starts its loader after restoring RNG state) would diverge.

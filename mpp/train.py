@@ -38,7 +38,14 @@ PANEL_GAP = 4  # white pixels between the panel's cells
 
 @dataclass
 class Evaluator:
-    """Runs on every process every `every` steps and at the end; returns scalars to log (name -> value)."""
+    """What the loop evaluates: `run(module, step)` is called on every process every `every` steps and after the
+    last, with the unwrapped objective (its `backbone` is the encoder being trained), and returns the scalars to log
+    under their TensorBoard tags ({'fewshot/5shot': 0.41}); they also go into train's results.
+
+    An implementer returns the same tags on every process, leaves the training RNG and data stream alone (a
+    private generator, its own loader: the run's weights do not change with it), and may leave the module in eval
+    mode (the loop sets train mode again). Stages build theirs from config: pipelines/evaluators.py.
+    """
 
     every: int
     run: Callable[[nn.Module, int], dict[str, float]]
@@ -264,6 +271,61 @@ class Meter:
         return {n: s / c for n, (s, c) in zip(names, totals) if c > 0}
 
 
+class LogWindow:
+    """The steps between two log lines: what they trained on, how long they waited for data, what they skipped.
+
+    The loop reports each batch read (`read`) and each optimiser step (`stepped`); `write` closes the window,
+    logging the line's scalars (train/* means of the kept steps, data/skipped_* and train/nonfinite_steps since the
+    start, train/lr, perf/*), and opens the next. It is also where the run stops on too many non-finite steps in a
+    row (counted on the device, so checked only here: the host never waits on the GPU for them; the skipped steps
+    in between left the weights untouched) or on too many unusable samples.
+    """
+
+    def __init__(self, accelerator: Accelerator, max_nonfinite_steps: int, max_skip_fraction: float) -> None:
+        self.accelerator, self.max_nonfinite_steps, self.max_skip_fraction = accelerator, max_nonfinite_steps, max_skip_fraction
+        self.meter, self.skipped = Meter(), Counter()
+        self.start, self.waited, self.images, self.images_total = time.perf_counter(), 0.0, 0, 0
+        self.nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
+
+    def read(self, batch: Batch, waited: float) -> None:
+        self.waited += waited
+        self.skipped.update(batch.skipped)
+        self.images += batch.images.shape[0]
+
+    def stepped(self, step: int, outputs: list, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
+        for out in outputs:
+            self.meter.add({"loss": out.loss, **out.metrics}, keep=finite)
+        self.meter.add({"grad_norm": grad_norm}, keep=finite)
+        self.nonfinite["total"] += ~finite
+        self.nonfinite["run"] = torch.where(finite, 0, self.nonfinite["run"] + 1)
+        reached = (self.nonfinite["run"] >= self.max_nonfinite_steps) & (self.nonfinite["diverged_at"] == 0)
+        self.nonfinite["diverged_at"] = torch.where(reached, step, self.nonfinite["diverged_at"])
+
+    def write(self, step: int, lr: float) -> dict[str, float]:
+        """Log the line's scalars at `step` and return them."""
+        accelerator = self.accelerator
+        diverged_at = int(self.nonfinite["diverged_at"])
+        if diverged_at:
+            raise TrainingDiverged(
+                f"{self.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
+                f"{diverged_at} (lr {lr:.3g}); lower train.lr, lengthen train.warmup_steps, "
+                f"keep train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
+        elapsed = time.perf_counter() - self.start
+        scalars = {f"train/{k}": v for k, v in self.meter.means(accelerator).items()}
+        self.images_total += self.images
+        totals = accelerator.reduce(torch.tensor([float(self.skipped[r]) for r in SKIP_REASONS] + [float(self.images_total)],
+                                                 device=accelerator.device), reduction="sum").tolist()
+        scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
+        scalars["train/nonfinite_steps"] = int(self.nonfinite["total"])
+        scalars["train/lr"] = lr
+        scalars["perf/images_per_sec"] = self.images * accelerator.num_processes / elapsed
+        scalars["perf/data_wait_fraction"] = self.waited / elapsed
+        accelerator.log(scalars, step=step)
+        self.start, self.waited, self.images = time.perf_counter(), 0.0, 0
+        check_skip_rate(sum(totals[:-1]), totals[-1], self.max_skip_fraction)
+        return scalars
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -395,11 +457,8 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
             evaluate(progress.step)
 
     batches = iter(make_batches(progress.stream))
-    meter, skipped = Meter(), Counter()
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
-    window_start, waited, images_seen, images_total = time.perf_counter(), 0.0, 0, 0
-    # Device-side counters of skipped (non-finite) steps, read only when a log line is written.
-    nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
+    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction)
     objective.train()
     with StopOnSignal() as stop:
         while progress.step < cfg.steps:
@@ -412,10 +471,8 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
                     bar.close()
                     raise stopped_waiting(accelerator, output_dir, progress.step, cfg, str(signalled), resume_hint,
                                           at_step_boundary=not outputs) from None
-                waited += time.perf_counter() - wait_start
+                window.read(batch, time.perf_counter() - wait_start)
                 progress.stream.advance(batch)
-                skipped.update(batch.skipped)
-                images_seen += batch.images.shape[0]
                 with accelerator.accumulate(objective):
                     out = objective(batch.images, batch.labels)
                     accelerator.backward(out.loss)
@@ -427,38 +484,12 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
             progress.step += 1
             step = progress.step
             bar.update(1)
-            for out in outputs:
-                meter.add({"loss": out.loss, **out.metrics}, keep=finite)
-            meter.add({"grad_norm": grad_norm}, keep=finite)
-            nonfinite["total"] += ~finite
-            nonfinite["run"] = torch.where(finite, 0, nonfinite["run"] + 1)
-            reached = (nonfinite["run"] >= cfg.max_nonfinite_steps) & (nonfinite["diverged_at"] == 0)
-            nonfinite["diverged_at"] = torch.where(reached, step, nonfinite["diverged_at"])
+            window.stepped(step, outputs, grad_norm, finite)
 
             if step % log.every == 0 or step == cfg.steps:
-                # Checked here, not every step, to keep the host from waiting on the GPU; the skipped steps in
-                # between left the weights untouched.
-                diverged_at = int(nonfinite["diverged_at"])
-                if diverged_at:
-                    raise TrainingDiverged(
-                        f"{cfg.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
-                        f"{diverged_at} (lr {head_lr(scheduler):.3g}); lower train.lr, lengthen train.warmup_steps, "
-                        f"keep train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
-                elapsed = time.perf_counter() - window_start
-                scalars = {f"train/{k}": v for k, v in meter.means(accelerator).items()}
-                images_total += images_seen
-                totals = accelerator.reduce(torch.tensor([float(skipped[r]) for r in SKIP_REASONS] + [float(images_total)],
-                                                         device=accelerator.device), reduction="sum").tolist()
-                scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
-                scalars["train/nonfinite_steps"] = int(nonfinite["total"])
-                scalars["train/lr"] = head_lr(scheduler)
-                scalars["perf/images_per_sec"] = images_seen * accelerator.num_processes / elapsed
-                scalars["perf/data_wait_fraction"] = waited / elapsed
-                accelerator.log(scalars, step=step)
+                scalars = window.write(step, head_lr(scheduler))
                 show_progress(bar, {**results, **scalars})
                 results.update(scalars)
-                window_start, waited, images_seen = time.perf_counter(), 0.0, 0
-                check_skip_rate(sum(totals[:-1]), totals[-1], max_skip_fraction)
 
             if step % log.images_every == 0 or step == cfg.steps:
                 log_panel(accelerator, objective, batch, step)

@@ -20,7 +20,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, config_to_yaml, load_config
-from mpp.data import Batch, DataError, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
+from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit
 from mpp.rundir import CONFIG, complete_checkpoints, run_config_of
@@ -79,11 +79,26 @@ def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str
 
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
     return make_loader(
-        urls, TrainTransform(cfg.model.image_size, cfg.data.crop_scale, cfg.data.hflip), cfg.train.batch_size,
-        num_workers=cfg.data.num_workers, rank=accelerator.process_index, world=accelerator.num_processes,
-        seed=cfg.train.seed, resampled=cfg.data.resampled, shuffle_buffer=cfg.data.shuffle_buffer,
+        urls, cfg.data, TrainTransform(cfg.model.image_size, cfg.data.crop_scale, cfg.data.hflip), cfg.train.batch_size,
+        rank=accelerator.process_index, world=accelerator.num_processes, seed=cfg.train.seed,
         pin_memory=torch.cuda.is_available(), state=state, labels=labels,
         class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)
+
+
+def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int, *, labelled_by: str | None = None,
+                 labels: bool = True, num_workers: int = 0):
+    """One pass over `spec`, split across processes, no augmentation, no shuffling: the loader of every evaluation,
+    its own, so the training stream is not touched.
+
+    Named labels map to ids as in training: through the class names of `labelled_by` (default data.shards) and
+    data.val_shards; labels=False never reads them. Without workers (the default) each process reads its shards in
+    order, so the first n images are the same at every evaluation; a whole pass may decode in `num_workers`.
+    """
+    names = class_names(cfg, accelerator, labelled_by or cfg.data.shards, cfg.data.val_shards) if labels else None
+    data = cfg.data.model_copy(update={"num_workers": num_workers, "shuffle_buffer": 0})
+    return make_loader(resolve_shards(spec, cfg, accelerator), data, EvalTransform(cfg.model.image_size), batch_size,
+                       rank=accelerator.process_index, world=accelerator.num_processes, one_pass=True, labels=labels,
+                       class_names=names)
 
 
 def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tuple[str, ...]:

@@ -7,28 +7,12 @@ import statistics
 from pathlib import Path
 
 from accelerate import Accelerator
-from torch import nn
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
-from mpp.data import EvalTransform, make_loader
 from mpp.fewshot import FewShotError, LabelledImages, few_shot_accuracy
 from mpp.model import VisionTransformer
-from mpp.train import Evaluator
-from pipelines.common import class_names, resolve_shards, start_run
-
-
-def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int, *, labelled_by: str | None = None,
-                 labels: bool = True):
-    """One pass over `spec`, in shard order, no augmentation; its own loader, so the training stream is not touched.
-
-    Named labels map to ids as in training: through the class names of `labelled_by` (default data.shards) and
-    data.val_shards; labels=False never reads them.
-    """
-    names = class_names(cfg, accelerator, labelled_by or cfg.data.shards, cfg.data.val_shards) if labels else None
-    return make_loader(resolve_shards(spec, cfg, accelerator), EvalTransform(cfg.model.image_size), batch_size,
-                       num_workers=0, rank=accelerator.process_index, world=accelerator.num_processes,
-                       resampled=False, loop=False, labels=labels, class_names=names)
+from pipelines.common import eval_batches, start_run
 
 
 class FewShot:
@@ -56,16 +40,6 @@ class FewShot:
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:
         """{'fewshot/5shot': mean accuracy over the draws, ...} for TensorBoard."""
         return {f"fewshot/{n}shot": statistics.fmean(accs) for n, accs in self.accuracies(backbone).items()}
-
-
-def training_evaluator(cfg: Config, accelerator: Accelerator) -> Evaluator:
-    """The loop's hook: every fewshot.every steps, evaluate the objective's backbone."""
-    fewshot = FewShot(cfg, accelerator)
-
-    def run(module: nn.Module, step: int) -> dict[str, float]:
-        return fewshot.scores(module.backbone)
-
-    return Evaluator(cfg.fewshot.every, run)
 
 
 def run(cfg: Config, *, ckpt: str) -> dict:

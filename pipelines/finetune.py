@@ -7,18 +7,18 @@ import json
 import time
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator
+from torch import nn
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
-from mpp.data import BadLabel, DataError, EvalTransform, LabelReader, label_members, make_loader
+from mpp.data import BadLabel, DataError, LabelReader, label_members
 from mpp.objectives import Classification, finetuning_head
 from mpp.rundir import RESULTS, WEIGHTS
 from mpp.train import Evaluator, precision_label, train
 from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, class_names, command_line, end_tracking,
                               labelled, num_classes, resolve_shards, resume_command, resume_point, start_run,
                               start_tracking, train_loader)
+from pipelines.evaluators import Stage, build_evaluators
 
 
 class History:
@@ -33,6 +33,16 @@ class History:
     def load_state_dict(self, state: dict) -> None:
         self.points = [list(p) for p in state["points"]]
 
+    def recording(self, evaluator: Evaluator) -> Evaluator:
+        """`evaluator`, with each top-1 it scores added to the curve."""
+        def run(module: nn.Module, step: int) -> dict[str, float]:
+            scores = evaluator.run(module, step)
+            if "eval/top1" in scores:
+                self.points.append([step, scores["eval/top1"]])
+            return scores
+
+        return Evaluator(evaluator.every, run)
+
 
 def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classification:
     """The one difference between fine-tuning and training from scratch is where the backbone comes from."""
@@ -40,31 +50,6 @@ def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classificat
     backbone.set_drop_path(cfg.model.drop_path)
     return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True, pool=cfg.finetune.pool,
                           label_smoothing=cfg.train.label_smoothing)
-
-
-@torch.no_grad()
-def evaluate(accelerator: Accelerator, classifier: Classification, urls: list[str], cfg: Config, classes: int) -> dict[str, float]:
-    """Top-1 (and top-5 with more than 5 classes) over one pass of the evaluation shards, split across processes;
-    counts are summed over processes, so the result is exact however unevenly the shards split."""
-    loader = make_loader(urls, EvalTransform(cfg.model.image_size), cfg.train.batch_size, num_workers=cfg.data.num_workers,
-                         rank=accelerator.process_index, world=accelerator.num_processes, resampled=False, loop=False,
-                         class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards))
-    k = min(5, classes)
-    counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
-    classifier.eval()
-    for batch in labelled(loader, classes, f"data.val_shards ({cfg.data.val_shards})"):
-        labels = batch.labels.to(accelerator.device)
-        with accelerator.autocast():
-            logits = classifier.logits(batch.images.to(accelerator.device))
-        hits = logits.topk(k, dim=-1).indices == labels[:, None]  # (B, k)
-        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=-1).sum(), torch.tensor(len(labels), device=labels.device)]).float()
-    top1, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
-    if not total:
-        raise DataError(f"data.val_shards ({cfg.data.val_shards}) holds no readable images; point it at labelled evaluation shards")
-    scores = {"eval/top1": top1 / total}
-    if classes > 5:
-        scores["eval/top5"] = topk / total
-    return scores
 
 
 def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tuple[str, ...]) -> None:
@@ -109,16 +94,13 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         history = History()
         accelerator.register_for_checkpointing(history)
 
-        def evaluation(module: Classification, step: int) -> dict[str, float]:
-            scores = evaluate(accelerator, module, val_urls, cfg, classes)
-            history.points.append([step, scores["eval/top1"]])
-            return scores
+        evaluators = build_evaluators(cfg, accelerator, Stage("finetune", classes))
 
         def batches(state):
             return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
 
         results = train(accelerator, classifier, batches, cfg.train, cfg.log, cfg.output_dir, resume_from=resume_from,
-                        evaluators=(Evaluator(cfg.finetune.eval_every, evaluation),),
+                        evaluators=tuple(history.recording(e) for e in evaluators),
                         max_skip_fraction=cfg.data.max_skip_fraction, resume_hint=resume_command())
         end_tracking(accelerator)
     summary = {

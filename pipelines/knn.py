@@ -6,16 +6,13 @@ import json
 from pathlib import Path
 
 from accelerate import Accelerator
-from torch import nn
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.knn import knn_accuracy
 from mpp.model import VisionTransformer
-from mpp.train import Evaluator
-from pipelines.common import start_run
-from pipelines.fewshot import eval_batches
+from pipelines.common import eval_batches, start_run
 
 
 class Knn:
@@ -40,16 +37,6 @@ class Knn:
         train_x, train_y = self.pool.features(self.accelerator, backbone, c.features, c.batch_size)
         eval_x, eval_y = self.eval.features(self.accelerator, backbone, c.features, c.batch_size)
         return {"knn/top1": knn_accuracy(train_x, train_y, eval_x, eval_y, k=c.k, temperature=c.temperature)}
-
-
-def training_evaluator(cfg: Config, accelerator: Accelerator) -> Evaluator:
-    """The loop's hook: every knn.every steps, evaluate the objective's backbone."""
-    knn = Knn(cfg, accelerator)
-
-    def run(module: nn.Module, step: int) -> dict[str, float]:
-        return knn.scores(module.backbone)
-
-    return Evaluator(cfg.knn.every, run)
 
 
 def run(cfg: Config, *, ckpt: str) -> dict:

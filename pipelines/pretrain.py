@@ -9,31 +9,17 @@ from pathlib import Path
 import torch
 
 from mpp.config import Config
-from mpp.fewshot import LabelledImages
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.rundir import RESULTS, WEIGHTS
-from mpp.train import Evaluator, precision_label, train
-from mpp.validation import PretextValidation
-from pipelines import knn
+from mpp.train import precision_label, train
 from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, command_line, end_tracking, labelled,
                               num_classes, resolve_shards, resume_command, resume_point, start_run, start_tracking,
                               train_loader)
-from pipelines.fewshot import eval_batches, training_evaluator
+from pipelines.evaluators import Stage, build_evaluators
 
 
 def build_objective(cfg: Config, classes: int | None) -> Objective:
     return OBJECTIVES[cfg.objective](build_backbone(cfg), cfg, classes)
-
-
-def pretext_evaluator(cfg: Config, accelerator, classes: int | None) -> Evaluator:
-    """val/loss and the objective's metrics on the first eval.images of data.val_shards, with a fixed corruption."""
-    batches = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.eval.batch_size, labels=classes is not None)
-    if classes:
-        batches = labelled(batches, classes, f"data.val_shards ({cfg.data.val_shards})")
-    images = LabelledImages(accelerator, batches, cfg.eval.images, f"evaluation shards {cfg.data.val_shards}",
-                            need_labels=classes is not None)
-    validation = PretextValidation(accelerator, images, cfg.eval.batch_size, cfg.eval.seed)
-    return Evaluator(cfg.eval.every, lambda module, step: validation.scores(module))
 
 
 def headline_charts(cfg: Config) -> dict[str, list[str]]:
@@ -63,9 +49,7 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
             f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}"
             f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
             f"{precision_label(accelerator.mixed_precision)}, global batch {global_batch}")
-        evaluators = (training_evaluator(cfg, accelerator),) if cfg.fewshot.every else ()
-        evaluators += (knn.training_evaluator(cfg, accelerator),) if cfg.knn.every else ()
-        evaluators += (pretext_evaluator(cfg, accelerator, classes),) if cfg.eval.every and cfg.data.val_shards else ()
+        evaluators = build_evaluators(cfg, accelerator, Stage("pretrain", classes))
         started = time.perf_counter()
 
         def batches(state):

@@ -9,12 +9,15 @@ import webdataset as wds
 from PIL import Image
 
 from mpp.synthetic import synthetic_image
+from mpp.config import DataConfig
 from mpp.data import DataError, EvalTransform, StreamState, TrainTransform, expand_shards, make_loader
 
+NO_WORKERS = DataConfig(num_workers=0, shuffle_buffer=0)
 
-def stream(urls, world, workers, rank, **kw):
-    loader = make_loader(urls, EvalTransform(8), 5, num_workers=workers, rank=rank, world=world,
-                         resampled=False, loop=False, **kw)
+
+def stream(urls, world, workers, rank, shuffle_buffer=0):
+    loader = make_loader(urls, DataConfig(num_workers=workers, shuffle_buffer=shuffle_buffer), EvalTransform(8), 5,
+                         rank=rank, world=world, one_pass=True)
     return [b.images for b in loader]
 
 
@@ -35,11 +38,11 @@ def test_each_sample_once_per_pass_across_ranks_and_workers(make_shards):
 
 def test_labels_stream_with_images(make_shards):
     urls = make_shards([6], labels=True)
-    batch = next(iter(make_loader(urls, EvalTransform(8), 6, num_workers=0, resampled=False, loop=False)))
+    batch = next(iter(make_loader(urls, NO_WORKERS, EvalTransform(8), 6, one_pass=True)))
     assert batch.images.shape == (6, 3, 8, 8) and batch.images.dtype == torch.uint8
     assert batch.labels.tolist() == [synthetic_image(i, 24)[1] for i in range(6)]
     unlabelled = make_shards([3], labels=False)
-    assert next(iter(make_loader(unlabelled, EvalTransform(8), 3, num_workers=0, resampled=False, loop=False))).labels.tolist() == [-1] * 3
+    assert next(iter(make_loader(unlabelled, NO_WORKERS, EvalTransform(8), 3, one_pass=True))).labels.tolist() == [-1] * 3
 
 
 STALL_S = 300  # no batch from any rank for this long is a hang; a slow but moving stream never reaches it
@@ -47,7 +50,7 @@ STALL_S = 300  # no batch from any rank for this long is a hang; a slow but movi
 
 def _take(urls, rank, world, resampled, n, queue):
     """Report each batch as it comes (the parent judges progress, not elapsed time), then shut the workers down."""
-    loader = make_loader(urls, TrainTransform(8), 4, num_workers=2, rank=rank, world=world, resampled=resampled)
+    loader = make_loader(urls, DataConfig(num_workers=2, resampled=resampled, shuffle_buffer=0), TrainTransform(8), 4, rank=rank, world=world)
     batches = iter(loader)  # forks the workers before the queue's feeder thread exists
     for _ in range(n):
         next(batches)
@@ -89,22 +92,22 @@ def test_uneven_shards_never_run_dry(make_shards, resampled):
 @pytest.mark.parametrize("resampled", [True, False])
 def test_stream_restarts_exactly_where_it_stopped(make_shards, resampled):
     urls = make_shards([9, 8, 7, 10])
-    kw = dict(num_workers=2, seed=3, resampled=resampled, shuffle_buffer=6)
-    full = [b.images for b in itertools.islice(make_loader(urls, TrainTransform(8), 4, **kw), 15)]
+    data = DataConfig(num_workers=2, resampled=resampled, shuffle_buffer=6)
+    full = [b.images for b in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3), 15)]
     state = StreamState()
-    for batch in itertools.islice(make_loader(urls, TrainTransform(8), 4, **kw), 7):
+    for batch in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3), 7):
         state.advance(batch)
     restored = StreamState()
     restored.load_state_dict(state.state_dict())
-    rest = [b.images for b in itertools.islice(make_loader(urls, TrainTransform(8), 4, state=restored, **kw), 8)]
+    rest = [b.images for b in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3, state=restored), 8)]
     assert all(torch.equal(a, b) for a, b in zip(full[7:], rest))
 
 
 def test_train_transform_is_random_but_seeded(make_shards):
     urls = make_shards([8])
-    a = next(iter(make_loader(urls, TrainTransform(16), 8, num_workers=0, seed=1))).images
-    b = next(iter(make_loader(urls, TrainTransform(16), 8, num_workers=0, seed=1))).images
-    c = next(iter(make_loader(urls, TrainTransform(16), 8, num_workers=0, seed=2))).images
+    a = next(iter(make_loader(urls, NO_WORKERS, TrainTransform(16), 8, seed=1))).images
+    b = next(iter(make_loader(urls, NO_WORKERS, TrainTransform(16), 8, seed=1))).images
+    c = next(iter(make_loader(urls, NO_WORKERS, TrainTransform(16), 8, seed=2))).images
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -123,7 +126,7 @@ def test_shard_specs(make_shards, tmp_path):
 
 def test_pipe_urls_stream(make_shards):
     urls = make_shards([4])
-    batch = next(iter(make_loader([f"pipe:cat {urls[0]}"], EvalTransform(8), 4, num_workers=0, resampled=False, loop=False)))
+    batch = next(iter(make_loader([f"pipe:cat {urls[0]}"], NO_WORKERS, EvalTransform(8), 4, one_pass=True)))
     assert batch.images.shape[0] == 4
 
 
@@ -134,8 +137,8 @@ def one_image_batch(directory, name, image_bytes, ext, size=8):
     directory.mkdir(parents=True, exist_ok=True)
     with wds.TarWriter(str(directory / "s.tar")) as sink:
         sink.write({"__key__": name, ext: image_bytes})
-    batch = next(iter(make_loader([str(directory / "s.tar")], EvalTransform(size), 1, num_workers=0,
-                                  resampled=False, loop=False, labels=False)))
+    batch = next(iter(make_loader([str(directory / "s.tar")], NO_WORKERS, EvalTransform(size), 1, one_pass=True,
+                                  labels=False)))
     return batch.images[0]
 
 

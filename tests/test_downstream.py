@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.checkpoint import CheckpointError, load_backbone, resolve_checkpoint
-from mpp.config import ConfigError, load_config
+from mpp.config import ConfigError, DataConfig, load_config
 from mpp.data import EvalTransform, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit, resize_pos_embed
@@ -249,7 +249,7 @@ def recount(run_dir, val_dir):
     urls = sorted(str(p) for p in val_dir.glob("*.tar"))
     top1 = top5 = total = 0
     with torch.no_grad():
-        for batch in make_loader(urls, EvalTransform(16), 4, num_workers=0, resampled=False, loop=False):
+        for batch in make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(16), 4, one_pass=True):
             ranked = classifier.logits(batch.images).topk(5, dim=-1).indices
             top1 += (ranked[:, 0] == batch.labels).sum().item()
             top5 += (ranked == batch.labels[:, None]).any(-1).sum().item()

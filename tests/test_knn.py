@@ -82,7 +82,7 @@ def test_pretext_validation_is_deterministic_and_leaves_the_training_rng_alone(t
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     objective = MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), masking="block")
-    from pipelines.fewshot import eval_batches
+    from pipelines.common import eval_batches
     images = LabelledImages(accelerator, eval_batches(str(tmp_path / "shards"), cfg, accelerator, 8), 20, "test shards",
                             need_labels=False)
     validation = PretextValidation(accelerator, images, batch_size=8, seed=0)

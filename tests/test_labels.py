@@ -6,7 +6,7 @@ import json
 import pytest
 import webdataset as wds
 
-from mpp.config import load_config
+from mpp.config import DataConfig, load_config
 from mpp.data import DataError, EvalTransform, label_space, make_loader
 from mpp.synthetic import synthetic_image
 from pipelines import pretrain
@@ -42,7 +42,7 @@ def write_labelled(directory, labels, field="cls", class_names=None):
 
 
 def stream_labels(urls, **kw):
-    batches = list(make_loader(urls, EvalTransform(8), 4, num_workers=0, resampled=False, loop=False, **kw))
+    batches = list(make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 4, one_pass=True, **kw))
     return [int(x) for b in batches for x in b.labels], sum((b.skipped for b in batches), start=batches[0].skipped.__class__())
 
 

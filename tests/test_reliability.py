@@ -17,7 +17,7 @@ import webdataset as wds
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mpp.config import load_config
+from mpp.config import DataConfig, load_config
 from mpp.data import EvalTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
 from mpp.train import TrainingDiverged, complete_checkpoints, make_accelerator, train
@@ -194,7 +194,7 @@ def test_bad_samples_are_converted_or_skipped_and_counted(tmp_path):
     write_bad_shards(tmp_path / "bad")
     shards = sorted(str(p) for p in (tmp_path / "bad").glob("*.tar"))
     with pytest.warns(UserWarning, match="skipping samples"):
-        batches = list(make_loader(shards, EvalTransform(8), 64, num_workers=0, resampled=False, loop=False))
+        batches = list(make_loader(shards, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 64, one_pass=True))
     images = torch.cat([b.images for b in batches])
     skipped = sum((b.skipped for b in batches), start=Counter())
     # a.tar: 6 usable (good, CMYK, RGBA, palette, grayscale, tiny) of 9; the truncated copy yields its first few.

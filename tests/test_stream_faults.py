@@ -12,7 +12,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
-from mpp.config import load_config
+from mpp.config import DataConfig, load_config
 from mpp.data import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
 import mpp.train
@@ -48,7 +48,7 @@ def write_tar(path, samples):
 
 
 def first_batch(urls, resampled=True, workers=1, **kw):
-    loader = make_loader(urls, TrainTransform(8), 4, num_workers=workers, resampled=resampled, **kw)
+    loader = make_loader(urls, DataConfig(num_workers=workers, resampled=resampled, shuffle_buffer=0), TrainTransform(8), 4, **kw)
     with fails_if_stuck():
         return next(iter(loader))
 
@@ -81,7 +81,7 @@ def test_one_good_shard_among_bad_ones_keeps_the_stream_going(tmp_path, make_sha
     """The check judges whole groups: a resampled stream that draws a bad shard now and then is not stopped."""
     good = make_shards([8])
     bad = [write_tar(tmp_path / "s" / f"bad{i}.tar", CORRUPT) for i in range(3)]
-    loader = make_loader(good + bad, TrainTransform(8), 4, num_workers=0, resampled=True)
+    loader = make_loader(good + bad, DataConfig(num_workers=0, shuffle_buffer=0), TrainTransform(8), 4)
     with fails_if_stuck(), pytest.warns(UserWarning, match="undecodable_image"):
         batches = [b for _, b in zip(range(20), loader)]
     assert len(batches) == 20 and sum(b.skipped["undecodable_image"] for b in batches) > 0
@@ -106,7 +106,7 @@ def test_gzipped_shards_in_a_directory_are_read(tmp_path, make_shards):
     os.rename(plain + ".gz", gz)
     urls = expand_shards(str(tmp_path / "shards"))
     assert urls == [plain, str(gz)]
-    batches = list(make_loader(urls, EvalTransform(8), 10, num_workers=0, resampled=False, loop=False))
+    batches = list(make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 10, one_pass=True))
     assert sum(len(b.images) for b in batches) == 10 and not any(b.skipped for b in batches)
 
 

@@ -1,0 +1,114 @@
+"""Evaluators from config: which ones a training stage runs, how often, and what each of them scores.
+
+EVALUATORS names every evaluator once: the stages it runs in, how often, read from its own config section (0 turns
+it off), and its builder. A builder is called once, before training, as build(cfg, accelerator, stage) and returns
+the function the loop calls as run(module, step) -> {tag: value} (the contract: mpp.train.Evaluator). Evaluators
+read their images through pipelines.common.eval_batches; one that scores a fixed set reads it in its builder, so a
+bad evaluation set stops the run before its first step. Adding an evaluator is one class (its builder) and one
+line in EVALUATORS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from mpp.config import Config
+from mpp.data import DataError
+from mpp.fewshot import LabelledImages
+from mpp.train import Evaluator
+from mpp.validation import PretextValidation
+from pipelines.common import eval_batches, labelled
+from pipelines.fewshot import FewShot
+from pipelines.knn import Knn
+
+Evaluate = Callable[[nn.Module, int], dict[str, float]]  # run(module, step) -> {tag: value}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a training stage tells its evaluators besides the config."""
+
+    name: str  # "pretrain" or "finetune"
+    classes: int | None = None  # the classes the objective is trained on; None: trained without labels
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One evaluator: the stages it runs in, its period in steps from its config section (0: off), its builder."""
+
+    stages: tuple[str, ...]
+    every: Callable[[Config], int]
+    build: Callable[[Config, Accelerator, Stage], Evaluate]
+
+
+class TopK:
+    """eval/top1 (and eval/top5 with more than 5 classes) of the classifier being fine-tuned, over one pass of
+    data.val_shards split across processes; counts are summed over processes, so the result is exact however
+    unevenly the shards split."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
+        self.cfg, self.accelerator, self.classes = cfg, accelerator, stage.classes
+
+    def __call__(self, classifier: nn.Module, step: int) -> dict[str, float]:
+        return self.scores(classifier)
+
+    @torch.no_grad()
+    def scores(self, classifier: nn.Module) -> dict[str, float]:
+        cfg, accelerator = self.cfg, self.accelerator
+        loader = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers)
+        k = min(5, self.classes)
+        counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
+        classifier.eval()
+        for batch in labelled(loader, self.classes, f"data.val_shards ({cfg.data.val_shards})"):
+            labels = batch.labels.to(accelerator.device)
+            with accelerator.autocast():
+                logits = classifier.logits(batch.images.to(accelerator.device))
+            hits = logits.topk(k, dim=-1).indices == labels[:, None]  # (B, k)
+            counts += torch.stack([hits[:, 0].sum(), hits.any(dim=-1).sum(), torch.tensor(len(labels), device=labels.device)]).float()
+        top1, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
+        if not total:
+            raise DataError(f"data.val_shards ({cfg.data.val_shards}) holds no readable images; point it at labelled evaluation shards")
+        scores = {"eval/top1": top1 / total}
+        if self.classes > 5:
+            scores["eval/top5"] = topk / total
+        return scores
+
+
+class Pretext:
+    """val/loss and the objective's metrics on the first eval.images of data.val_shards, with a fixed corruption."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
+        batches = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.eval.batch_size, labels=stage.classes is not None)
+        if stage.classes:
+            batches = labelled(batches, stage.classes, f"data.val_shards ({cfg.data.val_shards})")
+        images = LabelledImages(accelerator, batches, cfg.eval.images, f"evaluation shards {cfg.data.val_shards}",
+                                need_labels=stage.classes is not None)
+        self.validation = PretextValidation(accelerator, images, cfg.eval.batch_size, cfg.eval.seed)
+
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
+        return self.validation.scores(objective)
+
+
+def of_backbone(probe: FewShot | Knn) -> Evaluate:
+    """A probe of frozen features (few-shot, kNN) scores the objective's backbone."""
+    return lambda objective, step: probe.scores(objective.backbone)
+
+
+EVALUATORS: dict[str, Registration] = {
+    "top1": Registration(("finetune",), lambda cfg: cfg.finetune.eval_every, TopK),
+    "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every,
+                            lambda cfg, accelerator, stage: of_backbone(FewShot(cfg, accelerator))),
+    "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: of_backbone(Knn(cfg, accelerator))),
+    "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext),
+}
+
+
+def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tuple[Evaluator, ...]:
+    """The evaluators of `stage` that `cfg` turns on, in EVALUATORS' order, each built (its images read) now."""
+    return tuple(Evaluator(every, registration.build(cfg, accelerator, stage)) for registration in EVALUATORS.values()
+                 if stage.name in registration.stages and (every := registration.every(cfg)))

@@ -1,0 +1,65 @@
+"""Evaluators from config: one class and one EVALUATORS line put an evaluator into training, nothing else."""
+
+import pytest
+from accelerate.state import AcceleratorState, GradientState
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mpp.config import load_config
+from pipelines import evaluators, pretrain
+from pipelines.evaluators import EVALUATORS, Registration, Stage, build_evaluators
+
+from test_fewshot import tiny
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class Probe:
+    """A test-local evaluator: records what it was built for and the steps it ran at."""
+
+    built: list[Stage] = []
+    steps: list[int] = []
+
+    def __init__(self, cfg, accelerator, stage):
+        Probe.built.append(stage)
+
+    def __call__(self, objective, step):
+        Probe.steps.append(step)
+        return {"probe/width": float(objective.backbone.width)}
+
+
+def test_a_registered_evaluator_runs_during_pretraining_with_no_other_edit(tmp_path, make_shards, monkeypatch):
+    monkeypatch.setitem(EVALUATORS, "probe", Registration(("pretrain",), lambda cfg: cfg.train.steps // 3, Probe))
+    monkeypatch.setattr(Probe, "built", [])
+    monkeypatch.setattr(Probe, "steps", [])
+    make_shards([40] * 2, size=32)
+    results = pretrain.run(tiny(tmp_path, "eval.every=0"))
+    assert Probe.built == [Stage("pretrain", None)] and Probe.steps == [2, 4, 6]
+    assert results["probe/width"] == 64
+    events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
+    assert [e.step for e in EventAccumulator(str(events.parent)).Reload().Scalars("probe/width")] == [2, 4, 6]
+
+
+def test_only_the_stages_evaluators_that_its_config_turns_on_are_built(monkeypatch):
+    built = []
+    monkeypatch.setattr(evaluators, "EVALUATORS", {
+        name: Registration(stages, every, lambda cfg, accelerator, stage, name=name: built.append(name) or (lambda m, s: {}))
+        for name, stages, every in [("a", ("pretrain",), lambda cfg: cfg.fewshot.every),
+                                    ("b", ("finetune",), lambda cfg: 7),
+                                    ("c", ("pretrain", "finetune"), lambda cfg: 5)]})
+    cfg = load_config(None, ["fewshot.every=0"])
+    assert [e.every for e in build_evaluators(cfg, None, Stage("pretrain"))] == [5] and built == ["c"]
+    assert [e.every for e in build_evaluators(cfg, None, Stage("finetune"))] == [7, 5]
+    assert [e.every for e in build_evaluators(load_config(None, ["fewshot.every=3"]), None, Stage("pretrain"))] == [3, 5]
+
+
+def test_todays_config_sections_turn_the_built_in_evaluators_on():
+    on = lambda *overrides: [name for name, r in EVALUATORS.items() if r.every(load_config(None, list(overrides)))]  # noqa: E731
+    assert on() == ["top1"]  # fine-tuning's top-1 always; pretext validation only with data.val_shards
+    assert on("data.val_shards=x", "fewshot.every=5", "knn.every=5") == ["top1", "fewshot", "knn", "pretext"]
+    assert on("data.val_shards=x", "eval.every=0") == ["top1"]
+    assert [n for n, r in EVALUATORS.items() if "finetune" in r.stages] == ["top1"]
