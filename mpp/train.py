@@ -29,7 +29,7 @@ from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
 from mpp.objectives import Objective
-from mpp.rundir import TENSORBOARD, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
+from mpp.rundir import TENSORBOARD, WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
 
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 PANEL_IMAGES = 8
@@ -507,7 +507,7 @@ def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable
     bar.close()
 
     if accelerator.is_main_process:
-        save_file(accelerator.unwrap_model(objective).export_weights(), str(output_dir / "model.safetensors"))
+        save_file(accelerator.unwrap_model(objective).export_weights(), str(output_dir / WEIGHTS))
     accelerator.wait_for_everyone()
     return results
 
