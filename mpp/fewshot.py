@@ -14,8 +14,7 @@ from accelerate import Accelerator
 
 from mpp.data import Batch
 from mpp.errors import UserError
-from mpp.model import VisionTransformer, pool
-from mpp.objectives import normalize
+from mpp.model import VisionTransformer, normalize, pool
 
 
 class FewShotError(UserError):

@@ -42,8 +42,10 @@ class Objective(nn.Module, ABC):
     - `no_weight_decay()`: add the names of its own input tokens (MPP's [mask]);
     - `panel(images)`: images for TensorBoard's panel (none by default);
     - `fixed_randomness(batch_size, generator, device)`: forward's random choices, fixed for the pretext validation
-      (none by default: a deterministic forward).
-    Register a builder in OBJECTIVES to make it selectable with `objective=<name>`.
+      (none by default: a deterministic forward);
+    - `headline_charts()`: the TensorBoard charts to look at first (the loss by default).
+    Register it in OBJECTIVES (its builder, whether it reads labels, a description) to make it selectable with
+    `objective=<name>`.
     """
 
     backbone: VisionTransformer
@@ -68,6 +70,10 @@ class Objective(nn.Module, ABC):
         (on the CPU) and moved to `device`. The pretext validation draws them once and reuses them, so each
         evaluation scores the same task."""
         return {}
+
+    def headline_charts(self) -> dict[str, list[str]]:
+        """Chart title -> regexes of the train/* tags it plots, first in TensorBoard's Custom Scalars tab."""
+        return {"loss": ["^train/loss$"]}
 
 
 # ---------------------------------------------------------------- corruption
@@ -199,6 +205,9 @@ class MaskedPatchPrediction(Objective):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"mask_embedding"}
 
+    def headline_charts(self) -> dict[str, list[str]]:
+        return self.target.headline_charts()
+
     def predict(self, images: torch.Tensor, corruption: Corruption | None = None) -> tuple[torch.Tensor, Corruption]:
         """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out); a fresh corruption
         unless one is given (the pretext validation reuses a fixed one)."""
@@ -275,6 +284,9 @@ class Classification(Objective):
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         return StepOutput(loss, {"accuracy": (logits.argmax(-1) == labels).float().mean()})
 
+    def headline_charts(self) -> dict[str, list[str]]:
+        return {**super().headline_charts(), "accuracy on the training batches": ["^train/accuracy$"]}
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         weights = self.backbone.state_dict()
         if self.export_head:
@@ -296,9 +308,20 @@ def supervised(backbone: VisionTransformer, cfg: Config, classes: int | None) ->
                           label_smoothing=cfg.train.label_smoothing)
 
 
-# The config's `objective` -> a builder of it around a fresh backbone: (backbone, cfg, classes) -> Objective,
-# where classes is the label count of supervised shards (None for MPP).
-OBJECTIVES: dict[str, Callable[[VisionTransformer, Config, int | None], Objective]] = {
-    "mpp": masked_patch_prediction,
-    "supervised": supervised,
+@dataclass(frozen=True)
+class ObjectiveKind:
+    """What the pretraining stage needs to know of an objective before it exists."""
+
+    build: Callable[[VisionTransformer, Config, int | None], Objective]  # (fresh backbone, cfg, classes) -> objective
+    reads_labels: bool  # the stage reads the shards' labels and passes their class count to `build` (else None)
+    description: str  # one line for the exported model card
+
+
+# The config's `objective` -> its kind.
+OBJECTIVES: dict[str, ObjectiveKind] = {
+    "mpp": ObjectiveKind(masked_patch_prediction, reads_labels=False,
+                         description="masked patch prediction (Dosovitskiy et al. 2021, section 4.6): predict the 3-bit "
+                                     "mean colour of corrupted patches"),
+    "supervised": ObjectiveKind(supervised, reads_labels=True,
+                                description="supervised classification of the shards' labels"),
 }

@@ -59,7 +59,8 @@ class Target(ABC):
     - `loss(predictions, targets)`: fp32 head outputs (B, K, outputs) at the K corrupted positions and their
       targets (B, K, ...) -> (loss, metrics); each metric is logged as train/<name> and val/<name>;
     - `decode(predictions)`: head outputs (B, K, outputs) -> the targets they predict (B, K, ...);
-    - `render(targets)`: targets (B, K, ...) -> uint8 patches (B, K, P*P*3) in patchify's layout, for the panel.
+    - `render(targets)`: targets (B, K, ...) -> uint8 patches (B, K, P*P*3) in patchify's layout, for the panel;
+    and may override `headline_charts()`, the TensorBoard charts to look at first (the loss by default).
 
     The constructor raises ValueError, naming the config keys, for a patch size it cannot use.
     """
@@ -81,6 +82,10 @@ class Target(ABC):
     @abstractmethod
     def render(self, targets: torch.Tensor) -> torch.Tensor: ...
 
+    def headline_charts(self) -> dict[str, list[str]]:
+        """Chart title -> regexes of the train/* tags it plots: the loss, and what it should beat."""
+        return {"loss": ["^train/loss$"]}
+
 
 class ColorClasses(Target):
     """Targets that are colour classes, `color_bits` per channel: cross-entropy, scored against the batch's prior."""
@@ -101,6 +106,10 @@ class ColorClasses(Target):
 
     def decode(self, predictions: torch.Tensor) -> torch.Tensor:  # (B, K, cells * colours) -> (B, K[, cells])
         return predictions.unflatten(-1, (-1, self.num_colors)).argmax(-1).squeeze(-1)
+
+    def headline_charts(self) -> dict[str, list[str]]:
+        return {**super().headline_charts(),
+                "colour accuracy against the prior (always the batch's most frequent colour)": ["^train/color_acc"]}
 
 
 class MeanColor(ColorClasses):
@@ -155,6 +164,9 @@ class Pixels(Target):
 
     def decode(self, predictions: torch.Tensor) -> torch.Tensor:
         return predictions
+
+    def headline_charts(self) -> dict[str, list[str]]:
+        return {"loss against the prior's (always predicting the batch's mean pixels)": ["^train/loss"]}
 
     def render(self, targets: torch.Tensor) -> torch.Tensor:
         return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)

@@ -13,14 +13,13 @@ from mpp.config import Config
 from mpp.data import DataError, expand_shards
 from mpp.hf import ExportError, export_hf
 from mpp.model import VisionTransformer
+from mpp.objectives import OBJECTIVES
 from mpp.rundir import RESULTS, checkpoint_step, is_checkpoint, run_dir_of
 from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
 from pipelines.common import command_line
 
 FORMATS = ("hf",)
 CARD_METRICS = ("train/loss", "train/loss_prior", "train/color_acc", "train/color_acc_prior", "train/accuracy")
-OBJECTIVES = {"mpp": "masked patch prediction (Dosovitskiy et al. 2021, section 4.6): predict the 3-bit mean colour "
-                     "of corrupted patches", "supervised": "supervised classification of the shards' labels"}
 
 
 def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
@@ -77,7 +76,7 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         metrics_line = ", ".join(f"{k.replace('top', 'top-')} {100 * v:.2f}%" for k, v in metrics.items())
         metrics_line += f" on `{cfg.data.val_shards}`" if metrics else ""
     else:
-        objective = OBJECTIVES[cfg.objective] + " (pretraining; the pretraining head is not exported)"
+        objective = OBJECTIVES[cfg.objective].description + " (pretraining; the pretraining head is not exported)"
         final = record.get("final", {})
         shown = [*CARD_METRICS, *sorted(k for k in final if k.startswith("fewshot/"))]
         metrics_line = ", ".join(f"{name.removeprefix('train/')} {final[name]:.4g}" for name in shown if name in final)

@@ -83,8 +83,8 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
     classifier = build_classifier(cfg, ckpt, classes)
     with OutputDirLock(accelerator, cfg.output_dir):
         resume_from = resume_point(accelerator, cfg, resume, changes)
-        start_tracking(accelerator, cfg, "finetune", {"loss": ["^train/loss$"], "accuracy on the training batches": ["^train/accuracy$"],
-                                                      "top-1 and top-5 on data.val_shards": ["^eval/"]}, resume_from, changes)
+        start_tracking(accelerator, cfg, "finetune", {**classifier.headline_charts(), "top-1 and top-5 on data.val_shards": ["^eval/"]},
+                       resume_from, changes)
         b = classifier.backbone
         accelerator.print(
             f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "

@@ -19,17 +19,7 @@ from pipelines.evaluators import Stage, build_evaluators
 
 
 def build_objective(cfg: Config, classes: int | None) -> Objective:
-    return OBJECTIVES[cfg.objective](build_backbone(cfg), cfg, classes)
-
-
-def headline_charts(cfg: Config) -> dict[str, list[str]]:
-    """The TensorBoard charts to look at first: the loss, and what it should beat."""
-    if cfg.objective == "supervised":
-        return {"loss": ["^train/loss$"], "accuracy on the training batches": ["^train/accuracy$"]}
-    if cfg.mpp.target == "pixels":
-        return {"loss against the prior's (always predicting the batch's mean pixels)": ["^train/loss"]}
-    return {"loss": ["^train/loss$"],
-            "colour accuracy against the prior (always the batch's most frequent colour)": ["^train/color_acc"]}
+    return OBJECTIVES[cfg.objective].build(build_backbone(cfg), cfg, classes)
 
 
 def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
@@ -37,11 +27,11 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
     changes = check_output_dir(cfg, resume)
     accelerator, cfg, global_batch = start_run(cfg)
     urls = resolve_shards(cfg.data.shards, cfg, accelerator)
-    classes = num_classes(cfg, urls) if cfg.objective == "supervised" else None
+    classes = num_classes(cfg, urls) if OBJECTIVES[cfg.objective].reads_labels else None
     objective = build_objective(cfg, classes)
     with OutputDirLock(accelerator, cfg.output_dir):
         resume_from = resume_point(accelerator, cfg, resume, changes)
-        start_tracking(accelerator, cfg, "pretrain", headline_charts(cfg), resume_from, changes)
+        start_tracking(accelerator, cfg, "pretrain", objective.headline_charts(), resume_from, changes)
         b = objective.backbone
         accelerator.print(
             f"{cfg.objective} pretraining of a ViT (width {b.width}, depth {b.depth}, {b.heads} heads, patch {b.patch_size}, "

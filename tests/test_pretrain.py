@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mpp.config import ConfigError, load_config
 from mpp.model import normalize
-from mpp.objectives import OBJECTIVES, Objective, StepOutput
+from mpp.objectives import OBJECTIVES, Objective, ObjectiveKind, StepOutput
 from mpp.train import complete_checkpoints, default_precision
 from pipelines import pretrain
 
@@ -60,7 +60,8 @@ class MeanBrightness(Objective):
 
 
 def test_a_registered_objective_is_chosen_by_the_config_and_trained_by_the_loop(tmp_path, make_shards, monkeypatch):
-    monkeypatch.setitem(OBJECTIVES, "brightness", lambda backbone, cfg, classes: MeanBrightness(backbone))
+    monkeypatch.setitem(OBJECTIVES, "brightness", ObjectiveKind(lambda backbone, cfg, classes: MeanBrightness(backbone),
+                                                         reads_labels=False, description="mean brightness"))
     with pytest.raises(ConfigError, match="Input should be 'mpp', 'supervised' or 'brightness' \\(got 'brightnes'\\)"):
         load_config(None, ["objective=brightnes"])
     make_shards([20] * 2, size=32)

@@ -22,7 +22,6 @@ from mpp.data import EvalTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
 from mpp.train import TrainingDiverged, complete_checkpoints, make_accelerator, train
 from pipelines.common import build_backbone, start_tracking, train_loader
-from pipelines.pretrain import headline_charts
 
 from conftest import ROOT, TINY
 
@@ -249,7 +248,7 @@ def tiny_run(tmp_path, make_shards, objective_calls, steps, max_nonfinite=3):
                              f"train.max_nonfinite_steps={max_nonfinite}", "log.every=1"])
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
     objective = NaNOnCalls(build_backbone(cfg), objective_calls)
-    start_tracking(accelerator, cfg, "pretrain", headline_charts(cfg))
+    start_tracking(accelerator, cfg, "pretrain", objective.headline_charts())
     urls = expand_shards(cfg.data.shards)
 
     def batches(state):

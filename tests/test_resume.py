@@ -130,9 +130,10 @@ def test_a_resumed_optimizer_takes_the_new_hyperparameters(tmp_path, finished_ru
     # The checkpoint's optimiser state carries the old lr, weight decay and betas; the new ones must replace them.
     cfg = pretrain_config(tmp_path, "train.lr=5e-4", "train.steps=6", "train.weight_decay=0.1", "train.betas=[0.8,0.99]")
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    start_tracking(accelerator, cfg, "pretrain", pretrain.headline_charts(cfg))
+    objective = MaskedPatchPrediction(build_backbone(cfg))
+    start_tracking(accelerator, cfg, "pretrain", objective.headline_charts())
     urls = [str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))]
-    train(accelerator, MaskedPatchPrediction(build_backbone(cfg)), lambda state: train_loader(urls, cfg, accelerator, state),
+    train(accelerator, objective, lambda state: train_loader(urls, cfg, accelerator, state),
           cfg.train, cfg.log, cfg.output_dir, resume_from=complete_checkpoints(tmp_path / "run")[0])
     decay, no_decay = accelerator._optimizers[0].param_groups
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
@@ -201,13 +202,14 @@ def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, m
     make_shards([40], size=32)
     cfg = pretrain_config(tmp_path, "train.checkpoint_every=3", "train.steps=6")
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    start_tracking(accelerator, cfg, "pretrain", pretrain.headline_charts(cfg))
+    objective = MaskedPatchPrediction(build_backbone(cfg))
+    start_tracking(accelerator, cfg, "pretrain", objective.headline_charts())
 
     def broken(module, step):
         raise DataError("the evaluation shards went away")
 
     with pytest.raises(DataError, match="went away"):
-        train(accelerator, MaskedPatchPrediction(build_backbone(cfg)),
+        train(accelerator, objective,
               lambda state: train_loader([str(p) for p in (tmp_path / "shards").glob("*.tar")], cfg, accelerator, state),
               cfg.train, cfg.log, cfg.output_dir, evaluators=(Evaluator(3, broken),))
     assert [c.name for c in complete_checkpoints(tmp_path / "run")] == ["step_00000003"]
