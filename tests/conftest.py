@@ -1,4 +1,6 @@
 import io
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +57,14 @@ def write_test_shards(directory: Path, counts: list[int], size: int = 24, labels
 @pytest.fixture
 def make_shards(tmp_path):
     return lambda counts, **kw: write_test_shards(tmp_path / "shards", counts, **kw)
+
+
+def read_only(directory):
+    """chmod for a normal user; root ignores modes, so the immutable attribute there (skipped where it is refused)."""
+    directory.mkdir()
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return lambda: directory.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
+        pytest.skip("running as root without the right to make a directory immutable: no read-only directory to test")
+    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)

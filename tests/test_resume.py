@@ -2,7 +2,6 @@
 that cannot be used (docs/reliability.md lists them)."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from pipelines import finetune, pretrain
 from pipelines.common import build_backbone, start_tracking, train_loader
 from mpp.objectives import MaskedPatchPrediction
 
-from conftest import ROOT, TINY, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, read_only, reset_accelerator, write_test_shards
 from test_reliability import Watched
 
 
@@ -220,17 +219,6 @@ def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, m
 
 def launch(*args, timeout=600):
     return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def read_only(directory):
-    """chmod for a normal user; root ignores modes, so the immutable attribute there (skipped where it is refused)."""
-    directory.mkdir()
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        return lambda: directory.chmod(0o755)
-    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
-        pytest.skip("running as root without the right to make a directory immutable: no read-only directory to test")
-    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
 
 
 def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path):

@@ -1,7 +1,6 @@
 import gzip
 import io
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -13,6 +12,8 @@ from PIL import Image
 from mpp.shards import folder_samples, idx_samples, write_shards
 from mpp.synthetic import NUM_CLASSES, synthetic_image
 from pipelines import prepare
+
+from conftest import read_only
 
 
 def read_shards(out: Path) -> dict[str, dict]:
@@ -195,10 +196,12 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(t
     with pytest.raises(ValueError, match="shards2 is a file"):
         (tmp_path / "shards2").write_text("")
         prepare.run("synthetic", str(tmp_path / "shards2"))
-    if os.geteuid() != 0:  # root writes in read-only directories; the check is the same
-        (tmp_path / "ro").mkdir(mode=0o555)
+    restore = read_only(tmp_path / "ro")
+    try:
         with pytest.raises(ValueError, match="cannot write in .*ro .*choose a writable output directory"):
             prepare.run("synthetic", str(tmp_path / "ro" / "shards"))
+    finally:
+        restore()
     assert not opened
 
 
