@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpp.config import TrainConfig  # noqa: E402
 from mpp.knn import knn_accuracy  # noqa: E402
-from mpp.model import VisionTransformer, pool  # noqa: E402
-from mpp.objectives import Classification, MaskedPatchPrediction, finetuning_head, normalize  # noqa: E402
+from mpp.model import VisionTransformer, normalize, pool  # noqa: E402
+from mpp.objectives import Classification, MaskedPatchPrediction, finetuning_head  # noqa: E402
 from mpp.train import build_optimizer, default_precision  # noqa: E402
 
 WIDTH, DEPTH, HEADS, IMAGE, PATCH = 192, 6, 3, 32, 4  # configs/finetune/default.yaml's ViT
