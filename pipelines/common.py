@@ -22,6 +22,7 @@ from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, config_to_yaml, load_config
 from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
 from mpp.errors import UserError
+from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer, build_vit
 from mpp.rundir import CONFIG, complete_checkpoints, run_config_of
 from mpp.shards import synthetic_samples, write_shards
@@ -99,6 +100,33 @@ def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: i
     return make_loader(resolve_shards(spec, cfg, accelerator), data, EvalTransform(cfg.model.image_size), batch_size,
                        rank=accelerator.process_index, world=accelerator.num_processes, one_pass=True, labels=labels,
                        class_names=names)
+
+
+class FrozenFeatureSets:
+    """A labelled pool and the evaluation images, read once, for scoring a frozen backbone's features (few-shot, kNN).
+
+    `section` is the evaluator's config section: its shards (default data.shards), train_images, eval_images,
+    batch_size and features. `features(backbone)` -> (pool_x, pool_y, eval_x, eval_y), identical on every process.
+    """
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, section, name: str, key: str, pool_name: str):
+        if cfg.data.val_shards is None:
+            raise FewShotError(f"{name} evaluation needs evaluation images; set data.val_shards to labelled shards "
+                               f"(or {key}.every=0 to turn it off)")
+        self.section, self.accelerator = section, accelerator
+        pool_shards = section.shards or cfg.data.shards
+
+        def images(spec: str, count: int, what: str) -> LabelledImages:
+            batches = eval_batches(spec, cfg, accelerator, section.batch_size, labelled_by=pool_shards)
+            return LabelledImages(accelerator, batches, count, what)
+
+        self.pool = images(pool_shards, section.train_images, f"{pool_name} {pool_shards}")
+        self.eval = images(cfg.data.val_shards, section.eval_images, f"evaluation shards {cfg.data.val_shards}")
+
+    def features(self, backbone: VisionTransformer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.section
+        return (*self.pool.features(self.accelerator, backbone, c.features, c.batch_size),
+                *self.eval.features(self.accelerator, backbone, c.features, c.batch_size))
 
 
 def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tuple[str, ...]:

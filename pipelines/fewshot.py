@@ -10,31 +10,22 @@ from accelerate import Accelerator
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
-from mpp.fewshot import FewShotError, LabelledImages, few_shot_accuracy
+from mpp.fewshot import few_shot_accuracy
 from mpp.model import VisionTransformer
-from pipelines.common import eval_batches, start_run
+from pipelines.common import FrozenFeatureSets, start_run
 
 
 class FewShot:
     """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator):
-        if cfg.data.val_shards is None:
-            raise FewShotError("few-shot evaluation needs evaluation images; set data.val_shards to labelled shards "
-                               "(or fewshot.every=0 to turn it off)")
-        self.cfg, self.accelerator = cfg.fewshot, accelerator
-        train_shards = cfg.fewshot.shards or cfg.data.shards
-        batches = lambda spec: eval_batches(spec, cfg, accelerator, cfg.fewshot.batch_size, labelled_by=train_shards)  # noqa: E731
-        self.pool = LabelledImages(accelerator, batches(train_shards), cfg.fewshot.train_images,
-                                   f"few-shot training shards {train_shards}")
-        self.eval = LabelledImages(accelerator, batches(cfg.data.val_shards), cfg.fewshot.eval_images,
-                                   f"evaluation shards {cfg.data.val_shards}")
+        self.cfg = cfg.fewshot
+        self.sets = FrozenFeatureSets(cfg, accelerator, cfg.fewshot, "few-shot", "fewshot", "few-shot training shards")
 
     def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
         """{shots: [accuracy of each draw]}, identical on every process."""
         c = self.cfg
-        train_x, train_y = self.pool.features(self.accelerator, backbone, c.features, c.batch_size)
-        eval_x, eval_y = self.eval.features(self.accelerator, backbone, c.features, c.batch_size)
+        train_x, train_y, eval_x, eval_y = self.sets.features(backbone)
         return few_shot_accuracy(train_x, train_y, eval_x, eval_y, shots=c.shots, draws=c.draws, l2=c.l2, seed=c.seed)
 
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:
@@ -51,7 +42,7 @@ def run(cfg: Config, *, ckpt: str) -> dict:
     c = cfg.fewshot
     result = {
         "ckpt": str(ckpt), "features": c.features, "l2": c.l2, "draws": c.draws,
-        "train_images": fewshot.pool.total, "eval_images": fewshot.eval.total,
+        "train_images": fewshot.sets.pool.total, "eval_images": fewshot.sets.eval.total,
         "accuracy": {str(n): statistics.fmean(a) for n, a in accuracies.items()},
         "accuracy_std": {str(n): statistics.pstdev(a) for n, a in accuracies.items()},
     }
@@ -61,6 +52,6 @@ def run(cfg: Config, *, ckpt: str) -> dict:
         out.write_text(json.dumps(result, indent=2) + "\n")
         shown = ", ".join(f"{n}-shot {100 * a:.1f}% (+-{100 * result['accuracy_std'][n]:.1f})" for n, a in result["accuracy"].items())
         print(f"few-shot linear accuracy of {ckpt} ({c.features} features, {c.draws} draws, "
-              f"{fewshot.eval.total} evaluation images, {accelerator.num_processes} process(es)): {shown}; written to {out}")
+              f"{fewshot.sets.eval.total} evaluation images, {accelerator.num_processes} process(es)): {shown}; written to {out}")
     accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
     return result

@@ -9,10 +9,9 @@ from accelerate import Accelerator
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
-from mpp.fewshot import FewShotError, LabelledImages
 from mpp.knn import knn_accuracy
 from mpp.model import VisionTransformer
-from pipelines.common import eval_batches, start_run
+from pipelines.common import FrozenFeatureSets, start_run
 
 
 class Knn:
@@ -22,20 +21,12 @@ class Knn:
     """
 
     def __init__(self, cfg: Config, accelerator: Accelerator):
-        if cfg.data.val_shards is None:
-            raise FewShotError("kNN evaluation needs evaluation images; set data.val_shards to labelled shards "
-                               "(or knn.every=0 to turn it off)")
-        self.cfg, self.accelerator = cfg.knn, accelerator
-        pool_shards = cfg.knn.shards or cfg.data.shards
-        self.pool = LabelledImages(accelerator, eval_batches(pool_shards, cfg, accelerator, cfg.knn.batch_size, labelled_by=pool_shards),
-                                   cfg.knn.train_images, f"kNN neighbour shards {pool_shards}")
-        self.eval = LabelledImages(accelerator, eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.knn.batch_size, labelled_by=pool_shards),
-                                   cfg.knn.eval_images, f"evaluation shards {cfg.data.val_shards}")
+        self.cfg = cfg.knn
+        self.sets = FrozenFeatureSets(cfg, accelerator, cfg.knn, "kNN", "knn", "kNN neighbour shards")
 
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:
         c = self.cfg
-        train_x, train_y = self.pool.features(self.accelerator, backbone, c.features, c.batch_size)
-        eval_x, eval_y = self.eval.features(self.accelerator, backbone, c.features, c.batch_size)
+        train_x, train_y, eval_x, eval_y = self.sets.features(backbone)
         return {"knn/top1": knn_accuracy(train_x, train_y, eval_x, eval_y, k=c.k, temperature=c.temperature)}
 
 
@@ -46,13 +37,13 @@ def run(cfg: Config, *, ckpt: str) -> dict:
     knn = Knn(cfg, accelerator)
     c = cfg.knn
     result = {"ckpt": str(ckpt), "features": c.features, "k": c.k, "temperature": c.temperature,
-              "train_images": knn.pool.total, "eval_images": knn.eval.total, "top1": knn.scores(backbone)["knn/top1"]}
+              "train_images": knn.sets.pool.total, "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)["knn/top1"]}
     if accelerator.is_main_process:
         out = Path(cfg.output_dir) / "knn.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"kNN top-1 of {ckpt} ({c.features} features, k={c.k}, T={c.temperature:g}, {knn.pool.total} neighbours, "
-              f"{knn.eval.total} evaluation images, {accelerator.num_processes} process(es)): "
+        print(f"kNN top-1 of {ckpt} ({c.features} features, k={c.k}, T={c.temperature:g}, {knn.sets.pool.total} neighbours, "
+              f"{knn.sets.eval.total} evaluation images, {accelerator.num_processes} process(es)): "
               f"{100 * result['top1']:.2f}%; written to {out}")
     accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
     return result
