@@ -405,11 +405,11 @@ class StopOnSignal:
         return previous is not None and bool(previous > 0)
 
 
-def train(accelerator: Accelerator, objective: nn.Module, make_batches: Callable[[StreamState], Iterable[Batch]],
+def train(accelerator: Accelerator, objective: Objective, make_batches: Callable[[StreamState], Iterable[Batch]],
           cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume_from: Path | None = None,
           evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0,
           resume_hint: str = "the same command with --resume") -> dict[str, float]:
-    """Train `objective` (a module mapping (uint8 images, labels) to a StepOutput) for cfg.steps optimiser steps.
+    """Train `objective` (see the Objective contract) for cfg.steps optimiser steps.
 
     `resume_from` (see resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup, steps,
     weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
@@ -565,7 +565,7 @@ def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
 
 
 def log_panel(accelerator: Accelerator, objective: nn.Module, batch: Batch, step: int) -> None:
-    """The objective's panel for this batch, if it draws one (see Objective.panel)."""
+    """The panel of `objective` (prepared: unwrapped here) for this batch, if it draws one (see Objective.panel)."""
     if not accelerator.is_main_process:
         return
     module: Objective = accelerator.unwrap_model(objective)
