@@ -1,7 +1,5 @@
 """Evaluators from config: one class and one EVALUATORS line put an evaluator into training, nothing else."""
 
-import pytest
-from accelerate.state import AcceleratorState, GradientState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import load_config
@@ -9,13 +7,6 @@ from pipelines import evaluators, pretrain
 from pipelines.evaluators import EVALUATORS, Registration, Stage, build_evaluators
 
 from test_fewshot import tiny
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator():
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 class Probe:
