@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, folder_samples, hf_samples, idx_samples, is_saved_dataset, synthetic_samples, write_shards
@@ -45,15 +47,38 @@ FASHION_MNIST_FIX = ("on Debian or Ubuntu `apt-get install dataset-fashion-mnist
                      "--split train` (or `--split test`) reads the same images from the Hugging Face hub")
 
 
+@dataclass(frozen=True)
+class SourceRequest:
+    """What `launch.py prepare` was asked to read: the source argument and the options a source may use."""
+
+    source: str
+    size: int = 64  # side of generated 'synthetic' images
+    count: int = 20000  # images generated for 'synthetic'
+    split: str = "train"  # split of a Hugging Face dataset
+
+    @property
+    def path(self) -> Path:
+        return Path(self.source).expanduser()
+
+
+def idx_pair(request: SourceRequest) -> Source:
+    path = request.path
+    return idx_samples(path, path.with_name(_IDX_IMAGES.sub(r"labels\g<1>idx1-ubyte\g<2>", path.name)))
+
+
+# The kinds of source `prepare` reads, tried in order: (recognises the request, opens it as a Source). A new kind is
+# a function returning a Source (mpp/shards.py) and one line here, before the hub name that takes whatever is left.
+SOURCES: list[tuple[Callable[[SourceRequest], bool], Callable[[SourceRequest], Source]]] = [
+    (lambda r: r.source == "synthetic", lambda r: synthetic_samples(r.count, r.size)),
+    (lambda r: r.path.is_dir() and is_saved_dataset(r.path), lambda r: hf_samples(r.path, r.split)),
+    (lambda r: r.path.is_dir(), lambda r: folder_samples(r.path)),
+    (lambda r: bool(_IDX_IMAGES.search(r.path.name)), idx_pair),
+    (lambda r: True, lambda r: hf_samples(r.source, r.split)),  # a dataset name on the Hugging Face hub
+]
+
+
 def open_source(source: str, *, size: int = 64, count: int = 20000, split: str = "train") -> Source:
-    if source == "synthetic":
-        return synthetic_samples(count, size)
-    path = Path(source).expanduser()
-    if not path.exists() and "fashion-mnist" in source.lower():
+    request = SourceRequest(source, size, count, split)
+    if not request.path.exists() and "fashion-mnist" in source.lower():
         raise SourceNotFoundError(f"{source} does not exist; {FASHION_MNIST_FIX}")
-    if path.is_dir():
-        return hf_samples(path, split) if is_saved_dataset(path) else folder_samples(path)
-    if _IDX_IMAGES.search(path.name):
-        labels = path.with_name(_IDX_IMAGES.sub(r"labels\g<1>idx1-ubyte\g<2>", path.name))
-        return idx_samples(path, labels)
-    return hf_samples(source, split)
+    return next(open_ for recognises, open_ in SOURCES if recognises(request))(request)

@@ -9,7 +9,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from mpp.shards import folder_samples, idx_samples, write_shards
+from mpp.shards import Sample, Source, folder_samples, idx_samples, write_shards
 from mpp.synthetic import NUM_CLASSES, synthetic_image
 from pipelines import prepare
 
@@ -224,3 +224,18 @@ def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, c
         reset_accelerator()
     bar = capsys.readouterr().err
     assert len(urls) == 1 and "writing shards" in bar and "30/30" in bar
+
+
+def test_a_registered_source_kind_is_read_by_prepare_with_no_other_edit(tmp_path, monkeypatch):
+    def gray_squares(request):
+        def read():
+            for i in range(request.count):
+                buffer = io.BytesIO()
+                Image.new("L", (8, 8), 10 * i).save(buffer, "PNG")
+                yield Sample(f"g{i}", buffer.getvalue(), "png", i % 2)
+        return Source("gray squares", request.count, read, class_names=["dark", "light"])
+
+    monkeypatch.setattr(prepare, "SOURCES", [(lambda r: r.source == "gray", gray_squares), *prepare.SOURCES])
+    summary = prepare.run("gray", str(tmp_path / "out"), count=6)
+    assert (summary["samples"], summary["classes"], summary["class_names"]) == (6, 2, ["dark", "light"])
+    assert prepare.run("synthetic", str(tmp_path / "synthetic"), count=4, size=16)["samples"] == 4  # the others still match
