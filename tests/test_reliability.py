@@ -21,6 +21,7 @@ from mpp.config import DataConfig, load_config
 from mpp.data import EvalTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
 from mpp.train import TrainingDiverged, complete_checkpoints, make_accelerator, train
+from pipelines import cli
 from pipelines.common import build_backbone, start_tracking, train_loader
 
 from conftest import ROOT, TINY
@@ -327,3 +328,15 @@ def test_a_user_error_under_two_processes_is_printed_once(tmp_path):
     assert result.returncode != 0
     assert result.stderr.count("error: unknown config key 'train.stpes'") == 1, result.stderr[-3000:]
     assert "exitcode  : 2" in result.stderr  # both ranks exit 2; the launcher's report is what README explains
+
+
+def test_an_error_only_another_rank_meets_is_printed_by_it_naming_itself(monkeypatch, capsys):
+    # Rank 0 prints what every rank meets; a rank still alive after the grace period (rank 0 did not stop the job)
+    # met its own error, such as bad data in its shards, and must say so itself.
+    monkeypatch.setattr(cli, "RANK_ERROR_GRACE_S", 0)
+    monkeypatch.setenv("RANK", "1")
+    assert cli.fail("shards x-0.tar hold no usable image") == 2
+    assert capsys.readouterr().err == "error: (rank 1) shards x-0.tar hold no usable image\n"
+    monkeypatch.setenv("RANK", "0")
+    assert cli.fail("unknown config key 'train.stpes'") == 2
+    assert capsys.readouterr().err == "error: unknown config key 'train.stpes'\n"
