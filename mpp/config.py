@@ -187,8 +187,9 @@ class FewShotConfig(Section):
     features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
     l2: float = Field(1.0, gt=0, description="Ridge penalty of the closed-form least squares (on standardised features).")
     shards: str | None = Field(None, description="Labelled shards the examples are drawn from; defaults to data.shards.")
+    val_shards: str | None = Field(None, description="Labelled shards the classifiers are scored on; defaults to data.val_shards.")
     train_images: int = Field(2000, gt=0, description="Images read from the front of the labelled shards to draw the examples from.")
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of data.val_shards to score the classifiers on.")
+    eval_images: int = Field(2000, gt=0, description="Images read from the front of fewshot.val_shards to score the classifiers on.")
     batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
     seed: int = Field(0, description="Seed of the example draws (independent of train.seed and of the training run's RNG).")
 
@@ -217,8 +218,9 @@ class KnnConfig(Section):
     temperature: float = Field(0.07, gt=0, description="Votes are weighted by exp(cosine similarity / temperature) (DINO's 0.07).")
     features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
     shards: str | None = Field(None, description="Labelled shards the neighbours come from; defaults to data.shards.")
+    val_shards: str | None = Field(None, description="Labelled shards whose images are classified; defaults to data.val_shards (set it when pretraining validates on other classes than kNN scores).")
     train_images: int = Field(5000, gt=0, description="Images read from the front of the labelled shards as the neighbour pool.")
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of data.val_shards to classify.")
+    eval_images: int = Field(2000, gt=0, description="Images read from the front of knn.val_shards to classify.")
     batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
 
 

@@ -230,6 +230,33 @@ def bound_short_side(source: Source, short_side: int, quality: int = 90) -> Sour
     return Source(f"{source.name}, short side <= {short_side} px", source.length, read, source.class_names)
 
 
+def select_classes(source: Source, classes: list[int]) -> Source:
+    """`source` with only the samples labelled one of `classes`, relabelled by position (classes[i] -> i), so a
+    class split for transfer (upstream classes, downstream classes) gives each side a 0..k-1 label space."""
+    if not classes or len(set(classes)) != len(classes) or min(classes) < 0:
+        raise SourceError(f"--classes must list distinct non-negative class ids, got {classes}")
+    position = {label: i for i, label in enumerate(classes)}
+    names = source.class_names
+    if names is not None and max(classes) >= len(names):
+        raise SourceError(f"--classes names class {max(classes)}, but {source.name} has {len(names)} classes (0 to {len(names) - 1})")
+
+    def read() -> Iterator[Sample | None]:
+        kept = 0
+        for sample in source.read():
+            if sample is None:
+                yield None
+            elif sample.label is None:
+                raise SourceError(f"--classes keeps labelled samples, but sample {sample.key} of {source.name} has no label; drop --classes for an unlabelled source")
+            elif sample.label in position:
+                kept += 1
+                yield Sample(sample.key, sample.image, sample.ext, position[sample.label])
+        if not kept:
+            raise SourceError(f"no sample of {source.name} is labelled with one of classes {classes}; list class ids the source has")
+
+    return Source(f"{source.name}, classes {','.join(map(str, classes))} as 0..{len(classes) - 1}", source.length, read,
+                  None if names is None else [names[c] for c in classes])
+
+
 def bound_short_side_bytes(data: bytes, short_side: int, quality: int) -> bytes:
     """An encoded image -> itself if its short side is within `short_side`, else a downsized JPEG of it."""
     with Image.open(io.BytesIO(data)) as image:

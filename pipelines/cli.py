@@ -25,6 +25,14 @@ CONFIGS = shipped_configs()
 RANK_ERROR_GRACE_S = 20
 
 
+def class_ids(text: str) -> list[int]:
+    """'1,3,5' -> [1, 3, 5], for prepare --classes."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of class ids (e.g. 0,2,4)") from None
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     stages = parser.add_subparsers(dest="stage", required=True)
@@ -76,6 +84,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          help="store images whose short side is longer downsized to this many pixels (JPEG at --quality): "
                               "faster decoding in training; keep it at least the training crop size")
     prepare.add_argument("--quality", type=int, default=90, help="JPEG quality of images downsized by --short-side")
+    prepare.add_argument("--classes", type=class_ids, default=None,
+                         help="keep only these class ids, comma-separated, relabelled 0..k-1 in the order given "
+                              "(e.g. 1,3,5,7,9 upstream and 0,2,4,6,8 downstream for a transfer split)")
     return parser.parse_args(argv)
 
 
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
-                        quality=args.quality)
+                        quality=args.quality, classes=args.classes)
         from pipelines.common import end_process
 
         end_process()

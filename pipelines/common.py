@@ -92,10 +92,10 @@ def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: i
     its own, so the training stream is not touched.
 
     Named labels map to ids as in training: through the class names of `labelled_by` (default data.shards) and
-    data.val_shards; labels=False never reads them. Without workers (the default) each process reads its shards in
+    `spec`; labels=False never reads them. Without workers (the default) each process reads its shards in
     order, so the first n images are the same at every evaluation; a whole pass may decode in `num_workers`.
     """
-    names = class_names(cfg, accelerator, labelled_by or cfg.data.shards, cfg.data.val_shards) if labels else None
+    names = class_names(cfg, accelerator, labelled_by or cfg.data.shards, spec) if labels else None
     data = cfg.data.model_copy(update={"num_workers": num_workers, "shuffle_buffer": 0})
     return make_loader(resolve_shards(spec, cfg, accelerator), data, EvalTransform(cfg.model.image_size), batch_size,
                        rank=accelerator.process_index, world=accelerator.num_processes, one_pass=True, labels=labels,
@@ -105,14 +105,16 @@ def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: i
 class FrozenFeatureSets:
     """A labelled pool and the evaluation images, read once, for scoring a frozen backbone's features (few-shot, kNN).
 
-    `section` is the evaluator's config section: its shards (default data.shards), train_images, eval_images,
-    batch_size and features. `features(backbone)` -> (pool_x, pool_y, eval_x, eval_y), identical on every process.
+    `section` is the evaluator's config section: its shards (default data.shards), val_shards (default
+    data.val_shards), train_images, eval_images, batch_size and features. `features(backbone)` -> (pool_x, pool_y,
+    eval_x, eval_y), identical on every process.
     """
 
     def __init__(self, cfg: Config, accelerator: Accelerator, section, name: str, key: str, pool_name: str):
-        if cfg.data.val_shards is None:
-            raise FewShotError(f"{name} evaluation needs evaluation images; set data.val_shards to labelled shards "
-                               f"(or {key}.every=0 to turn it off)")
+        eval_shards = section.val_shards or cfg.data.val_shards
+        if eval_shards is None:
+            raise FewShotError(f"{name} evaluation needs evaluation images; set {key}.val_shards or data.val_shards to "
+                               f"labelled shards (or {key}.every=0 to turn it off)")
         self.section, self.accelerator = section, accelerator
         pool_shards = section.shards or cfg.data.shards
 
@@ -121,7 +123,7 @@ class FrozenFeatureSets:
             return LabelledImages(accelerator, batches, count, what)
 
         self.pool = images(pool_shards, section.train_images, f"{pool_name} {pool_shards}")
-        self.eval = images(cfg.data.val_shards, section.eval_images, f"evaluation shards {cfg.data.val_shards}")
+        self.eval = images(eval_shards, section.eval_images, f"evaluation shards {eval_shards}")
 
     def features(self, backbone: VisionTransformer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.section

@@ -4,8 +4,8 @@ Stages, each in its own directory under output_dir (so `tensorboard --logdir out
 short names): [split: a dev split held out of the downstream training shards, first, so a split too small to
 rank the grid is refused before any pretraining] -> pre/mpp, pre/supervised ->
 ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-s<seed> for the other seeds
-of each arm's dev-picked recipe -> [test/<arm>/<run>: each of those runs on the evaluation shards] -> fewshot/<arm>
--> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
+of each arm's dev-picked recipe (of every recipe, for the arms in `ablate`) -> [test/<arm>/<run>: each of those runs
+on the evaluation shards] -> frozen/<arm> (kNN and few-shot of the frozen backbone) -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
 repeated; an interrupted training stage resumes from its newest checkpoint.
 
 The stages run one after another in this process, each started by common.start_run with its own Accelerator
@@ -23,7 +23,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from accelerate import PartialState
@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from webdataset.tariterators import tarfile_samples
 
 from mpp.checkpoint import load_backbone
-from mpp.config import Config, ConfigError, Section, validate_config
+from mpp.config import Config, ConfigError, Pooling, Section, validate_config
 from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
 from mpp.rundir import RESULTS, WEIGHTS
@@ -44,7 +44,8 @@ from pipelines import finetune, pretrain
 from pipelines.common import build_backbone, num_classes, resolve_shards, start_run
 from pipelines.evaluators import Stage, TopK
 from pipelines.fewshot import FewShot
-from pipelines.report import line_chart, report_markdown, val_shards_name
+from pipelines.knn import Knn
+from pipelines.report import PRETRAIN_CURVES, line_chart, report_markdown, scalar_history, val_shards_name
 
 ARMS = ("mpp", "supervised", "scratch")
 STAGE_DONE = "stage.json"
@@ -64,6 +65,7 @@ class CompareConfig(Section):
     grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best per arm is picked on the dev split.")
     seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and whether each gap exceeds that spread. Empty: finetune's train.seed alone.")
     dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's learning rate.")
+    ablate: list[Literal["mpp", "supervised", "scratch"]] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation (test top-1 mean +- std per recipe); arms not in `arms` are not run, so arms=[scratch] runs a plan with ablate=[mpp] unchanged.")
 
 
 def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareConfig:
@@ -213,32 +215,36 @@ def run(cc: CompareConfig) -> dict:
         ckpt = str(out / "pre" / arm) if arm in pretrained else None
         runs = {name: fine_tune(arm, ckpt, name, recipe, base.train.seed) for name, recipe in grid.items()}
         best = max(grid, key=lambda name: runs[name][1]["top1"])
-        # The picked recipe at every seed; the seed the grid ran with reuses its run.
-        seeded = {seed: runs[best] if seed == base.train.seed else fine_tune(arm, ckpt, f"{best}-s{seed}", grid[best], seed)
-                  for seed in seeds}
-        tests = {}
-        for seed, (directory, result) in seeded.items():
-            if select_on_dev:
-                test_dir = out / "test" / arm / directory.name
-                test_cfg = stage_config(cc, "finetune", output_dir=test_dir, **{**grid[best], "train.seed": seed})
-                tests[seed] = stage(test_dir, f"{arm}: {directory.name} on {val_shards_name(base)}",
-                                    {**settings(test_cfg), "run": directory},
-                                    lambda cfg=test_cfg, directory=directory: test_stage(cfg, directory))
-            else:
-                tests[seed] = result
-        top1 = [tests[seed]["top1"] for seed in seeds]
+
+        def tested(name: str) -> dict[int, dict]:
+            """Recipe `name` fine-tuned at every seed (the grid's seed reuses its run), scored on the evaluation shards."""
+            seeded = {seed: runs[name] if seed == base.train.seed else fine_tune(arm, ckpt, f"{name}-s{seed}", grid[name], seed)
+                      for seed in seeds}
+            if not select_on_dev:
+                return {seed: result for seed, (_, result) in seeded.items()}
+            test_cfgs = {seed: stage_config(cc, "finetune", output_dir=out / "test" / arm / directory.name,
+                                            **{**grid[name], "train.seed": seed}) for seed, (directory, _) in seeded.items()}
+            return {seed: stage(out / "test" / arm / directory.name, f"{arm}: {directory.name} on {val_shards_name(base)}",
+                                {**settings(test_cfgs[seed]), "run": directory},
+                                lambda cfg=test_cfgs[seed], directory=directory: test_stage(cfg, directory))
+                    for seed, (directory, _) in seeded.items()}
+
+        # The pick first, so the headline is on disk before an ablation's extra runs.
+        scores = {name: tested(name) for name in ([best] + [n for n in grid if n != best] if arm in cc.ablate else [best])}
         entry = {"objective": OBJECTIVE[arm], "recipe": best, "settings": grid[best],
                  "lr": stage_config(cc, "finetune", **grid[best]).train.lr,
                  "grid": {name: runs[name][1]["top1"] for name in grid}, "run": str(runs[best][0]),
                  "finetune": runs[best][1], "pretrain": pretrained.get(arm),
-                 "test": {"top1": statistics.fmean(top1), "top1_std": statistics.stdev(top1) if len(top1) > 1 else None,
-                          "top1_seeds": {str(seed): t for seed, t in zip(seeds, top1)},
-                          **({"top5": statistics.fmean(tests[s]["top5"] for s in seeds)} if "top5" in tests[seeds[0]] else {})}}
+                 "test": over_seeds(scores[best], seeds)}
+        if arm in cc.ablate:
+            entry["ablation"] = {name: over_seeds(result, seeds) for name, result in scores.items()}
         if select_on_dev:
             entry["dev_top1"] = runs[best][1]["top1"]
-        fewshot_cfg = stage_config(cc, "finetune", output_dir=out / "fewshot" / arm)
-        entry["fewshot"] = stage(out / "fewshot" / arm, f"{arm} few-shot evaluation", {**settings(fewshot_cfg), "ckpt": ckpt},
-                                 lambda cfg=fewshot_cfg, ckpt=ckpt: fewshot_stage(cfg, ckpt))
+        if arm in pretrained:
+            entry["pretrain_curves"] = scalar_history(out / "pre" / arm, PRETRAIN_CURVES)
+        frozen_cfg = stage_config(cc, "finetune", output_dir=out / "frozen" / arm)
+        entry["frozen"] = stage(out / "frozen" / arm, f"{arm} frozen features (kNN, few-shot)", {**settings(frozen_cfg), "ckpt": ckpt},
+                                lambda cfg=frozen_cfg, ckpt=ckpt: frozen_stage(cfg, ckpt))
         report["arms"][arm] = entry
 
     report["select_on_dev"] = select_on_dev
@@ -254,6 +260,14 @@ def run(cc: CompareConfig) -> dict:
         print(f"[compare] report in {out / 'report.md'}, plot in {out / 'comparison.png'}, "
               f"all runs in TensorBoard: tensorboard --logdir {out}")
     return report
+
+
+def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
+    """Test top-1 (and top-5) of one recipe at every seed -> mean, std and each seed's."""
+    top1 = [tests[seed]["top1"] for seed in seeds]
+    return {"top1": statistics.fmean(top1), "top1_std": statistics.stdev(top1) if len(top1) > 1 else None,
+            "top1_seeds": {str(seed): t for seed, t in zip(seeds, top1)},
+            **({"top5": statistics.fmean(tests[s]["top5"] for s in seeds)} if "top5" in tests[seeds[0]] else {})}
 
 
 def gaps(arms: dict[str, dict]) -> list[dict]:
@@ -272,8 +286,12 @@ def gaps(arms: dict[str, dict]) -> list[dict]:
 
 
 def settings(cfg: Config) -> dict:
-    """What a stage's result depends on: its run config, less the directory it writes to and how often it logs."""
-    return {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
+    """What a stage's result depends on: its run config, less the directory it writes to, how often it logs and the
+    CPU threads it computes with (so arms run side by side on a small machine, one thread each, are the stages a
+    later plain run of the plan finds finished)."""
+    values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
+    values["train"] = {k: v for k, v in values["train"].items() if k != "cpu_threads"}
+    return values
 
 
 # ---------------------------------------------------------------- the stages
@@ -343,9 +361,17 @@ def test_stage(cfg: Config, run_dir: Path) -> dict:
     return {"run": str(run_dir), "top1": scores["eval/top1"], **({"top5": scores["eval/top5"]} if "eval/top5" in scores else {})}
 
 
-def fewshot_stage(cfg: Config, ckpt: str | None) -> dict:
-    """Examples drawn from the downstream training shards, scored on the evaluation shards; `None` scores a fresh backbone."""
+def frozen_stage(cfg: Config, ckpt: str | None) -> dict:
+    """kNN top-1 and few-shot accuracy of the frozen backbone (`None`: a fresh one), read from both poolings: MPP never
+    trains the [class] token that supervised pretraining trains, so one pooling for every arm would handicap one.
+    Neighbours and examples come from knn.shards / fewshot.shards (default: the downstream training shards), the
+    images classified from their val_shards (default: the evaluation shards). -> {pooling: {knn, fewshot: {shots: acc}}}"""
     accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
     backbone = (load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg)).to(accelerator.device)
-    accuracies = FewShot(cfg, accelerator).accuracies(backbone)
-    return {str(n): sum(a) / len(a) for n, a in accuracies.items()}
+    result = {}
+    for pool in get_args(Pooling):
+        pooled = cfg.model_copy(update={"knn": cfg.knn.model_copy(update={"features": pool}),
+                                        "fewshot": cfg.fewshot.model_copy(update={"features": pool})})
+        result[pool] = {"knn": Knn(pooled, accelerator).scores(backbone)["knn/top1"],
+                        "fewshot": {str(n): statistics.fmean(a) for n, a in FewShot(pooled, accelerator).accuracies(backbone).items()}}
+    return result

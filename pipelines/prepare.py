@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, folder_samples, hf_samples, idx_samples, is_saved_dataset, synthetic_samples, write_shards
+from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, folder_samples, hf_samples, idx_samples, is_saved_dataset, select_classes, synthetic_samples, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 
@@ -23,15 +23,19 @@ def run(
     overwrite: bool = False,
     short_side: int | None = None,
     quality: int = 90,
+    classes: list[int] | None = None,
 ) -> dict:
     """Write `source` as shards into `out`, print a one-line summary and return summary.json's content.
 
     source: 'synthetic' (count images of size px), a save_to_disk directory, a folder of images,
     an MNIST-style *-images-idx3-ubyte(.gz) file (labels beside it), or a Hugging Face dataset name.
     short_side: store images whose short side exceeds it downsized to it, as JPEG at `quality`.
+    classes: keep only the samples of these class ids, relabelled 0..k-1 in this order (a class split for transfer).
     """
     check_writable_dir(Path(out))
     samples = open_source(source, size=size, count=count, split=split)
+    if classes is not None:
+        samples = select_classes(samples, classes)
     if short_side is not None:
         samples = bound_short_side(samples, short_side, quality)
     summary = write_shards(samples, out,

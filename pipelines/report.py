@@ -33,6 +33,42 @@ def training_time(run_dir: Path) -> float:
     return total
 
 
+PRETRAIN_CURVES = ("val/loss", "knn/top1")  # what the report shows of each pretraining run, step by step
+STILL_RISING = 0.01  # a picked fine-tuning run whose dev top-1 gained more than this over its last quarter is flagged
+
+
+def scalar_history(run_dir: Path, tags: tuple[str, ...]) -> dict[str, list[list[float]]]:
+    """{tag: [[step, value], ...]} of the TensorBoard scalars `tags` logged under run_dir, over every event file (a
+    resumed run's parts; where two logged one step, the later file wins), sorted by step; tags never logged are left out."""
+    series: dict[str, dict[int, float]] = {}
+    for events in sorted(run_dir.rglob("events.out.tfevents*")):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0}).Reload()
+        for tag in set(tags) & set(accumulator.Tags()["scalars"]):
+            series.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
+    return {tag: [[step, value] for step, value in sorted(series[tag].items())] for tag in tags if tag in series}
+
+
+def last_quarter_change(curve: list[list[float]]) -> float | None:
+    """How much a curve's value moved over the last quarter of its steps: the last value minus the value at 75% of
+    the steps (the nearest logged step at or before it); None for a curve too short to tell."""
+    if len(curve) < 3:
+        return None
+    last_step, last = curve[-1]
+    before = [value for step, value in curve if step <= 0.75 * last_step]
+    return last - before[-1] if before else None
+
+
+def last_quarter_gain(history: list[list[float]]) -> float | None:
+    """The best dev top-1 of a fine-tuning run's last quarter of steps minus its best before: above STILL_RISING, the
+    run was still improving when its schedule ended."""
+    if len(history) < 4:
+        return None
+    end = history[-1][0]
+    early = [top1 for step, top1 in history if step <= 0.75 * end]
+    late = [top1 for step, top1 in history if step > 0.75 * end]
+    return max(late) - max(early) if early and late else None
+
+
 def val_shards_name(cfg: Config) -> str:
     return f"data.val_shards ({cfg.data.val_shards})"
 
@@ -41,51 +77,85 @@ def percent_with_spread(test: dict) -> str:
     return f"{100 * test['top1']:.2f}%" + (f" ± {100 * test['top1_std']:.2f}" if test["top1_std"] is not None else "")
 
 
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     out = Path(cc.output_dir)
     arms, grid, seeds = report["arms"], report["recipes"], report["seeds"]
-    shots = sorted({int(n) for e in arms.values() for n in e["fewshot"] if n.isdigit()})
-    evaluated_on = "the dev split" if report["select_on_dev"] else val_shards_name(base)
+    on_dev = report["select_on_dev"]
+    evaluated_on = "the dev split" if on_dev else val_shards_name(base)
     seeds_note = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    head = ["run", "pretraining objective", "pretraining images seen", "fine-tuning recipe", "fine-tuning images seen",
-            "wall time (s)", *(["dev top-1"] if report["select_on_dev"] else []), f"top-1 (evaluation shards, {seeds_note})",
-            *[f"{n}-shot" for n in shots]]
     lines = ["# MPP vs supervised pretraining vs scratch", "",
              f"Fine-tuning: {base.train.steps} steps at batch {base.train.batch_size}, warmup {base.train.warmup_steps}, "
              f"then cosine; "
              + (f"each arm's recipe picked from the {len(grid)} of the grid below by top-1 on a dev split "
                 f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning), so no arm is held to a recipe "
-                f"that suits another." if report["select_on_dev"]
+                f"that suits another." if on_dev
                 else f"one recipe ({base.train.optimizer}, lr {base.train.lr:g}) for every arm (no dev split: set `grid` "
                      f"or `lrs` for per-arm selection)."),
-             f"Top-1 on the evaluation shards: the picked recipe fine-tuned with {seeds_note}.",
-             f"Few-shot: ridge regression onto +-1 targets from frozen {base.fewshot.features} features, examples drawn "
-             f"from the downstream training shards, mean of {base.fewshot.draws} draws, scored on {val_shards_name(base)}.",
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+             f"Top-1 on {val_shards_name(base)}: the picked recipe fine-tuned with {seeds_note}.", ""]
+    head = ["arm", "pretraining objective", "pretraining images seen", "fine-tuning recipe", "fine-tuning images seen",
+            "wall time (s)", *(["dev top-1"] if on_dev else []), f"top-1 ({seeds_note})", "each seed",
+            f"dev top-1 gain in the last quarter"]
+    rows = []
     for arm, e in arms.items():
         pre = e["pretrain"] or {}
         wall = (training_time(out / "pre" / arm) if pre else 0) + training_time(Path(e["run"]))
-        row = [arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", e["recipe"],
-               f"{e['finetune']['images_seen']:,}", f"{wall:.0f}",
-               *([f"{100 * e['dev_top1']:.2f}%"] if report["select_on_dev"] else []), percent_with_spread(e["test"]),
-               *[f"{100 * e['fewshot'][str(n)]:.1f}%" for n in shots]]
-        lines.append("| " + " | ".join(row) + " |")
-    if report["select_on_dev"]:
-        lines += ["", "## The whole grid (dev top-1; the pick of each arm in bold)", "",
-                  "| recipe | " + " | ".join(arms) + " |", "|" + "---|" * (len(arms) + 1)]
-        for name in grid:
-            cells = [f"**{100 * e['grid'][name]:.2f}%**" if e["recipe"] == name else f"{100 * e['grid'][name]:.2f}%"
-                     for e in arms.values()]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Recipes (run names under `ft/<arm>/`; keys on top of the plan's `finetune` section):", ""]
-    lines += [f"- `{name}`: " + (", ".join(f"{k}={v}" for k, v in recipe.items()) or "the plan's finetune section as it is")
-              for name, recipe in grid.items()]
-    lines += ["", "## Gaps", ""]
+        gain = last_quarter_gain(e["finetune"].get("history", []))
+        rows.append([arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", e["recipe"],
+                     f"{e['finetune']['images_seen']:,}", f"{wall:.0f}", *([f"{100 * e['dev_top1']:.2f}%"] if on_dev else []),
+                     f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values()),
+                     "n/a" if gain is None else f"{100 * gain:+.2f}" + (" (still rising)" if gain > STILL_RISING else "")])
+    lines += table(head, rows)
+    lines += ["", f"Dev top-1 gain in the last quarter: the picked run's best top-1 on {evaluated_on} in its last quarter "
+              f"of steps minus its best before; over {100 * STILL_RISING:g} point the run had not converged.", ""]
+
+    lines += ["## Gaps", ""]
     for g in report["gaps"]:
         a, b = g["arms"]
         verdict = ("one seed: no spread to judge the gap by (set `seeds`)" if g["spread"] is None else
                    f"{'exceeds' if g['exceeds_spread'] else 'does not exceed'} the spread (sum of the two std, {100 * g['spread']:.2f})")
         lines.append(f"- {a} - {b}: {100 * g['gap']:+.2f} points top-1; {verdict}.")
+
+    shots = sorted({int(n) for e in arms.values() for n in e["frozen"]["cls"]["fewshot"]})
+    lines += ["", "## Frozen features", "",
+              f"kNN (k={base.knn.k}, T={base.knn.temperature:g}) top-1 and few-shot ridge accuracy (mean of "
+              f"{base.fewshot.draws} draws) of each arm's backbone before fine-tuning (scratch: a fresh one), read from "
+              f"the [class] token (cls) and from the mean of the patch outputs (mean).", ""]
+    lines += table(["arm", "kNN cls", "kNN mean", *[f"{n}-shot {pool}" for n in shots for pool in ("cls", "mean")]],
+                   [[arm, f"{100 * e['frozen']['cls']['knn']:.2f}%", f"{100 * e['frozen']['mean']['knn']:.2f}%",
+                     *[f"{100 * e['frozen'][pool]['fewshot'][str(n)]:.1f}%" for n in shots for pool in ("cls", "mean")]]
+                    for arm, e in arms.items()])
+
+    curves = {arm: e["pretrain_curves"] for arm, e in arms.items() if e.get("pretrain_curves")}
+    if curves:
+        lines += ["", "## Pretraining", "",
+                  "Pretext validation loss (`val/loss`, on data.val_shards of the pretraining) and kNN top-1 of the "
+                  "downstream classes as pretraining went; `change` is over the last quarter of the steps (a flat curve "
+                  "changes little).", ""]
+        for arm, curve in curves.items():
+            steps = sorted({int(step) for series in curve.values() for step, _ in series})
+            values = {tag: dict((int(step), value) for step, value in series) for tag, series in curve.items()}
+            rows = [[tag, *[f"{values[tag][step]:.4f}" if step in values[tag] else "" for step in steps],
+                     "" if (change := last_quarter_change(curve[tag])) is None else f"{change:+.4f}"] for tag in curve]
+            lines += [f"**{arm}**", ""] + table(["step", *map(str, steps), "change"], rows) + [""]
+
+    ablated = {arm: e["ablation"] for arm, e in arms.items() if "ablation" in e}
+    if ablated:
+        lines += ["## Ablation: every recipe at every seed", "",
+                  f"Test top-1 ({seeds_note}) of every recipe of the grid, not only the pick; the levers differ between "
+                  f"recipes as their keys below say.", ""]
+        lines += table(["recipe", *ablated], [[name, *[percent_with_spread(a[name]) for a in ablated.values()]] for name in grid])
+        lines.append("")
+    if on_dev:
+        lines += ["## The whole grid (dev top-1; the pick of each arm in bold)", ""]
+        lines += table(["recipe", *arms], [[name, *[f"**{100 * e['grid'][name]:.2f}%**" if e["recipe"] == name
+                                                   else f"{100 * e['grid'][name]:.2f}%" for e in arms.values()]] for name in grid])
+    lines += ["", "Recipes (run names under `ft/<arm>/`; keys on top of the plan's `finetune` section):", ""]
+    lines += [f"- `{name}`: " + (", ".join(f"{k}={v}" for k, v in recipe.items()) or "the plan's finetune section as it is")
+              for name, recipe in grid.items()]
     lines += ["", f"Wall time: pretraining plus the picked fine-tuning run, from the first to the last logged training step "
               f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png; every "
               f"run in TensorBoard (`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]

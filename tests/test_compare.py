@@ -37,15 +37,19 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     out = tmp_path / "cmp"
     assert set(report["arms"]) == {"mpp", "supervised", "scratch"}
     text = (out / "report.md").read_text()
-    table = text.split("## The whole grid")[0]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    table = text.split("## Gaps")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
     assert [r.split(" | ")[0] for r in rows] == ["| mpp", "| supervised", "| scratch"]
     for row in rows:
         cells = row.strip("| ").split(" | ")
         assert len(cells) == 10 and all(cells), row  # no empty cell
         assert cells[3] in ("sgd-0.03", "mim")  # the recipe each arm picked
-        assert re.fullmatch(r"\d+\.\d\d%", cells[6]) and re.fullmatch(r"\d+\.\d\d% ± \d+\.\d\d", cells[7])  # dev; test mean ± std
-        assert re.fullmatch(r"\d+\.\d%", cells[8]) and re.fullmatch(r"\d+\.\d%", cells[9])  # 1- and 2-shot
+        assert re.fullmatch(r"\d+\.\d\d%", cells[6]) and re.fullmatch(r"\*\*\d+\.\d\d% ± \d+\.\d\d\*\*", cells[7])  # dev; test mean ± std
+        assert re.fullmatch(r"\d+\.\d\d / \d+\.\d\d", cells[8])  # each seed's top-1
+    frozen = [line for line in text.split("## Frozen features")[1].split("##")[0].splitlines() if line.startswith("| ")]
+    assert frozen[0] == "| arm | kNN cls | kNN mean | 1-shot cls | 1-shot mean | 2-shot cls | 2-shot mean |"
+    assert [r.split(" | ")[0] for r in frozen[1:]] == ["| mpp", "| supervised", "| scratch"]
+    assert "**mpp**" in text.split("## Pretraining")[1] and "| val/loss |" in text  # the pretraining curves
     grid_rows = [line for line in text.split("## The whole grid")[1].splitlines() if line.startswith(("| sgd-0.03", "| mim"))]
     assert len(grid_rows) == 2 and sum(row.count("**") for row in grid_rows) == 2 * 3  # every arm's pick in bold
     assert "`mim`: train.optimizer=adamw, train.lr=0.001, train.weight_decay=0.05, train.layer_decay=0.75, finetune.pool=mean" in text
@@ -76,7 +80,7 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     reset_accelerator()
     assert compare.run(tiny(tmp_path)) == report
     log = capsys.readouterr().out
-    # 2 pretrainings, the split, 3 arms x (2 recipes + 1 more seed), 3 x 2 test scorings, 3 few-shot evaluations
+    # 2 pretrainings, the split, 3 arms x (2 recipes + 1 more seed), 3 x 2 test scorings, 3 frozen-feature evaluations
     assert log.count("finished before, skipped") == 2 + 1 + 9 + 6 + 3 and "running in" not in log
 
 
@@ -94,11 +98,23 @@ def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
 def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
     cc = tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]")
     compare.run(cc)
-    (tmp_path / "cmp" / "fewshot" / "scratch" / "stage.json").unlink()  # as if it had crashed before finishing
+    (tmp_path / "cmp" / "frozen" / "scratch" / "stage.json").unlink()  # as if it had crashed before finishing
     capsys.readouterr()
     compare.run(cc)
     log = capsys.readouterr().out
-    assert "scratch few-shot evaluation: running" in log and log.count("finished before, skipped") == 1
+    assert "scratch frozen features (kNN, few-shot): running" in log and log.count("finished before, skipped") == 1
+
+
+def test_an_ablated_arm_runs_every_recipe_at_every_seed_and_reports_each(tmp_path):
+    report = compare.run(tiny(tmp_path, "arms=[scratch]", "ablate=[scratch]"))
+    entry = report["arms"]["scratch"]
+    assert set(entry["ablation"]) == {"sgd-0.03", "mim"}
+    assert entry["ablation"][entry["recipe"]] == entry["test"]  # the pick's row is the headline
+    for name, scores in entry["ablation"].items():
+        assert set(scores["top1_seeds"]) == {"0", "1"}
+        assert (tmp_path / "cmp" / "test" / "scratch" / f"{name}-s1" / "stage.json").is_file()
+    ablation = (tmp_path / "cmp" / "report.md").read_text().split("## Ablation: every recipe at every seed")[1].split("##")[0]
+    assert [line.split(" | ")[0] for line in ablation.splitlines() if line.startswith("| ")][1:] == ["| sgd-0.03", "| mim"]
 
 
 def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
@@ -184,3 +200,21 @@ def test_a_dev_split_too_small_is_refused_before_any_pretraining(tmp_path):
     with pytest.raises(compare.CompareError, match="too small to pick"):
         compare.run(cc)
     assert not (tmp_path / "cmp" / "pre").exists()  # no pretraining spent on a comparison that cannot rank its grid
+
+
+def test_the_report_reads_a_resumed_runs_curves_whole_and_flags_a_run_still_rising(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from pipelines.report import last_quarter_change, last_quarter_gain, scalar_history
+
+    for part, steps in enumerate(([0, 1000, 2000], [2000, 3000, 4000])):  # a run resumed at step 2000
+        with SummaryWriter(str(tmp_path / "run" / "tensorboard" / f"part{part}")) as writer:
+            for step in steps:
+                writer.add_scalar("val/loss", 1.0 / (1 + step / 1000) + part, step)
+    curve = scalar_history(tmp_path / "run", ("val/loss", "knn/top1"))["val/loss"]
+    assert [step for step, _ in curve] == [0, 1000, 2000, 3000, 4000]
+    assert curve[2][1] == pytest.approx(1 + 1 / 3)  # the step both parts logged: the resumed part's value
+    assert last_quarter_change(curve) == pytest.approx((1 + 1 / 5) - (1 + 1 / 4))  # step 4000 minus step 3000
+    rising = [[100 * i, 0.5 + 0.01 * i] for i in range(1, 13)]
+    flat = [[100 * i, min(0.7, 0.5 + 0.05 * i)] for i in range(1, 13)]
+    assert last_quarter_gain(rising) == pytest.approx(0.03) and last_quarter_gain(flat) == 0

@@ -115,8 +115,17 @@ def test_knn_needs_evaluation_shards_and_labels(tmp_path, make_shards):
         pretrain.run(cfg)
     reset_accelerator()
     cfg.data.val_shards = None
-    with pytest.raises(FewShotError, match="kNN evaluation needs evaluation images; set data.val_shards"):
+    with pytest.raises(FewShotError, match="kNN evaluation needs evaluation images; set knn.val_shards or data.val_shards"):
         pretrain.run(cfg)
+
+
+def test_knn_classifies_its_own_val_shards_not_the_pretext_validation_images(tmp_path, make_shards):
+    # Pretraining validates on its own classes while kNN scores other ones: here kNN classifies its neighbour pool
+    # itself, so with k=1 every image finds itself (cosine 1) and top-1 is exact; data.val_shards is not read by it.
+    pool = make_shards([40], size=32)
+    results = pretrain.run(tiny(tmp_path, "data.val_shards=null", "knn.every=6", f"knn.shards={pool[0]}",
+                                f"knn.val_shards={pool[0]}", "knn.k=1", "knn.train_images=40", "knn.eval_images=40"))
+    assert results["knn/top1"] == 1.0
 
 
 def test_supervised_pretraining_validates_its_own_loss_and_accuracy(tmp_path, make_shards):

@@ -9,7 +9,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from mpp.shards import Sample, Source, folder_samples, idx_samples, write_shards
+import launch
+from mpp.shards import Sample, Source, SourceError, folder_samples, idx_samples, write_shards
 from mpp.synthetic import NUM_CLASSES, synthetic_image
 from pipelines import prepare
 
@@ -103,6 +104,39 @@ def test_idx_round_trip(tmp_path, compress):
         image = Image.open(io.BytesIO(sample["png"]))
         assert image.mode == "L" and np.array_equal(np.asarray(image), images[i])
         assert label_of(sample) == labels[i]
+
+
+def test_classes_keeps_a_class_subset_relabelled_in_the_order_given(tmp_path, capsys):
+    # A transfer split: upstream and downstream classes, each side a 0..k-1 label space.
+    images = np.arange(8 * 4, dtype=np.uint8).reshape(8, 2, 2)
+    labels = np.array([0, 1, 2, 3, 3, 1, 0, 2], np.uint8)
+    write_idx(tmp_path / "train-images-idx3-ubyte", images, compress=False)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels, compress=False)
+    source = str(tmp_path / "train-images-idx3-ubyte")
+
+    summary = prepare.run(source, str(tmp_path / "down"), classes=[3, 1])
+
+    assert (summary["samples"], summary["classes"]) == (4, 2) and "classes 3,1 as 0..1" in summary["source"]
+    samples = read_shards(tmp_path / "down")
+    assert {key: label_of(sample) for key, sample in samples.items()} == {"00000001": 1, "00000003": 0, "00000004": 0, "00000005": 1}
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(samples["00000003"]["png"]))), images[3])  # the image is untouched
+    with pytest.raises(SourceError, match=r"no sample of .* is labelled with one of classes \[7\]"):
+        prepare.run(source, str(tmp_path / "none"), classes=[7])
+    with pytest.raises(SourceError, match="distinct"):
+        prepare.run(source, str(tmp_path / "twice"), classes=[1, 1])
+    with pytest.raises(SystemExit):
+        launch.main(["prepare", source, "--out", str(tmp_path / "bad"), "--classes", "shirt,coat"])
+    assert "'shirt,coat' is not a comma-separated list of class ids" in capsys.readouterr().err
+
+
+def test_classes_keeps_the_names_of_the_classes_it_keeps(tmp_path):
+    for name in ("cat", "dog", "emu"):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "images" / name / "a.png")
+    summary = prepare.run(str(tmp_path / "images"), str(tmp_path / "out"), classes=[2, 0])
+    assert summary["class_names"] == ["emu", "cat"] and summary["samples"] == 2
+    with pytest.raises(SourceError, match="names class 3, but .* has 3 classes"):
+        prepare.run(str(tmp_path / "images"), str(tmp_path / "bad"), classes=[3])
 
 
 def test_idx_count_mismatch_is_refused(tmp_path):
