@@ -3,7 +3,8 @@
 Stages, each in its own directory under output_dir (so `tensorboard --logdir output_dir` shows every run, under
 short names): [split: a dev split held out of the downstream training shards, first, so a split too small to
 rank the grid is refused before any pretraining] -> pre/mpp, pre/supervised ->
-ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-s<seed> for the other seeds
+ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-x<multiple> for the pick
+fine-tuned longer (`lengths`) while dev top-1 rises -> ft/<arm>/<pick>-s<seed> for the other seeds
 of each arm's dev-picked recipe (of every recipe, for the arms in `ablate`) -> [test/<arm>/<run>: each of those runs
 on the evaluation shards] -> frozen/<arm> (kNN and few-shot of the frozen backbone) -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
 repeated; an interrupted training stage resumes from its newest checkpoint.
@@ -65,6 +66,7 @@ class CompareConfig(Section):
     grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best per arm is picked on the dev split.")
     seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and whether each gap exceeds that spread. Empty: finetune's train.seed alone.")
     dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's learning rate.")
+    lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's dev-picked recipe, stopping at the first that does not raise its dev top-1, so every arm fine-tunes until its dev accuracy stops rising; [1]: the plan's length only.")
     ablate: list[Literal["mpp", "supervised", "scratch"]] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation (test top-1 mean +- std per recipe); arms not in `arms` are not run, so arms=[scratch] runs a plan with ablate=[mpp] unchanged.")
 
 
@@ -86,6 +88,8 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"comparison config key '{key}': {first['msg']}; see configs/compare/tiny.yaml") from None
+    if cc.lengths[0] != 1 or any(b <= a for a, b in zip(cc.lengths, cc.lengths[1:])):
+        raise ConfigError(f"lengths must start at 1 (the plan's train.steps) and increase, got {cc.lengths}; e.g. [1, 2, 4]")
     if cc.grid and cc.lrs:
         raise ConfigError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
     stages = {f"{arm} pretraining": stage_config(cc, "pretrain", objective=arm) for arm in ("mpp", "supervised")}
@@ -215,31 +219,44 @@ def run(cc: CompareConfig) -> dict:
         ckpt = str(out / "pre" / arm) if arm in pretrained else None
         runs = {name: fine_tune(arm, ckpt, name, recipe, base.train.seed) for name, recipe in grid.items()}
         best = max(grid, key=lambda name: runs[name][1]["top1"])
+        recipes_run, lengths = dict(grid), {}
+        pick = best
+        if select_on_dev:  # longer, while dev top-1 keeps rising
+            steps = stage_config(cc, "finetune", **grid[best]).train.steps
+            lengths = {1.0: runs[best][1]["top1"]}
+            for multiple in cc.lengths[1:]:
+                name = f"{best}-x{multiple:g}"
+                recipes_run[name] = {**grid[best], "train.steps": round(steps * multiple)}
+                runs[name] = fine_tune(arm, ckpt, name, recipes_run[name], base.train.seed)
+                lengths[multiple] = runs[name][1]["top1"]
+                if runs[name][1]["top1"] <= runs[pick][1]["top1"]:
+                    break
+                pick = name
 
         def tested(name: str) -> dict[int, dict]:
             """Recipe `name` fine-tuned at every seed (the grid's seed reuses its run), scored on the evaluation shards."""
-            seeded = {seed: runs[name] if seed == base.train.seed else fine_tune(arm, ckpt, f"{name}-s{seed}", grid[name], seed)
+            seeded = {seed: runs[name] if seed == base.train.seed else fine_tune(arm, ckpt, f"{name}-s{seed}", recipes_run[name], seed)
                       for seed in seeds}
             if not select_on_dev:
                 return {seed: result for seed, (_, result) in seeded.items()}
             test_cfgs = {seed: stage_config(cc, "finetune", output_dir=out / "test" / arm / directory.name,
-                                            **{**grid[name], "train.seed": seed}) for seed, (directory, _) in seeded.items()}
+                                            **{**recipes_run[name], "train.seed": seed}) for seed, (directory, _) in seeded.items()}
             return {seed: stage(out / "test" / arm / directory.name, f"{arm}: {directory.name} on {val_shards_name(base)}",
                                 {**settings(test_cfgs[seed]), "run": directory},
                                 lambda cfg=test_cfgs[seed], directory=directory: test_stage(cfg, directory))
                     for seed, (directory, _) in seeded.items()}
 
         # The pick first, so the headline is on disk before an ablation's extra runs.
-        scores = {name: tested(name) for name in ([best] + [n for n in grid if n != best] if arm in cc.ablate else [best])}
-        entry = {"objective": OBJECTIVE[arm], "recipe": best, "settings": grid[best],
-                 "lr": stage_config(cc, "finetune", **grid[best]).train.lr,
-                 "grid": {name: runs[name][1]["top1"] for name in grid}, "run": str(runs[best][0]),
-                 "finetune": runs[best][1], "pretrain": pretrained.get(arm),
-                 "test": over_seeds(scores[best], seeds)}
+        scores = {name: tested(name) for name in ([pick] + [n for n in grid if n != pick] if arm in cc.ablate else [pick])}
+        entry = {"objective": OBJECTIVE[arm], "recipe": pick, "grid_pick": best, "settings": recipes_run[pick],
+                 "lr": stage_config(cc, "finetune", **recipes_run[pick]).train.lr,
+                 "grid": {name: runs[name][1]["top1"] for name in grid}, "lengths": {f"{m:g}": top1 for m, top1 in lengths.items()},
+                 "run": str(runs[pick][0]), "finetune": runs[pick][1], "pretrain": pretrained.get(arm),
+                 "test": over_seeds(scores[pick], seeds)}
         if arm in cc.ablate:
             entry["ablation"] = {name: over_seeds(result, seeds) for name, result in scores.items()}
         if select_on_dev:
-            entry["dev_top1"] = runs[best][1]["top1"]
+            entry["dev_top1"] = runs[pick][1]["top1"]
         if arm in pretrained:
             entry["pretrain_curves"] = scalar_history(out / "pre" / arm, PRETRAIN_CURVES)
         frozen_cfg = stage_config(cc, "finetune", output_dir=out / "frozen" / arm)

@@ -34,7 +34,6 @@ def training_time(run_dir: Path) -> float:
 
 
 PRETRAIN_CURVES = ("val/loss", "knn/top1")  # what the report shows of each pretraining run, step by step
-STILL_RISING = 0.01  # a picked fine-tuning run whose dev top-1 gained more than this over its last quarter is flagged
 
 
 def scalar_history(run_dir: Path, tags: tuple[str, ...]) -> dict[str, list[list[float]]]:
@@ -56,17 +55,6 @@ def last_quarter_change(curve: list[list[float]]) -> float | None:
     last_step, last = curve[-1]
     before = [value for step, value in curve if step <= 0.75 * last_step]
     return last - before[-1] if before else None
-
-
-def last_quarter_gain(history: list[list[float]]) -> float | None:
-    """The best dev top-1 of a fine-tuning run's last quarter of steps minus its best before: above STILL_RISING, the
-    run was still improving when its schedule ended."""
-    if len(history) < 4:
-        return None
-    end = history[-1][0]
-    early = [top1 for step, top1 in history if step <= 0.75 * end]
-    late = [top1 for step, top1 in history if step > 0.75 * end]
-    return max(late) - max(early) if early and late else None
 
 
 def val_shards_name(cfg: Config) -> str:
@@ -97,20 +85,16 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
                      f"or `lrs` for per-arm selection)."),
              f"Top-1 on {val_shards_name(base)}: the picked recipe fine-tuned with {seeds_note}.", ""]
     head = ["arm", "pretraining objective", "pretraining images seen", "fine-tuning recipe", "fine-tuning images seen",
-            "wall time (s)", *(["dev top-1"] if on_dev else []), f"top-1 ({seeds_note})", "each seed",
-            f"dev top-1 gain in the last quarter"]
+            "wall time (s)", *(["dev top-1"] if on_dev else []), f"top-1 ({seeds_note})", "each seed"]
     rows = []
     for arm, e in arms.items():
         pre = e["pretrain"] or {}
         wall = (training_time(out / "pre" / arm) if pre else 0) + training_time(Path(e["run"]))
-        gain = last_quarter_gain(e["finetune"].get("history", []))
         rows.append([arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", e["recipe"],
                      f"{e['finetune']['images_seen']:,}", f"{wall:.0f}", *([f"{100 * e['dev_top1']:.2f}%"] if on_dev else []),
-                     f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values()),
-                     "n/a" if gain is None else f"{100 * gain:+.2f}" + (" (still rising)" if gain > STILL_RISING else "")])
+                     f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values())])
     lines += table(head, rows)
-    lines += ["", f"Dev top-1 gain in the last quarter: the picked run's best top-1 on {evaluated_on} in its last quarter "
-              f"of steps minus its best before; over {100 * STILL_RISING:g} point the run had not converged.", ""]
+    lines.append("")
 
     lines += ["## Gaps", ""]
     for g in report["gaps"]:
@@ -142,16 +126,30 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
                      "" if (change := last_quarter_change(curve[tag])) is None else f"{change:+.4f}"] for tag in curve]
             lines += [f"**{arm}**", ""] + table(["step", *map(str, steps), "change"], rows) + [""]
 
+    multiples = sorted({float(m) for e in arms.values() for m in e["lengths"]})
+    if len(multiples) > 1:
+        lines += ["## Fine-tuning length", "",
+                  f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
+                  f"stopped rising; the kept length is in bold (its name ends in -x<multiple> when longer).", ""]
+        rows = []
+        for arm, e in arms.items():
+            kept = e["recipe"].removeprefix(e["grid_pick"]).removeprefix("-x") or "1"
+            rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else
+                                                 (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == kept
+                                                  else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
+        lines += table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
     ablated = {arm: e["ablation"] for arm, e in arms.items() if "ablation" in e}
     if ablated:
         lines += ["## Ablation: every recipe at every seed", "",
                   f"Test top-1 ({seeds_note}) of every recipe of the grid, not only the pick; the levers differ between "
                   f"recipes as their keys below say.", ""]
-        lines += table(["recipe", *ablated], [[name, *[percent_with_spread(a[name]) for a in ablated.values()]] for name in grid])
+        names = [*{name: None for a in ablated.values() for name in a}]  # the picks (longer ones included) first
+        lines += table(["recipe", *ablated], [[name, *[percent_with_spread(a[name]) if name in a else "" for a in ablated.values()]]
+                                              for name in names])
         lines.append("")
     if on_dev:
         lines += ["## The whole grid (dev top-1; the pick of each arm in bold)", ""]
-        lines += table(["recipe", *arms], [[name, *[f"**{100 * e['grid'][name]:.2f}%**" if e["recipe"] == name
+        lines += table(["recipe", *arms], [[name, *[f"**{100 * e['grid'][name]:.2f}%**" if e["grid_pick"] == name
                                                    else f"{100 * e['grid'][name]:.2f}%" for e in arms.values()]] for name in grid])
     lines += ["", "Recipes (run names under `ft/<arm>/`; keys on top of the plan's `finetune` section):", ""]
     lines += [f"- `{name}`: " + (", ".join(f"{k}={v}" for k, v in recipe.items()) or "the plan's finetune section as it is")

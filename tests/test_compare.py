@@ -42,7 +42,7 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     assert [r.split(" | ")[0] for r in rows] == ["| mpp", "| supervised", "| scratch"]
     for row in rows:
         cells = row.strip("| ").split(" | ")
-        assert len(cells) == 10 and all(cells), row  # no empty cell
+        assert len(cells) == 9 and all(cells), row  # no empty cell
         assert cells[3] in ("sgd-0.03", "mim")  # the recipe each arm picked
         assert re.fullmatch(r"\d+\.\d\d%", cells[6]) and re.fullmatch(r"\*\*\d+\.\d\d% ± \d+\.\d\d\*\*", cells[7])  # dev; test mean ± std
         assert re.fullmatch(r"\d+\.\d\d / \d+\.\d\d", cells[8])  # each seed's top-1
@@ -114,7 +114,24 @@ def test_an_ablated_arm_runs_every_recipe_at_every_seed_and_reports_each(tmp_pat
         assert set(scores["top1_seeds"]) == {"0", "1"}
         assert (tmp_path / "cmp" / "test" / "scratch" / f"{name}-s1" / "stage.json").is_file()
     ablation = (tmp_path / "cmp" / "report.md").read_text().split("## Ablation: every recipe at every seed")[1].split("##")[0]
-    assert [line.split(" | ")[0] for line in ablation.splitlines() if line.startswith("| ")][1:] == ["| sgd-0.03", "| mim"]
+    rows = [line.split(" | ")[0] for line in ablation.splitlines() if line.startswith("| ")][1:]
+    assert rows[0] == f"| {entry['recipe']}" and sorted(rows) == ["| mim", "| sgd-0.03"]  # the pick first
+
+
+def test_the_pick_fine_tunes_longer_while_dev_top1_rises(tmp_path):
+    report = compare.run(tiny(tmp_path, "arms=[scratch]", "lengths=[1,2,4]"))
+    entry = report["arms"]["scratch"]
+    tried = [m for m in ("1", "2", "4") if m in entry["lengths"]]
+    dev = [entry["lengths"][m] for m in tried]
+    # Longer while each length beat the one before on dev; the first that did not ends the search and is not kept.
+    kept = len(dev) if all(b > a for a, b in zip(dev, dev[1:])) else len(dev) - 1
+    assert all(b > a for a, b in zip(dev[:kept], dev[1:kept])) and (len(dev) == 3 or dev[-1] <= dev[-2])
+    assert entry["recipe"] == (entry["grid_pick"] if kept == 1 else f"{entry['grid_pick']}-x{tried[kept - 1]}")
+    assert entry["settings"].get("train.steps", 4) == 4 * int(tried[kept - 1])
+    results = json.loads((tmp_path / "cmp" / "ft" / "scratch" / f"{entry['grid_pick']}-x2" / "results.json").read_text())
+    assert results["steps"] == 8  # twice the plan's 4 steps
+    with pytest.raises(ConfigError, match=r"lengths must start at 1 .* got \[2.0\]"):
+        tiny(tmp_path, "lengths=[2]")
 
 
 def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
@@ -202,10 +219,10 @@ def test_a_dev_split_too_small_is_refused_before_any_pretraining(tmp_path):
     assert not (tmp_path / "cmp" / "pre").exists()  # no pretraining spent on a comparison that cannot rank its grid
 
 
-def test_the_report_reads_a_resumed_runs_curves_whole_and_flags_a_run_still_rising(tmp_path):
+def test_the_report_reads_a_resumed_runs_curves_whole(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from pipelines.report import last_quarter_change, last_quarter_gain, scalar_history
+    from pipelines.report import last_quarter_change, scalar_history
 
     for part, steps in enumerate(([0, 1000, 2000], [2000, 3000, 4000])):  # a run resumed at step 2000
         with SummaryWriter(str(tmp_path / "run" / "tensorboard" / f"part{part}")) as writer:
@@ -215,6 +232,3 @@ def test_the_report_reads_a_resumed_runs_curves_whole_and_flags_a_run_still_risi
     assert [step for step, _ in curve] == [0, 1000, 2000, 3000, 4000]
     assert curve[2][1] == pytest.approx(1 + 1 / 3)  # the step both parts logged: the resumed part's value
     assert last_quarter_change(curve) == pytest.approx((1 + 1 / 5) - (1 + 1 / 4))  # step 4000 minus step 3000
-    rising = [[100 * i, 0.5 + 0.01 * i] for i in range(1, 13)]
-    flat = [[100 * i, min(0.7, 0.5 + 0.05 * i)] for i in range(1, 13)]
-    assert last_quarter_gain(rising) == pytest.approx(0.03) and last_quarter_gain(flat) == 0
