@@ -6,7 +6,9 @@ rank the grid is refused before any pretraining] -> pre/mpp, pre/supervised ->
 ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-x<multiple> for the pick
 fine-tuned longer (`lengths`) while dev top-1 rises -> ft/<arm>/<pick>-s<seed> for the other seeds
 of each arm's dev-picked recipe (of every recipe, for the arms in `ablate`) -> [test/<arm>/<run>: each of those runs
-on the evaluation shards] -> frozen/<arm> (kNN and few-shot of the frozen backbone) -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
+on the evaluation shards] -> frozen/<arm> (kNN and few-shot of the frozen backbone) -> [for the arms in `ablate`,
+the pick from earlier pretraining checkpoints: ft/<arm>/<pick>-p<step>[-s<seed>], test/..., frozen/<arm>-p<step>]
+-> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
 repeated; an interrupted training stage resumes from its newest checkpoint.
 
 The stages run one after another in this process, each started by common.start_run with its own Accelerator
@@ -38,7 +40,7 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError, Pooling, Section, validate_config
 from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
-from mpp.rundir import RESULTS, WEIGHTS
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
 from mpp.shards import Sample, write_shards
 from mpp.train import accelerator_settings, precision_label
 from pipelines import finetune, pretrain
@@ -67,6 +69,7 @@ class CompareConfig(Section):
     seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and whether each gap exceeds that spread. Empty: finetune's train.seed alone.")
     dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's learning rate.")
     lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's dev-picked recipe, stopping at the first that does not raise its dev top-1, so every arm fine-tunes until its dev accuracy stops rising; [1]: the plan's length only.")
+    checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
     ablate: list[Literal["mpp", "supervised", "scratch"]] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation (test top-1 mean +- std per recipe); arms not in `arms` are not run, so arms=[scratch] runs a plan with ablate=[mpp] unchanged.")
 
 
@@ -90,6 +93,9 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         raise ConfigError(f"comparison config key '{key}': {first['msg']}; see configs/compare/tiny.yaml") from None
     if cc.lengths[0] != 1 or any(b <= a for a, b in zip(cc.lengths, cc.lengths[1:])):
         raise ConfigError(f"lengths must start at 1 (the plan's train.steps) and increase, got {cc.lengths}; e.g. [1, 2, 4]")
+    steps = stage_config(cc, "pretrain", objective="mpp").train.steps
+    if any(not 0 < step < steps for step in cc.checkpoints):
+        raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
     if cc.grid and cc.lrs:
         raise ConfigError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
     stages = {f"{arm} pretraining": stage_config(cc, "pretrain", objective=arm) for arm in ("mpp", "supervised")}
@@ -233,9 +239,9 @@ def run(cc: CompareConfig) -> dict:
                     break
                 pick = name
 
-        def tested(name: str) -> dict[int, dict]:
-            """Recipe `name` fine-tuned at every seed (the grid's seed reuses its run), scored on the evaluation shards."""
-            seeded = {seed: runs[name] if seed == base.train.seed else fine_tune(arm, ckpt, f"{name}-s{seed}", recipes_run[name], seed)
+        def tested(name: str, start: str | None = ckpt) -> dict[int, dict]:
+            """Recipe `name` fine-tuned from `start` at every seed (the grid's seed reuses its run), scored on the evaluation shards."""
+            seeded = {seed: runs[name] if seed == base.train.seed else fine_tune(arm, start, f"{name}-s{seed}", recipes_run[name], seed)
                       for seed in seeds}
             if not select_on_dev:
                 return {seed: result for seed, (_, result) in seeded.items()}
@@ -259,9 +265,25 @@ def run(cc: CompareConfig) -> dict:
             entry["dev_top1"] = runs[pick][1]["top1"]
         if arm in pretrained:
             entry["pretrain_curves"] = scalar_history(out / "pre" / arm, PRETRAIN_CURVES)
-        frozen_cfg = stage_config(cc, "finetune", output_dir=out / "frozen" / arm)
-        entry["frozen"] = stage(out / "frozen" / arm, f"{arm} frozen features (kNN, few-shot)", {**settings(frozen_cfg), "ckpt": ckpt},
-                                lambda cfg=frozen_cfg, ckpt=ckpt: frozen_stage(cfg, ckpt))
+        def frozen(name: str, ckpt: str | None) -> dict:
+            cfg = stage_config(cc, "finetune", output_dir=out / "frozen" / name)
+            return stage(out / "frozen" / name, f"{name} frozen features (kNN, few-shot)", {**settings(cfg), "ckpt": ckpt},
+                         lambda: frozen_stage(cfg, ckpt))
+
+        entry["frozen"] = frozen(arm, ckpt)
+        if arm in cc.ablate and arm in pretrained:
+            entry["checkpoints"] = {}
+            for step in cc.checkpoints:  # the pick from earlier in the same pretraining
+                earlier = checkpoint_dir(out / "pre" / arm, step)
+                if not earlier.is_dir():
+                    kept = ", ".join(str(checkpoint_step(c)) for c in complete_checkpoints(out / "pre" / arm)) or "none"
+                    raise CompareError(f"{out / 'pre' / arm} keeps no checkpoint at step {step} (kept: {kept}); raise "
+                                       f"pretrain.train.keep_checkpoints, make the step a multiple of checkpoint_every, "
+                                       f"and pretrain again in a new output_dir")
+                runs[f"{pick}-p{step}"] = fine_tune(arm, str(earlier), f"{pick}-p{step}", recipes_run[pick], base.train.seed)
+                recipes_run[f"{pick}-p{step}"] = recipes_run[pick]
+                entry["checkpoints"][str(step)] = {"test": over_seeds(tested(f"{pick}-p{step}", str(earlier)), seeds),
+                                                   "frozen": frozen(f"{arm}-p{step}", str(earlier))}
         report["arms"][arm] = entry
 
     report["select_on_dev"] = select_on_dev

@@ -147,6 +147,22 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
         lines += table(["recipe", *ablated], [[name, *[percent_with_spread(a[name]) if name in a else "" for a in ablated.values()]]
                                               for name in names])
         lines.append("")
+    for arm, e in arms.items():
+        if not e.get("checkpoints"):
+            continue
+        pre, most = e["pretrain"], max(shots)
+        loss = dict((int(step), value) for step, value in e.get("pretrain_curves", {}).get("val/loss", []))
+        points = {**{int(step): c for step, c in e["checkpoints"].items()}, pre["steps"]: {"test": e["test"], "frozen": e["frozen"]}}
+        lines += [f"## Pretraining length ({arm})", "",
+                  f"The pick ({e['recipe']}) fine-tuned from earlier checkpoints of the same pretraining (their learning "
+                  f"rate not yet annealed), {seeds_note}; kNN and {most}-shot accuracy of the frozen backbone there.", ""]
+        lines += table(["pretraining steps", "images seen", "val/loss", "kNN cls", "kNN mean", f"{most}-shot cls",
+                        f"{most}-shot mean", "test top-1"],
+                       [[str(step), f"{step * pre['images_seen'] // pre['steps']:,}", f"{loss[step]:.4f}" if step in loss else "",
+                         *[f"{100 * point['frozen'][pool]['knn']:.2f}%" for pool in ("cls", "mean")],
+                         *[f"{100 * point['frozen'][pool]['fewshot'][str(most)]:.1f}%" for pool in ("cls", "mean")],
+                         percent_with_spread(point["test"])] for step, point in sorted(points.items())])
+        lines.append("")
     if on_dev:
         lines += ["## The whole grid (dev top-1; the pick of each arm in bold)", ""]
         lines += table(["recipe", *arms], [[name, *[f"**{100 * e['grid'][name]:.2f}%**" if e["grid_pick"] == name

@@ -105,6 +105,23 @@ def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
     assert "scratch frozen features (kNN, few-shot): running" in log and log.count("finished before, skipped") == 1
 
 
+def test_an_ablated_arms_pick_is_fine_tuned_from_earlier_pretraining_checkpoints(tmp_path):
+    plan = ["arms=[mpp]", "ablate=[mpp]", "grid=[{name: sgd, train: {optimizer: sgd, lr: 0.03}}]", "pretrain.train.steps=4",
+            "pretrain.train.checkpoint_every=2", "pretrain.train.warmup_steps=1"]
+    entry = compare.run(tiny(tmp_path, *plan, "checkpoints=[2]"))["arms"]["mpp"]
+    earlier = entry["checkpoints"]["2"]
+    assert set(earlier["test"]["top1_seeds"]) == {"0", "1"} and {"cls", "mean"} <= set(earlier["frozen"])
+    stage = json.loads((tmp_path / "cmp" / "ft" / "mpp" / "sgd-p2-s1" / "stage.json").read_text())
+    assert stage["inputs"]["ckpt"].endswith("pre/mpp/checkpoints/step_00000002")
+    text = (tmp_path / "cmp" / "report.md").read_text().split("## Pretraining length (mpp)")[1].split("##")[0]
+    assert [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ")][1:] == ["| 2", "| 4"]
+    reset_accelerator()
+    with pytest.raises(compare.CompareError, match=r"keeps no checkpoint at step 3 \(kept: 2, 4\)"):
+        compare.run(tiny(tmp_path, *plan, "checkpoints=[3]"))
+    with pytest.raises(ConfigError, match=r"checkpoints \[4\] must be pretraining steps between 0 and pretrain.train.steps \(4\)"):
+        tiny(tmp_path, "pretrain.train.steps=4", "checkpoints=[4]")
+
+
 def test_an_ablated_arm_runs_every_recipe_at_every_seed_and_reports_each(tmp_path):
     report = compare.run(tiny(tmp_path, "arms=[scratch]", "ablate=[scratch]"))
     entry = report["arms"]["scratch"]
