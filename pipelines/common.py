@@ -219,6 +219,10 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
     return [f"{key} {before.get(key)} -> {now.get(key)}" for key in changed if key != "output_dir"]
 
 
+class RunInUse(UserError):
+    """output_dir is locked by another run (its process is alive)."""
+
+
 class OutputDirLock:
     """An exclusive flock on output_dir/.lock holding the owner's pid, for the life of a run.
 
@@ -245,7 +249,7 @@ class OutputDirLock:
                 self.file.flush()
         broadcast_object_list(holder)
         if holder[0] is not None:
-            raise UserError(f"output_dir {self.path.parent} is in use by another run (pid {holder[0]}); wait for it to end, "
+            raise RunInUse(f"output_dir {self.path.parent} is in use by another run (pid {holder[0]}); wait for it to end, "
                             f"stop it, or set output_dir to another directory")
         return self
 

@@ -19,6 +19,8 @@ plan that does not is refused when it is loaded.
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import json
 import math
 import statistics
@@ -44,7 +46,7 @@ from mpp.rundir import RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, comple
 from mpp.shards import Sample, write_shards
 from mpp.train import accelerator_settings, precision_label
 from pipelines import finetune, pretrain
-from pipelines.common import build_backbone, num_classes, resolve_shards, start_run
+from pipelines.common import RunInUse, build_backbone, num_classes, resolve_shards, start_run
 from pipelines.evaluators import Stage, TopK
 from pipelines.fewshot import FewShot
 from pipelines.knn import Knn
@@ -56,6 +58,7 @@ OBJECTIVE = {"mpp": "masked patch prediction", "supervised": "supervised (upstre
 # Fewer dev images of a class than this and the learning-rate pick is noise: one image moves that class's accuracy by
 # over 10 points, and with 10 classes (100 images) top-1's binomial standard error is still up to 5 points.
 DEV_MIN_PER_CLASS = 10
+WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
 
 
 class CompareConfig(Section):
@@ -166,22 +169,52 @@ class CompareError(UserError):
     """A comparison directory that holds stages finished with other settings."""
 
 
+def wait_while_running_elsewhere(directory: Path, name: str) -> None:
+    """Return once no other process runs the training stage in `directory` (holds its output_dir lock, see
+    common.OutputDirLock), so that several compare processes of one plan (one per core, say) share its stages: a
+    stage another one is running is waited for and then reused, not run twice."""
+    lock = directory / ".lock"
+    if not lock.is_file():
+        return
+    with lock.open("a+") as file:
+        for waits in itertools.count():
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waits:
+                    print(f"[compare] {name}: running in another process, waiting for it", flush=True)
+                time.sleep(WAIT_POLL_S)
+            else:
+                fcntl.flock(file, fcntl.LOCK_UN)
+                if waits:  # the run has ended; its process writes stage.json right after
+                    time.sleep(WAIT_POLL_S)
+                return
+
+
 def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) -> dict:
     """Run `work` unless a previous invocation finished it with the same `inputs` (settings, as JSON);
     record those and what `work` returns in directory/stage.json."""
     marker = directory / STAGE_DONE
     inputs = json.loads(json.dumps(inputs, default=str))
-    if marker.is_file():
-        done = json.loads(marker.read_text())
-        if done.get("inputs") != inputs:
-            changed = sorted(k for k in {*inputs, *(done.get("inputs") or {})} if inputs.get(k) != (done.get("inputs") or {}).get(k))
-            raise CompareError(f"{directory} holds a {name} finished with other settings ({', '.join(changed)}); "
-                               f"set output_dir to a new directory, or delete {directory} to redo that stage")
-        print(f"[compare] {name}: finished before, skipped ({marker})", flush=True)
-        return done
-    print(f"[compare] {name}: running in {directory}", flush=True)
-    started = time.perf_counter()
-    info = {**work(), "inputs": inputs}
+    while True:
+        if PartialState().is_main_process:
+            wait_while_running_elsewhere(directory, name)
+        PartialState().wait_for_everyone()
+        if marker.is_file():
+            done = json.loads(marker.read_text())
+            if done.get("inputs") != inputs:
+                changed = sorted(k for k in {*inputs, *(done.get("inputs") or {})} if inputs.get(k) != (done.get("inputs") or {}).get(k))
+                raise CompareError(f"{directory} holds a {name} finished with other settings ({', '.join(changed)}); "
+                                   f"set output_dir to a new directory, or delete {directory} to redo that stage")
+            print(f"[compare] {name}: finished before, skipped ({marker})", flush=True)
+            return done
+        print(f"[compare] {name}: running in {directory}", flush=True)
+        started = time.perf_counter()
+        try:
+            info = {**work(), "inputs": inputs}
+            break
+        except RunInUse:  # another process started it a moment before this one: wait for it as above
+            continue
     info["stage_wall_time_s"] = time.perf_counter() - started
     state = PartialState()
     if state.is_main_process:

@@ -151,6 +151,27 @@ def test_the_pick_fine_tunes_longer_while_dev_top1_rises(tmp_path):
         tiny(tmp_path, "lengths=[2]")
 
 
+def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, monkeypatch, capsys):
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(compare, "WAIT_POLL_S", 0.05)
+    directory = tmp_path / "ft" / "scratch" / "sgd"
+    directory.mkdir(parents=True)
+    other = (directory / ".lock").open("a+")  # another compare process's run of this stage holds the lock
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def other_finishes():
+        (directory / compare.STAGE_DONE).write_text(json.dumps({"top1": 0.5, "inputs": {"lr": 0.1}}))
+        other.close()
+
+    threading.Timer(0.5, other_finishes).start()
+    done = compare.stage(directory, "scratch fine-tuning sgd", {"lr": 0.1}, lambda: pytest.fail("ran the stage twice"))
+    assert done["top1"] == 0.5
+    log = capsys.readouterr().out
+    assert "running in another process, waiting for it" in log and "finished before, skipped" in log
+
+
 def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
     compare.run(tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]"))
     reset_accelerator()
