@@ -170,7 +170,11 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     lines += ["", "Recipes (run names under `ft/<arm>/`; keys on top of the plan's `finetune` section):", ""]
     lines += [f"- `{name}`: " + (", ".join(f"{k}={v}" for k, v in recipe.items()) or "the plan's finetune section as it is")
               for name, recipe in grid.items()]
-    lines += ["", f"Wall time: pretraining plus the picked fine-tuning run, from the first to the last logged training step "
+    runs = {events.parents[2] for events in out.rglob("tensorboard/*/events.out.tfevents*")}  # <run>/tensorboard/<stage>/
+    lines += ["", f"Compute: {len(runs)} training runs under "
+              f"{cc.output_dir}, {training_time(out) / 60:.0f} minutes of training time summed over them (runs side by "
+              f"side each count their own time).",
+              "", f"Wall time: pretraining plus the picked fine-tuning run, from the first to the last logged training step "
               f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png; every "
               f"run in TensorBoard (`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]
     return "\n".join(lines)

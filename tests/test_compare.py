@@ -54,6 +54,7 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     assert len(grid_rows) == 2 and sum(row.count("**") for row in grid_rows) == 2 * 3  # every arm's pick in bold
     assert "`mim`: train.optimizer=adamw, train.lr=0.001, train.weight_decay=0.05, train.layer_decay=0.75, finetune.pool=mean" in text
     assert "79.9%" in text and "mpp - scratch:" in text and "the spread" in text
+    assert "Compute: 11 training runs under" in text  # 2 pretrainings, 3 arms x (2 recipes + 1 more seed)
     results = json.loads((out / "results.json").read_text())
     assert results["arms"]["scratch"]["pretrain"] is None and results["arms"]["mpp"]["pretrain"]["images_seen"] == 24
     assert results["seeds"] == [0, 1]
