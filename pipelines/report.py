@@ -96,7 +96,7 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     lines += table(head, rows)
     lines.append("")
 
-    lines += ["## Gaps", ""]
+    lines += ["## Gaps", ""] + ([] if report["gaps"] else ["One arm: no gap to judge."])
     for g in report["gaps"]:
         a, b = g["arms"]
         verdict = ("one seed: no spread to judge the gap by (set `seeds`)" if g["spread"] is None else
