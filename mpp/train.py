@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration, broadcast_object_list
 from PIL import Image, ImageDraw, ImageFont
 from safetensors.torch import save_file
@@ -78,14 +78,22 @@ def accelerator_settings(cfg: TrainConfig) -> tuple[str, bool]:
     return precision, (device == "cuda" if cfg.compile == "auto" else cfg.compile)
 
 
+def cpu_processes() -> bool:
+    """Several processes without GPUs: Accelerate 1.x sets up gloo for them only when told cpu=True; otherwise every
+    process silently trains alone. The process's first state decides, so everything that makes one asks this."""
+    return not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def process_state() -> PartialState:
+    """The process's Accelerate state, set up as make_accelerator sets it up, for code that runs outside a run
+    (compare between its stages): a bare PartialState() made first would leave CPU processes each on its own."""
+    return PartialState(cpu=cpu_processes())
+
+
 def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     precision, compile_model = accelerator_settings(cfg)
     project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / TENSORBOARD))
-    # Accelerate 1.x sets up gloo for a multi-process launch without GPUs only when told cpu=True;
-    # otherwise every process silently trains alone.
-    cpu_processes = device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes,
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes(),
                               dynamo_backend="inductor" if compile_model else "no", log_with="tensorboard",
                               project_config=project)
     if accelerator.device.type == "cpu":

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from accelerate import PartialState
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field, ValidationError
@@ -44,7 +43,7 @@ from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
 from mpp.shards import Sample, write_shards
-from mpp.train import accelerator_settings, precision_label
+from mpp.train import accelerator_settings, precision_label, process_state
 from pipelines import finetune, pretrain
 from pipelines.common import RunInUse, build_backbone, num_classes, resolve_shards, start_run
 from pipelines.evaluators import Stage, TopK
@@ -197,9 +196,9 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
     marker = directory / STAGE_DONE
     inputs = json.loads(json.dumps(inputs, default=str))
     while True:
-        if PartialState().is_main_process:
+        if process_state().is_main_process:
             wait_while_running_elsewhere(directory, name)
-        PartialState().wait_for_everyone()
+        process_state().wait_for_everyone()
         if marker.is_file():
             done = json.loads(marker.read_text())
             if done.get("inputs") != inputs:
@@ -216,7 +215,7 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
         except RunInUse:  # another process started it a moment before this one: wait for it as above
             continue
     info["stage_wall_time_s"] = time.perf_counter() - started
-    state = PartialState()
+    state = process_state()
     if state.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps(info, indent=2) + "\n")
@@ -323,7 +322,7 @@ def run(cc: CompareConfig) -> dict:
     report["seeds"] = seeds
     report["recipes"] = grid
     report["gaps"] = gaps(report["arms"])
-    if PartialState().is_main_process:
+    if process_state().is_main_process:
         (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         (out / "report.md").write_text(report_markdown(report, cc, base))
         curves = {arm: e["finetune"]["history"] for arm, e in report["arms"].items()}
@@ -379,7 +378,7 @@ def pretrain_stage(cfg: Config) -> dict:
 
 def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
     finetune.run(cfg, ckpt=ckpt, resume=True)
-    PartialState().wait_for_everyone()  # the main process writes results.json
+    process_state().wait_for_everyone()  # the main process writes results.json
     return json.loads((Path(cfg.output_dir) / RESULTS).read_text())
 
 
@@ -389,7 +388,7 @@ def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
 
     Refuses a dev split with fewer than DEV_MIN_PER_CLASS images of some class: it could not rank the grid.
     """
-    urls = resolve_shards(cfg.data.shards, cfg, PartialState())  # 'synthetic' is generated here if needed
+    urls = resolve_shards(cfg.data.shards, cfg, process_state())  # 'synthetic' is generated here if needed
 
     def labelled_samples() -> Iterator[tuple[str, dict]]:
         for sample in tarfile_samples({"url": url} for url in urls):

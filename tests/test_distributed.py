@@ -103,6 +103,6 @@ def test_compare_over_two_processes_runs_its_stages_one_after_another_in_each(tm
                 f"pretrain.data.shards={tmp_path / 'up'}", f"finetune.data.shards={tmp_path / 'down'}",
                 f"finetune.data.val_shards={tmp_path / 'val'}", f"common.data.val_shards={tmp_path / 'val'}", *TINY_RUNS,
                 "arms=[mpp]", "grid=[]", "seeds=[]"])
-    assert proc.stdout.count("few-shot evaluation: running") == 2, proc.stdout[-3000:]  # once per rank
+    assert proc.stdout.count("frozen features (kNN, few-shot): running") == 2, proc.stdout[-3000:]  # once per rank
     mpp = json.loads((tmp_path / "cmp" / "results.json").read_text())["arms"]["mpp"]
     assert mpp["pretrain"]["images_seen"] == 3 * 8 * 2 and mpp["finetune"]["images_seen"] == 4 * 8 * 2  # 2 processes of 8
