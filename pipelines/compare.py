@@ -297,6 +297,7 @@ def run(cc: CompareConfig) -> dict:
             entry["dev_top1"] = runs[pick][1]["top1"]
         if arm in pretrained:
             entry["pretrain_curves"] = scalar_history(out / "pre" / arm, PRETRAIN_CURVES)
+
         def frozen(name: str, ckpt: str | None) -> dict:
             cfg = stage_config(cc, "finetune", output_dir=out / "frozen" / name)
             return stage(out / "frozen" / name, f"{name} frozen features (kNN, few-shot)", {**settings(cfg), "ckpt": ckpt},
