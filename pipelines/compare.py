@@ -258,7 +258,7 @@ def run(cc: CompareConfig) -> dict:
         runs = {name: fine_tune(arm, ckpt, name, recipe, base.train.seed) for name, recipe in grid.items()}
         best = max(grid, key=lambda name: runs[name][1]["top1"])
         recipes_run, lengths = dict(grid), {}
-        pick = best
+        pick, kept = best, 1.0
         if select_on_dev:  # longer, while dev top-1 keeps rising
             steps = stage_config(cc, "finetune", **grid[best]).train.steps
             lengths = {1.0: runs[best][1]["top1"]}
@@ -269,7 +269,7 @@ def run(cc: CompareConfig) -> dict:
                 lengths[multiple] = runs[name][1]["top1"]
                 if runs[name][1]["top1"] <= runs[pick][1]["top1"]:
                     break
-                pick = name
+                pick, kept = name, multiple
 
         def tested(name: str, start: str | None = ckpt) -> dict[int, dict]:
             """Recipe `name` fine-tuned from `start` at every seed (the grid's seed reuses its run), scored on the evaluation shards."""
@@ -288,7 +288,7 @@ def run(cc: CompareConfig) -> dict:
         scores = {name: tested(name) for name in ([pick] + [n for n in grid if n != pick] if arm in cc.ablate else [pick])}
         entry = {"objective": OBJECTIVE[arm], "recipe": pick, "grid_pick": best, "settings": recipes_run[pick],
                  "lr": stage_config(cc, "finetune", **recipes_run[pick]).train.lr,
-                 "grid": {name: runs[name][1]["top1"] for name in grid}, "lengths": {f"{m:g}": top1 for m, top1 in lengths.items()},
+                 "grid": {name: runs[name][1]["top1"] for name in grid}, "lengths": {f"{m:g}": top1 for m, top1 in lengths.items()}, "length": f"{kept:g}",
                  "run": str(runs[pick][0]), "finetune": runs[pick][1], "pretrain": pretrained.get(arm),
                  "test": over_seeds(scores[pick], seeds)}
         if arm in cc.ablate:

@@ -133,9 +133,8 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
                   f"stopped rising; the kept length is in bold (its name ends in -x<multiple> when longer).", ""]
         rows = []
         for arm, e in arms.items():
-            kept = e["recipe"].removeprefix(e["grid_pick"]).removeprefix("-x") or "1"
             rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else
-                                                 (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == kept
+                                                 (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == e["length"]
                                                   else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
         lines += table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
     ablated = {arm: e["ablation"] for arm, e in arms.items() if "ablation" in e}
