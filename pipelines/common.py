@@ -278,10 +278,12 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def resume_command() -> str:
-    """This process's command line with --resume right after the stage name (or at the end if there is none)."""
+    """This process's command line with --resume right after the stage name (or at the end if there is none);
+    under compare, its command line as it is: compare resumes its stages itself and takes no --resume."""
     args = [a for a in sys.argv if a != "--resume"]
-    stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
-    args.insert(stage + 1, "--resume")
+    if "compare" not in args:
+        stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
+        args.insert(stage + 1, "--resume")
     return f"`{command_line(args)}`"
 
 

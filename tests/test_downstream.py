@@ -308,6 +308,8 @@ def test_resume_command_puts_resume_after_the_stage(monkeypatch):
     assert resume_command() == "`python launch.py finetune --resume --ckpt runs/pre train.steps=9`"
     monkeypatch.setattr(sys, "argv", ["train.py", "x=1"])
     assert resume_command() == "`python train.py x=1 --resume`"
+    monkeypatch.setattr(sys, "argv", ["launch.py", "compare", "--config", "plan.yaml", "arms=[mpp]"])
+    assert resume_command() == "`python launch.py compare --config plan.yaml arms=[mpp]`"  # compare takes no --resume
 
 
 def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_shards):
