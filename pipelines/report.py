@@ -112,10 +112,11 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
                    [[arm, f"{100 * e['frozen']['cls']['knn']:.2f}%", f"{100 * e['frozen']['mean']['knn']:.2f}%",
                      *[f"{100 * e['frozen'][pool]['fewshot'][str(n)]:.1f}%" for n in shots for pool in ("cls", "mean")]]
                     for arm, e in arms.items()])
+    lines.append("")
 
     curves = {arm: e["pretrain_curves"] for arm, e in arms.items() if e.get("pretrain_curves")}
     if curves:
-        lines += ["", "## Pretraining", "",
+        lines += ["## Pretraining", "",
                   "Pretext validation loss (`val/loss`, on data.val_shards of the pretraining) and kNN top-1 of the "
                   "downstream classes as pretraining went; `change` is over the last quarter of the steps (a flat curve "
                   "changes little).", ""]
