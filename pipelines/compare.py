@@ -4,7 +4,7 @@ Stages, each in its own directory under output_dir (so `tensorboard --logdir out
 short names): [split: a dev split held out of the downstream training shards, first, so a split too small to
 rank the grid is refused before any pretraining] -> pre/mpp, pre/supervised ->
 ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-x<multiple> for the pick
-fine-tuned longer (`lengths`) while dev top-1 rises -> ft/<arm>/<pick>-s<seed> for the other seeds
+fine-tuned longer (`lengths`) until dev top-1 falls below its best -> ft/<arm>/<pick>-s<seed> for the other seeds
 of each arm's dev-picked recipe (of every recipe, for the arms in `ablate`) -> [test/<arm>/<run>: each of those runs
 on the evaluation shards] -> frozen/<arm> (kNN and few-shot of the frozen backbone) -> [for the arms in `ablate`,
 the pick from earlier pretraining checkpoints: ft/<arm>/<pick>-p<step>[-s<seed>], test/..., frozen/<arm>-p<step>]
@@ -70,7 +70,7 @@ class CompareConfig(Section):
     grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best per arm is picked on the dev split.")
     seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and whether each gap exceeds that spread. Empty: finetune's train.seed alone.")
     dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's learning rate.")
-    lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's dev-picked recipe, stopping at the first that does not raise its dev top-1, so every arm fine-tunes until its dev accuracy stops rising; [1]: the plan's length only.")
+    lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's dev-picked recipe, stopping at the first whose dev top-1 falls below the best so far (a tie goes on), so every arm fine-tunes until its dev accuracy stops rising; the shortest with the best dev top-1 is kept; [1]: the plan's length only.")
     checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
     ablate: list[Literal["mpp", "supervised", "scratch"]] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation (test top-1 mean +- std per recipe); arms not in `arms` are not run, so arms=[scratch] runs a plan with ablate=[mpp] unchanged.")
 
@@ -259,7 +259,7 @@ def run(cc: CompareConfig) -> dict:
         best = max(grid, key=lambda name: runs[name][1]["top1"])
         recipes_run, lengths = dict(grid), {}
         pick, kept = best, 1.0
-        if select_on_dev:  # longer, while dev top-1 keeps rising
+        if select_on_dev:  # longer, until dev top-1 falls below its best so far
             steps = stage_config(cc, "finetune", **grid[best]).train.steps
             lengths = {1.0: runs[best][1]["top1"]}
             for multiple in cc.lengths[1:]:
@@ -267,9 +267,10 @@ def run(cc: CompareConfig) -> dict:
                 recipes_run[name] = {**grid[best], "train.steps": round(steps * multiple)}
                 runs[name] = fine_tune(arm, ckpt, name, recipes_run[name], base.train.seed)
                 lengths[multiple] = runs[name][1]["top1"]
-                if runs[name][1]["top1"] <= runs[pick][1]["top1"]:
+                if runs[name][1]["top1"] < runs[pick][1]["top1"]:
                     break
-                pick, kept = name, multiple
+                if runs[name][1]["top1"] > runs[pick][1]["top1"]:  # a tie on the dev split is no sign of a flat curve: go on, keep the shorter
+                    pick, kept = name, multiple
 
         def tested(name: str, start: str | None = ckpt) -> dict[int, dict]:
             """Recipe `name` fine-tuned from `start` at every seed (the grid's seed reuses its run), scored on the evaluation shards."""

@@ -131,7 +131,8 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     if len(multiples) > 1:
         lines += ["## Fine-tuning length", "",
                   f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
-                  f"stopped rising; the kept length is in bold (its name ends in -x<multiple> when longer).", ""]
+                  f"fell below its best so far; the kept length, the shortest with the best dev top-1, is in bold (its "
+                  f"name ends in -x<multiple> when longer).", ""]
         rows = []
         for arm, e in arms.items():
             rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else

@@ -141,15 +141,28 @@ def test_the_pick_fine_tunes_longer_while_dev_top1_rises(tmp_path):
     entry = report["arms"]["scratch"]
     tried = [m for m in ("1", "2", "4") if m in entry["lengths"]]
     dev = [entry["lengths"][m] for m in tried]
-    # Longer while each length beat the one before on dev; the first that did not ends the search and is not kept.
-    kept = len(dev) if all(b > a for a, b in zip(dev, dev[1:])) else len(dev) - 1
-    assert all(b > a for a, b in zip(dev[:kept], dev[1:kept])) and (len(dev) == 3 or dev[-1] <= dev[-2])
+    # Longer until a length fell below the best so far (a tie goes on); the shortest with the best dev top-1 is kept.
+    assert all(dev[i] >= max(dev[:i]) for i in range(1, len(dev) - 1)) and (len(dev) == 3 or dev[-1] < max(dev))
+    kept = dev.index(max(dev)) + 1
     assert entry["recipe"] == (entry["grid_pick"] if kept == 1 else f"{entry['grid_pick']}-x{tried[kept - 1]}")
     assert entry["settings"].get("train.steps", 4) == 4 * int(tried[kept - 1])
     results = json.loads((tmp_path / "cmp" / "ft" / "scratch" / f"{entry['grid_pick']}-x2" / "results.json").read_text())
     assert results["steps"] == 8  # twice the plan's 4 steps
     with pytest.raises(ConfigError, match=r"lengths must start at 1 .* got \[2.0\]"):
         tiny(tmp_path, "lengths=[2]")
+
+
+def test_a_dev_tie_fine_tunes_longer_and_keeps_the_shorter_length(tmp_path, monkeypatch):
+    run_stage = compare.finetune_stage
+    dev_top1 = {4: 0.5, 8: 0.6, 16: 0.6, 32: 0.55}  # by train.steps: x2 rises, x4 ties, x8 falls
+
+    def scripted(cfg, ckpt):
+        return {**run_stage(cfg, ckpt), "top1": dev_top1[cfg.train.steps]}
+
+    monkeypatch.setattr(compare, "finetune_stage", scripted)
+    entry = compare.run(tiny(tmp_path, "arms=[scratch]", "seeds=[]", "lengths=[1,2,4,8,16]"))["arms"]["scratch"]
+    assert entry["lengths"] == {"1": 0.5, "2": 0.6, "4": 0.6, "8": 0.55}  # the tie went on; the fall ended it before x16
+    assert entry["recipe"].endswith("-x2") and entry["length"] == "2"
 
 
 def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, monkeypatch, capsys):
