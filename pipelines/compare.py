@@ -266,10 +266,10 @@ def run(cc: CompareConfig) -> dict:
                 name = f"{best}-x{multiple:g}"
                 recipes_run[name] = {**grid[best], "train.steps": round(steps * multiple)}
                 runs[name] = fine_tune(arm, ckpt, name, recipes_run[name], base.train.seed)
-                lengths[multiple] = runs[name][1]["top1"]
-                if runs[name][1]["top1"] < runs[pick][1]["top1"]:
+                lengths[multiple] = top1 = runs[name][1]["top1"]
+                if top1 < runs[pick][1]["top1"]:
                     break
-                if runs[name][1]["top1"] > runs[pick][1]["top1"]:  # a tie on the dev split is no sign of a flat curve: go on, keep the shorter
+                if top1 > runs[pick][1]["top1"]:  # a dev tie is no sign of a flat curve: go on, but keep the shorter
                     pick, kept = name, multiple
 
         def tested(name: str, start: str | None = ckpt) -> dict[int, dict]:
