@@ -23,7 +23,8 @@ from mpp.config import TrainConfig  # noqa: E402
 from mpp.knn import knn_accuracy  # noqa: E402
 from mpp.model import VisionTransformer, normalize, pool  # noqa: E402
 from mpp.objectives import Classification, MaskedPatchPrediction, finetuning_head  # noqa: E402
-from mpp.train import build_optimizer, default_precision  # noqa: E402
+from mpp.optim import build_optimizer, param_groups  # noqa: E402
+from mpp.runtime import Device, resolve_precision  # noqa: E402
 
 WIDTH, DEPTH, HEADS, IMAGE, PATCH = 192, 6, 3, 32, 4  # configs/finetune/default.yaml's ViT
 
@@ -31,7 +32,7 @@ WIDTH, DEPTH, HEADS, IMAGE, PATCH = 192, 6, 3, 32, 4  # configs/finetune/default
 def step_time(make, cfg: TrainConfig, images, labels, steps: int, autocast: bool) -> float:
     torch.manual_seed(0)
     objective = make()
-    optimizer = build_optimizer(objective, cfg)
+    optimizer = build_optimizer(param_groups(objective, cfg.layer_decay), cfg)
     objective.train()
     times = []
     for _ in range(steps + 2):  # two warm-up steps
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
-    autocast = default_precision("cpu") == "bf16"
+    autocast = resolve_precision("auto", Device.this_process()) == "bf16"
     images = torch.randint(0, 256, (args.batch_size, 3, IMAGE, IMAGE), dtype=torch.uint8)
     labels = torch.arange(args.batch_size) % 10
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {'bf16 autocast' if autocast else 'fp32'}, "

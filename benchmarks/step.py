@@ -5,7 +5,7 @@
 
 Both take uint8 images already on the device and run forward, backward, gradient clipping at norm 1 and a fused
 AdamW step, at the paper's rates (50% of patches corrupted, 80/10/10). Ours is the training loop's own step
-(Accelerate, `apply_gradients`, the precision and torch.compile settings of `train.*`, auto by default). The peer
+(`mpp.train.train_step` under Accelerate, with the precision and torch.compile settings of `train.*`, auto by default). The peer
 has no mixed precision of its own, so it runs twice: in fp32, as it ships, and in eager mode under the same bf16
 autocast as ours (when ours is bf16), which leaves precision out of the comparison. Rounds alternate between the
 runs, so background load hits all alike; the table gives medians over rounds and, for each row, ours' images/s
@@ -34,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpp.config import TrainConfig  # noqa: E402
 from mpp.model import VisionTransformer, build_vit  # noqa: E402
 from mpp.objectives import MaskedPatchPrediction, num_corrupted  # noqa: E402
-from mpp.train import apply_gradients, build_optimizer, default_precision, make_accelerator, precision_label  # noqa: E402
+from mpp.data import Batch  # noqa: E402
+from mpp.optim import build_optimizer, build_schedule, param_groups  # noqa: E402
+from mpp.runtime import Device, compiled, make_accelerator, precision_label, resolve_compile, resolve_precision  # noqa: E402
+from mpp.train import train_step  # noqa: E402
 
 PEER_INSTALL = "pip install --no-deps vit-pytorch"
 RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    precision = default_precision(args.device) if args.precision == "auto" else args.precision
+    precision = resolve_precision(args.precision, Device.this_process())
     compile_ours = {"auto": "auto", "on": True, "off": False}[args.compile]
     cfg = TrainConfig(lr=1e-4, warmup_steps=0, clip_grad_norm=1.0, mixed_precision=precision, compile=compile_ours,
                       optimizer="adamw", batch_size=args.batch_size, cpu_threads=args.threads or "auto")
@@ -136,16 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     device = accelerator.device
 
     vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads)
-    ours = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
-    ours_optimizer = build_optimizer(ours, cfg)
-    ours, ours_optimizer = accelerator.prepare(ours, ours_optimizer)
+    objective = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
+    ours = accelerator.prepare(objective)
+    ours_optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+    schedule = build_schedule(ours_optimizer, cfg)
+    compile_ours = resolve_compile(cfg.compile, Device.this_process())
+    forward = compiled(ours, cfg.compile_backend) if compile_ours else ours
     ours.train()
+    unlabelled = torch.full((args.batch_size,), -1, device=device)
 
-    def our_step(images: torch.Tensor) -> None:
-        out = ours(images, None)
-        accelerator.backward(out.loss)
-        apply_gradients(accelerator, ours, ours_optimizer, cfg.clip_grad_norm)
-        ours_optimizer.zero_grad(set_to_none=True)
+    def our_step(images: torch.Tensor) -> None:  # the training loop's step, as train() runs it
+        train_step(accelerator, ours, forward, ours_optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
 
     steps = {f"ours (mpp, {precision_label(precision)})": our_step}
     classes = None if args.no_peer else load_peer()
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else f", {torch.cuda.get_device_name()}"
     print(f"{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
           f"batch {args.batch_size}, {device.type}{threads}, precision {precision}, compile ours "
-          f"{accelerator.state.dynamo_plugin.backend.value.lower() != 'no'}; {args.rounds} rounds x {args.steps} steps, medians; "
+          f"{compile_ours}; {args.rounds} rounds x {args.steps} steps, medians; "
           f"model FLOPs per image {flops / 1e9:.3g} GFLOP (3x forward)")
     width = max(map(len, rates))
     print(f"{'':{width}s} {'images/s':>10s} {'min':>9s} {'max':>9s} {'ours/this':>9s} {'MFU':>7s} {'warmup s':>9s}")

@@ -67,6 +67,7 @@ class ModelConfig(Section):
     heads: int | None = Field(None, gt=0, description="Override the variant's number of attention heads (must divide the width).")
     num_classes: int | None = Field(None, gt=0, description="Classes of the classification head (supervised pretraining, fine-tuning); null reads them from summary.json beside the training shards.")
     drop_path: float = Field(0.0, ge=0, lt=1, description="Stochastic depth: the rate at which the last block's residual branches are dropped per sample in training, rising linearly from 0 at the first block (off in eval).")
+    grad_checkpointing: bool = Field(False, description="Activation checkpointing: keep only each block's input and recompute its activations in the backward pass (about a third more compute for a fraction of the activation memory; for large models and batches).")
 
     @model_validator(mode="before")
     @classmethod
@@ -117,8 +118,9 @@ class MPPConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(1000, gt=0, description="Optimiser steps in the whole run.")
     batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")
-    global_batch_size: int | None = Field(None, gt=0, description="Images per optimiser step over all processes; when set, it replaces train.batch_size, which becomes global / (processes x grad_accum) and must come out whole.")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimiser step.")
+    global_batch_size: int | None = Field(None, gt=0, description="Images per optimiser step over all processes; when set, it replaces train.batch_size, which becomes global / (processes x grad_accum), or with train.micro_batch_size set, it fixes train.grad_accum instead; either must come out whole.")
+    micro_batch_size: int | None = Field(None, gt=0, description="With train.global_batch_size: the images per process per forward pass (what must fit in memory); train.grad_accum becomes global / (processes x micro_batch_size), so the global batch holds on any number of GPUs. Null: train.grad_accum as given.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimiser step (derived when train.micro_batch_size is set).")
     optimizer: Literal["adam", "adamw", "sgd"] = Field("adamw", description="Optimiser: adam, adamw or sgd (with momentum).")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate, reached after the warmup.")
     weight_decay: float = Field(0.05, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd); not applied to biases, norms, tokens and position embeddings.")
@@ -128,8 +130,9 @@ class TrainConfig(Section):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing of the classification loss (supervised pretraining, fine-tuning); 0 = off.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.")
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU and on CPUs with bf16 instructions (AVX512-BF16, AMX), fp32 on other CPUs.")
-    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model (inductor); auto: on GPU only, where it pays for its compile time.")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 where the hardware computes it (Ampere and newer GPUs, CPUs with AVX512-BF16 or AMX), fp16 with a loss scaler on older GPUs, fp32 on other CPUs.")
+    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model; auto: on GPUs that Triton supports (compute capability 7.0 and newer), where it pays for its compile time, never on a CPU.")
+    compile_backend: str = Field("inductor", description="torch.compile backend when compiling: inductor generates fused kernels; aot_eager traces without generating code (to tell a compile problem from a model one).")
     cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU; auto: the CPUs this process may use divided by the processes on this machine.")
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
@@ -164,12 +167,25 @@ class TrainConfig(Section):
         return self
 
     def for_processes(self, processes: int) -> TrainConfig:
-        """This config with train.batch_size derived from train.global_batch_size, if that is set."""
-        if self.global_batch_size is None:
+        """This config with train.global_batch_size split over `processes`: into train.batch_size per process and
+        micro-batch (given train.grad_accum), or, with train.micro_batch_size, into train.grad_accum steps of it."""
+        total = self.global_batch_size
+        if total is None:
+            if self.micro_batch_size is not None:
+                raise ConfigError("train.micro_batch_size splits train.global_batch_size, which is not set; set "
+                                  "train.global_batch_size, or set train.batch_size and train.grad_accum instead")
             return self
-        share, rest = divmod(self.global_batch_size, processes * self.grad_accum)
+        if self.micro_batch_size is not None:
+            steps, rest = divmod(total, processes * self.micro_batch_size)
+            if rest or not steps:
+                raise ConfigError(f"train.global_batch_size {total} is not a whole number of micro-batches of {self.micro_batch_size} "
+                                  f"images on each of {processes} process(es); make it a multiple of "
+                                  f"{processes * self.micro_batch_size} or pick a train.micro_batch_size that divides "
+                                  f"{total // processes if total % processes == 0 else total}")
+            return self.model_copy(update={"batch_size": self.micro_batch_size, "grad_accum": steps})
+        share, rest = divmod(total, processes * self.grad_accum)
         if rest or not share:
-            raise ConfigError(f"train.global_batch_size {self.global_batch_size} does not split evenly over {processes} process(es) "
+            raise ConfigError(f"train.global_batch_size {total} does not split evenly over {processes} process(es) "
                               f"x {self.grad_accum} accumulation step(s); make it a multiple of {processes * self.grad_accum} "
                               f"or set train.batch_size per process instead")
         return self.model_copy(update={"batch_size": share})

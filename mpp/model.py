@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 # Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
@@ -140,7 +141,8 @@ class VisionTransformer(nn.Module):
     (MPP corrupts them) after the projection and before position embeddings are added.
     """
 
-    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, drop_path: float = 0.0):
+    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, drop_path: float = 0.0,
+                 grad_checkpointing: bool = False):
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image size {image_size} is not divisible by patch size {patch_size}")
@@ -154,6 +156,7 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width, eps=1e-6)
         self.set_drop_path(drop_path)
+        self.grad_checkpointing = grad_checkpointing
         self.reset_parameters()
 
     def set_drop_path(self, rate: float) -> None:
@@ -170,6 +173,15 @@ class VisionTransformer(nn.Module):
         """The input tokens, exempt from weight decay (timm's convention; biases and norms are exempt anyway)."""
         return {"cls_token", "pos_embed"}
 
+    def layer_of(self, name: str) -> int:
+        """The layer of parameter `name` (as named_parameters() gives it) in BEiT/MAE's numbering for layer-wise lr
+        decay: the patch embedding and the input tokens are layer 0, block i is layer i + 1, the final norm depth + 1."""
+        if name in self.no_weight_decay() or name.startswith("patch_embed."):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return self.depth + 1
+
     def embed_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) float -> (B, N, D)
         return self.patch_embed(images)
 
@@ -177,7 +189,8 @@ class VisionTransformer(nn.Module):
         cls = self.cls_token.expand(patch_tokens.shape[0], -1, -1)
         x = torch.cat([cls, patch_tokens], dim=1) + self.pos_embed
         for block in self.blocks:
-            x = block(x)
+            # Recomputed in the backward pass with the RNG state of the forward, so stochastic depth drops alike.
+            x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and self.training else block(x)
         return self.norm(x)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, 1 + N, D)
@@ -222,7 +235,8 @@ def init_weights(module: nn.Module) -> None:
 
 
 def build_vit(name: str, image_size: int, patch_size: int | None = None, *, width: int | None = None,
-              depth: int | None = None, heads: int | None = None, drop_path: float = 0.0) -> VisionTransformer:
+              depth: int | None = None, heads: int | None = None, drop_path: float = 0.0,
+              grad_checkpointing: bool = False) -> VisionTransformer:
     """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden."""
     v = resolve_variant(name, patch_size, width=width, depth=depth, heads=heads)
-    return VisionTransformer(image_size, v.patch_size, v.width, v.depth, v.heads, drop_path)
+    return VisionTransformer(image_size, v.patch_size, v.width, v.depth, v.heads, drop_path, grad_checkpointing)

@@ -39,7 +39,8 @@ class Objective(nn.Module, ABC):
       shards -> the loss and the metrics logged as train/<name>;
     - `export_weights()`: what model.safetensors holds at the end of the run.
     and may override:
-    - `no_weight_decay()`: add the names of its own input tokens (MPP's [mask]);
+    - `no_weight_decay()`: add the names of its own input tokens (MPP's [mask]); they join the patch embedding at
+      layer 0 of layer-wise lr decay (`layer_of`), its other parameters (heads) the top layer;
     - `panel(images)`: images for TensorBoard's panel (none by default);
     - `fixed_randomness(batch_size, generator, device)`: forward's random choices, fixed for the pretext validation
       (none by default: a deterministic forward);
@@ -60,6 +61,13 @@ class Objective(nn.Module, ABC):
         """Names (as named_parameters() gives them) of the input tokens and embeddings, as timm's no_weight_decay:
         they get no weight decay, and layer decay counts them with the patch embedding (layer 0)."""
         return {f"backbone.{name}" for name in self.backbone.no_weight_decay()}
+
+    def layer_of(self, name: str) -> int:
+        """The layer-decay layer of parameter `name`: the backbone's own numbering, the objective's input tokens
+        (no_weight_decay) with the patch embedding at layer 0, its heads with the final norm at the top."""
+        if name.startswith("backbone."):
+            return self.backbone.layer_of(name.removeprefix("backbone."))
+        return 0 if name in self.no_weight_decay() else self.backbone.depth + 1
 
     def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows of images (each (B, 3, H, W) uint8) for TensorBoard's panel, by name; empty: no panel."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import math
 import os
 import shutil
@@ -12,14 +14,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration, broadcast_object_list
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, gather_object
 from PIL import Image, ImageDraw, ImageFont
 from safetensors.torch import save_file
 from torch import nn
@@ -28,8 +30,10 @@ from tqdm.auto import tqdm
 from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
-from mpp.objectives import Objective
-from mpp.rundir import TENSORBOARD, WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
+from mpp.objectives import Objective, StepOutput
+from mpp.optim import LambdaLR, apply_hyperparameters, build_optimizer, build_schedule, head_lr, param_groups
+from mpp.rundir import WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
+from mpp.runtime import Device, compiled, resolve_compile
 
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 PANEL_IMAGES = 8
@@ -53,154 +57,76 @@ class Evaluator:
 
 @dataclass
 class Progress:
-    """Checkpointed with the model: the step counter, the last step whose evaluations ran, the data stream's position.
+    """Checkpointed with the model by the main process: the step counter and the last step whose evaluations ran.
 
-    A step's checkpoint is written before its evaluations, so a resume from it runs them first.
+    A step's checkpoint is written before its evaluations, so a resume from it runs them first. Each rank's data
+    stream position is its own and is saved by each rank beside it (save_checkpoint).
     """
 
     step: int = 0
     evaluated: int = 0
-    stream: StreamState = field(default_factory=StreamState)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "evaluated": self.evaluated, "stream": self.stream.state_dict()}
+        return {"step": self.step, "evaluated": self.evaluated}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.evaluated = state["step"], state["evaluated"]
-        self.stream.load_state_dict(state["stream"])
 
 
-def accelerator_settings(cfg: TrainConfig) -> tuple[str, bool]:
-    """(mixed precision, compile) with auto resolved for this machine. Accelerate keeps both in its per-process
-    state, set by the process's first Accelerator: stages that run in one process must agree on them."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    precision = default_precision(device) if cfg.mixed_precision == "auto" else cfg.mixed_precision
-    return precision, (device == "cuda" if cfg.compile == "auto" else cfg.compile)
+@dataclass
+class StepResult:
+    """One optimiser step's outcome, as device tensors (reading them is a host sync: the loop does so only to log)."""
+
+    outputs: list[StepOutput]  # each micro-batch's loss and metrics
+    grad_norm: torch.Tensor  # before clipping
+    stepped: torch.Tensor  # bool: the gradient was finite and the optimiser changed the weights
+    nonfinite: torch.Tensor  # bool: counts towards train.max_nonfinite_steps
 
 
-def cpu_processes() -> bool:
-    """Several processes without GPUs: Accelerate 1.x sets up gloo for them only when told cpu=True; otherwise every
-    process silently trains alone. The process's first state decides, so everything that makes one asks this."""
-    return not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+def train_step(accelerator: Accelerator, model: nn.Module, forward: Callable[..., StepOutput], optimizer,
+               scheduler: LambdaLR, micro_batches: Iterable[Batch], clip_grad_norm: float | None) -> StepResult:
+    """One optimiser step over `micro_batches` (train.grad_accum of them): forward, backward, and on the last one clip
+    and step unless the gradient is non-finite; then the schedule.
 
+    `model` is the prepared objective (its DDP wrapper under several processes: accumulation skips its all-reduce
+    until the last micro-batch), `forward` what computes its loss (the model, or its compiled form).
 
-def process_state() -> PartialState:
-    """The process's Accelerate state, set up as make_accelerator sets it up, for code that runs outside a run
-    (compare between its stages): a bare PartialState() made first would leave CPU processes each on its own."""
-    return PartialState(cpu=cpu_processes())
-
-
-def make_accelerator(cfg: TrainConfig, output_dir: str | Path) -> Accelerator:
-    precision, compile_model = accelerator_settings(cfg)
-    project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / TENSORBOARD))
-    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes(),
-                              dynamo_backend="inductor" if compile_model else "no", log_with="tensorboard",
-                              project_config=project)
-    if accelerator.device.type == "cpu":
-        torch.set_num_threads(cpu_threads(cfg))
-    return accelerator
-
-
-def default_precision(device: str) -> str:
-    """train.mixed_precision auto: bf16 on GPU and on CPUs with bf16 dot-product instructions, fp32 elsewhere.
-
-    On an AVX512-BF16 CPU, bf16 matrix multiplications ran 2.2x to 2.7x faster than fp32 ones (docs/benchmarks.md);
-    CPUs without such instructions have no bf16 hardware for it to use, so they stay fp32.
+    No host sync: a fused optimiser given `found_inf` leaves weights, moments and step count untouched when it is
+    set, so a NaN/inf gradient never reaches them and the GPU never waits for the CPU to decide. Under fp16 the loss
+    scaler makes that call itself (an overflow lowers its scale), and only a non-finite loss counts as non-finite.
     """
-    if device == "cuda":
-        return "bf16"
-    native = (getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return "bf16" if any(native) else "no"
-
-
-def precision_label(mixed_precision: str) -> str:
-    """Accelerate's 'no', 'bf16' or 'fp16' as people say it: 'fp32', 'bf16' or 'fp16'."""
-    return "fp32" if mixed_precision == "no" else mixed_precision
-
-
-def cpu_threads(cfg: TrainConfig) -> int:
-    """train.cpu_threads, with auto sharing this process's CPUs among the processes on this machine.
-
-    Set here rather than left to OMP_NUM_THREADS: `accelerate launch` sets that to 1 unless told otherwise,
-    which on a CPU-only machine trains on one core however many there are.
-    """
-    if cfg.cpu_threads != "auto":
-        return cfg.cpu_threads
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # os.sched_getaffinity counts what a container or taskset allows; macOS and Windows lack it.
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, available // local_processes)
-
-
-def layer_id(name: str, depth: int, tokens: set[str]) -> int:
-    """BEiT/MAE layer numbering of a parameter of an objective: the patch embedding and the input `tokens` ([class],
-    position embeddings, [mask]) are layer 0, block i is layer i + 1, the final norm and every head layer depth + 1."""
-    if name in tokens or name.startswith("backbone.patch_embed."):
-        return 0
-    if name.startswith("backbone.blocks."):
-        return int(name.split(".")[2]) + 1
-    return depth + 1
-
-
-def build_optimizer(objective: Objective, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """No weight decay on biases, norms and the objective's no_weight_decay() tokens (common ViT practice); with
-    cfg.layer_decay < 1, layer l learns at lr x decay^(depth + 1 - l) (BEiT/MAE), one group per layer and decay.
-
-    Each group's lr is its peak; the scheduler's factor multiplies every group's own, so warmup and cosine keep
-    the ratios. With decay 1 every layer has scale 1 and the groups are today's two.
-    """
-    depth, tokens = objective.backbone.depth, objective.no_weight_decay()
-    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
-    for name, param in objective.named_parameters():
-        if param.requires_grad:
-            scale = cfg.layer_decay ** (depth + 1 - layer_id(name, depth, tokens))
-            exempt = param.ndim <= 1 or name in tokens
-            groups.setdefault((scale, exempt), []).append(param)
-    groups = [{"params": params, "lr": cfg.lr * scale, "lr_scale": scale, "weight_decay": 0.0 if exempt else cfg.weight_decay}
-              for (scale, exempt), params in sorted(groups.items())]
-    # Fused kernels (CPU and CUDA): one pass over all parameters, and they honour `found_inf` (see apply_gradients).
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
-    optimizer = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return optimizer(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
-
-
-def head_lr(scheduler) -> float:
-    """The learning rate of the head (the top layer, scale 1): what train/lr shows under layer decay."""
-    return max(scheduler.get_last_lr())
-
-
-def apply_gradients(accelerator: Accelerator, objective: nn.Module, optimizer, clip_grad_norm: float | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip, then step unless the gradient is non-finite; returns (grad_norm, finite) as device tensors.
-
-    No host sync: a fused optimiser given `found_inf` leaves weights, moments and step count untouched when it
-    is set, so a NaN/inf gradient never reaches them and the GPU never waits for the CPU to decide.
-    """
-    grad_norm = accelerator.clip_grad_norm_(objective.parameters(), clip_grad_norm or math.inf)
-    finite = torch.isfinite(grad_norm)
-    torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
-    torch_optimizer.found_inf = (~finite).float()
-    optimizer.step()
-    return grad_norm, finite
-
-
-def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-    return factor
+    outputs = []
+    for batch in micro_batches:
+        with accelerator.accumulate(model):
+            out = forward(batch.images, batch.labels)
+            accelerator.backward(out.loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_grad_norm or math.inf)
+                stepped = torch.isfinite(grad_norm)
+                torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
+                torch_optimizer.found_inf = (~stepped).float()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        outputs.append(out)
+    scheduler.step()
+    if accelerator.scaler is not None:
+        nonfinite = ~torch.stack([torch.isfinite(out.loss.detach()) for out in outputs]).all()
+    else:
+        nonfinite = ~stepped
+    return StepResult(outputs, grad_norm, stepped, nonfinite)
 
 
 # ---------------------------------------------------------------- checkpoints
 
 
+STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
+
+
 def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Path | None:
     """The newest checkpoint that verifies, saying which newer ones were skipped and why; None when there is none yet.
 
-    The main process verifies (reading each file once) and tells the others.
+    The main process verifies (reading each file once) and tells the others; every rank then checks that it sees the
+    checkpoint's files too (ranks on other nodes see output_dir only on a filesystem all nodes share).
     """
     choice: list = [None, None, 0]  # path, the newest one's fault, candidates
     if accelerator.is_main_process:
@@ -220,11 +146,31 @@ def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Pa
                         f"{newest_fault}); move them aside to start afresh")
     if path is None:
         accelerator.print(f"resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
-    return None if path is None else Path(path)
+        return None
+    check_seen_by_every_rank(accelerator, Path(path))
+    return Path(path)
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int) -> Path:
-    """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete."""
+def check_seen_by_every_rank(accelerator: Accelerator, checkpoint: Path) -> None:
+    """Refuse, on every rank, a checkpoint that some rank cannot read its own stream state from."""
+    blind = [rank for rank, seen in enumerate(gather_object([stream_state_file(checkpoint, accelerator.process_index).is_file()]))
+             if not seen]
+    if blind:
+        raise UserError(f"checkpoint {checkpoint} is not visible to rank(s) {', '.join(map(str, blind))}: with several "
+                        f"nodes, output_dir must be on a filesystem every node shares (NFS, Lustre, a mounted bucket); "
+                        f"set output_dir to such a directory")
+
+
+def stream_state_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / STREAM_STATE.format(rank=rank)
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int, stream: StreamState) -> Path:
+    """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete.
+
+    Accelerate saves the model, optimiser, scheduler, Progress and every rank's RNG; each rank adds its own `stream`
+    position (Accelerate saves registered objects from the main process only).
+    """
     root = checkpoint_root(output_dir)
     final, partial = checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step, partial=True)
     if accelerator.is_main_process:
@@ -232,6 +178,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
+    stream_state_file(partial, accelerator.process_index).write_text(json.dumps(stream.state_dict()) + "\n")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_manifest(partial, accelerator.num_processes)
@@ -241,6 +188,12 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, stream: StreamState) -> None:
+    """Restore what save_checkpoint wrote, this rank's own stream position included."""
+    accelerator.load_state(str(checkpoint))
+    stream.load_state_dict(json.loads(stream_state_file(checkpoint, accelerator.process_index).read_text()))
 
 
 # ---------------------------------------------------------------- logging helpers
@@ -300,12 +253,12 @@ class LogWindow:
         self.skipped.update(batch.skipped)
         self.images += batch.images.shape[0]
 
-    def stepped(self, step: int, outputs: list, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
-        for out in outputs:
-            self.meter.add({"loss": out.loss, **out.metrics}, keep=finite)
-        self.meter.add({"grad_norm": grad_norm}, keep=finite)
-        self.nonfinite["total"] += ~finite
-        self.nonfinite["run"] = torch.where(finite, 0, self.nonfinite["run"] + 1)
+    def stepped(self, step: int, result: StepResult) -> None:
+        for out in result.outputs:
+            self.meter.add({"loss": out.loss, **out.metrics}, keep=result.stepped)
+        self.meter.add({"grad_norm": result.grad_norm}, keep=result.stepped)
+        self.nonfinite["total"] += result.nonfinite
+        self.nonfinite["run"] = torch.where(result.nonfinite, self.nonfinite["run"] + 1, 0)
         reached = (self.nonfinite["run"] >= self.max_nonfinite_steps) & (self.nonfinite["diverged_at"] == 0)
         self.nonfinite["diverged_at"] = torch.where(reached, step, self.nonfinite["diverged_at"])
 
@@ -370,7 +323,7 @@ class StopOnSignal:
         self.requested = False
         self.waiting = False
         self.previous: dict[int, object] = {}
-        self.pending: torch.Tensor | None = None  # the last step's all-reduced flag (several processes)
+        self.pending: tuple | None = None  # the last step's all-reduce of the flag and its result (several processes)
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -403,14 +356,27 @@ class StopOnSignal:
     def agreed(self, accelerator: Accelerator) -> bool:
         """Every rank stops at the same step, even if only one of them got the signal.
 
-        With several processes the flag is all-reduced every step but read one step later, so the host waits for
-        the step before, not for the one it just queued on the GPU; the ranks stop one step after the signal.
+        With several processes the flag is summed over ranks every step by an asynchronous all-reduce of a host
+        tensor over a gloo group of its own, and read one step later: the device is never involved (no copy, no
+        sync), and the wait is for a reduction that finished during the step. The ranks stop one step after the signal.
         """
         if accelerator.num_processes == 1:
             return self.requested
         previous = self.pending
-        self.pending = accelerator.reduce(torch.tensor(float(self.requested), device=accelerator.device), "sum")
-        return previous is not None and bool(previous > 0)
+        flag = torch.tensor([float(self.requested)])  # in host memory
+        self.pending = (torch.distributed.all_reduce(flag, group=host_group(), async_op=True), flag)
+        if previous is None:
+            return False
+        work, total = previous
+        work.wait()
+        return total.item() > 0
+
+
+@functools.cache
+def host_group():
+    """A gloo process group of every rank for small host-side agreements, made once per process (every rank makes
+    it at the same point: the first step of its first run)."""
+    return torch.distributed.new_group(backend="gloo")
 
 
 def train(accelerator: Accelerator, objective: Objective, make_batches: Callable[[StreamState], Iterable[Batch]],
@@ -429,11 +395,12 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     DataError when more than `max_skip_fraction` of the samples read could not be used.
     """
     output_dir = Path(output_dir)
-    optimizer = build_optimizer(objective, cfg)
-    objective, optimizer = accelerator.prepare(objective, optimizer)
+    model = accelerator.prepare(objective)  # on its device; DDP-wrapped under several processes
+    optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
     # Stepped once per optimiser step on every process; not prepared, so Accelerate does not re-scale it.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
-    progress = Progress()
+    scheduler = build_schedule(optimizer, cfg)
+    forward = compiled(model, cfg.compile_backend) if resolve_compile(cfg.compile, Device.this_process()) else model
+    progress, stream = Progress(), StreamState()
     accelerator.register_for_checkpointing(scheduler, progress)
 
     results: dict[str, float] = {}
@@ -445,7 +412,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             tqdm.write(f"step {step} of {cfg.steps}: running the final evaluation")
         for evaluator in evaluators:
             if step % evaluator.every == 0 or step == cfg.steps:
-                scores = evaluator.run(accelerator.unwrap_model(objective), step)
+                scores = evaluator.run(objective, step)
                 objective.train()
                 accelerator.log(scores, step=step)
                 results.update(scores)
@@ -454,7 +421,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
         progress.evaluated = step
 
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        load_checkpoint(accelerator, resume_from, stream)
         if progress.step > cfg.steps:
             raise UserError(f"{resume_from} is at step {progress.step}, past train.steps={cfg.steps}; set train.steps to "
                             f"at least {progress.step} to resume it, or finetune/fewshot from it with --ckpt")
@@ -464,58 +431,54 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
         if progress.evaluated < progress.step:
             evaluate(progress.step)
 
-    batches = iter(make_batches(progress.stream))
+    batches = iter(make_batches(stream))
     bar = tqdm(total=cfg.steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
     window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction)
+    last: list[Batch] = []  # the step's last micro-batch, for the panel
+
+    def micro_batches(stop: StopOnSignal) -> Iterator[Batch]:
+        for index in range(cfg.grad_accum):
+            wait_start = time.perf_counter()
+            try:
+                batch = next_batch(batches, accelerator.device, stop)
+            except SignalWhileWaiting as signalled:
+                raise stopped_waiting(accelerator, output_dir, progress.step, cfg, str(signalled), resume_hint,
+                                      at_step_boundary=index == 0, stream=stream) from None
+            window.read(batch, time.perf_counter() - wait_start)
+            stream.advance(batch)
+            last[:] = [batch]
+            yield batch
+
     objective.train()
-    with StopOnSignal() as stop:
+    # The bar is closed before anything propagates, so an error's line does not share a line with it.
+    with StopOnSignal() as stop, contextlib.closing(bar):
         while progress.step < cfg.steps:
-            outputs = []
-            for _ in range(cfg.grad_accum):
-                wait_start = time.perf_counter()
-                try:
-                    batch = next_batch(batches, accelerator.device, stop)
-                except SignalWhileWaiting as signalled:
-                    bar.close()
-                    raise stopped_waiting(accelerator, output_dir, progress.step, cfg, str(signalled), resume_hint,
-                                          at_step_boundary=not outputs) from None
-                window.read(batch, time.perf_counter() - wait_start)
-                progress.stream.advance(batch)
-                with accelerator.accumulate(objective):
-                    out = objective(batch.images, batch.labels)
-                    accelerator.backward(out.loss)
-                    if accelerator.sync_gradients:
-                        grad_norm, finite = apply_gradients(accelerator, objective, optimizer, cfg.clip_grad_norm)
-                    optimizer.zero_grad(set_to_none=True)
-                outputs.append(out)
-            scheduler.step()
+            result = train_step(accelerator, model, forward, optimizer, scheduler, micro_batches(stop), cfg.clip_grad_norm)
             progress.step += 1
             step = progress.step
             bar.update(1)
-            window.stepped(step, outputs, grad_norm, finite)
+            window.stepped(step, result)
 
             if step % log.every == 0 or step == cfg.steps:
-                scalars = window.write(step, head_lr(scheduler))
+                scalars = window.write(step, head_lr(optimizer))
                 show_progress(bar, {**results, **scalars})
                 results.update(scalars)
 
             if step % log.images_every == 0 or step == cfg.steps:
-                log_panel(accelerator, objective, batch, step)
+                log_panel(accelerator, objective, last[0], step)
 
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
-                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)
+                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)
             if stopping and step < cfg.steps:
-                bar.close()
                 accelerator.end_training()
                 raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "
                                 f"continue with {resume_hint}")
             evaluate(step)
-    bar.close()
 
     if accelerator.is_main_process:
-        save_file(accelerator.unwrap_model(objective).export_weights(), str(output_dir / WEIGHTS))
+        save_file(objective.export_weights(), str(output_dir / WEIGHTS))
     accelerator.wait_for_everyone()
     return results
 
@@ -528,7 +491,7 @@ def show_progress(bar: tqdm, scalars: dict[str, float]) -> None:
 
 
 def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainConfig, signal_name: str,
-                    resume_hint: str, *, at_step_boundary: bool) -> Preempted:
+                    resume_hint: str, *, at_step_boundary: bool, stream: StreamState) -> Preempted:
     """The stop for a signal that came while the loop waited for data, after saving what can be saved.
 
     Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
@@ -538,7 +501,7 @@ def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg: 
     newest = complete_checkpoints(output_dir)
     if at_step_boundary and accelerator.num_processes == 1 and step > 0:
         if not newest or newest[-1].name != checkpoint_dir(output_dir, step).name:
-            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints)]
+            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)]
         accelerator.end_training()
         return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data; checkpoint "
                          f"saved in {newest[-1]}; continue with {resume_hint}")
@@ -546,21 +509,6 @@ def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg: 
     kept = f"the newest checkpoint is {newest[-1]}; continue with {resume_hint}" if newest else "no checkpoint was written yet"
     return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data, without saving "
                      f"this step; {kept}")
-
-
-def apply_hyperparameters(optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig) -> None:
-    """Put `cfg` in force over the optimiser and scheduler state a checkpoint restored, which carries the saved run's
-    lr, weight decay, betas and momentum; the schedule (its lambda is rebuilt from cfg, not saved) continues from
-    the restored step. With an unchanged config every value is the one restored, bit for bit."""
-    factor = scheduler.lr_lambdas[0]
-    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # build_optimizer's two groups
-        group.update(initial_lr=cfg.lr, lr=cfg.lr * factor(scheduler.last_epoch), weight_decay=weight_decay)
-        if "betas" in group:
-            group["betas"] = cfg.betas
-        if "momentum" in group:
-            group["momentum"] = cfg.momentum
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
@@ -572,15 +520,14 @@ def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
                         f"says why) or raise the threshold")
 
 
-def log_panel(accelerator: Accelerator, objective: nn.Module, batch: Batch, step: int) -> None:
-    """The panel of `objective` (prepared: unwrapped here) for this batch, if it draws one (see Objective.panel)."""
+def log_panel(accelerator: Accelerator, objective: Objective, batch: Batch, step: int) -> None:
+    """The panel of `objective` for this batch, if it draws one (see Objective.panel), from the main process."""
     if not accelerator.is_main_process:
         return
-    module: Objective = accelerator.unwrap_model(objective)
-    module.eval()
+    objective.eval()
     with accelerator.autocast():
-        panel = module.panel(batch.images[:PANEL_IMAGES])
-    module.train()
+        panel = objective.panel(batch.images[:PANEL_IMAGES])
+    objective.train()
     if not panel:
         return
     tracker = accelerator.get_tracker("tensorboard", unwrap=True)

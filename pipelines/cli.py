@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from mpp.errors import UserError
+from mpp.runtime import compile_failure, out_of_memory
 from mpp.train import Preempted
 
 
@@ -133,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         end_process()
     except UserError as err:
         return fail(one_line(err))
-    except (RuntimeError, MemoryError) as err:
-        if not out_of_memory(err):
-            raise
-        return fail(f"out of memory ({one_line(err)}); reduce train.batch_size (train.grad_accum keeps the global batch), "
-                    f"model.width, model.depth or model.image_size, or pick a smaller mpp.target / mpp.color_bits")
     except Preempted as stop:
         print(stop, file=sys.stderr)
+    except Exception as err:
+        if compile_failure(err):
+            return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
+                        f"train without it")
+        if out_of_memory(err):  # outside training (building the model, evaluating): the model itself is too big
+            return fail(f"out of memory ({one_line(err)}); shrink model.width, model.depth or model.image_size, or pick "
+                        f"a smaller mpp.target / mpp.color_bits")
+        raise
     return 0
 
 
@@ -157,11 +161,11 @@ def fail(message: str) -> int:
     return 2
 
 
-def out_of_memory(err: BaseException) -> bool:
-    """torch.OutOfMemoryError on GPU; on CPU a RuntimeError from the allocator (or Python's MemoryError)."""
-    text = str(err)
-    return isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or any(
-        s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
+def compile_cause(err: Exception) -> str:
+    """The line of a torch.compile error that says what went wrong (its message ends with advice for torch's own
+    developers)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return next((line for line in lines if "Error:" in line or "error:" in line), lines[0] if lines else type(err).__name__)
 
 
 def one_line(err: Exception) -> str:

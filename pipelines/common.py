@@ -26,14 +26,16 @@ from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer, build_vit
 from mpp.rundir import CONFIG, complete_checkpoints, run_config_of
 from mpp.shards import synthetic_samples, write_shards
-from mpp.train import make_accelerator, resumable_checkpoint
+from mpp.runtime import Device, make_accelerator, precision_label, process_state, resolve_compile
+from mpp.train import resumable_checkpoint
 
 SYNTHETIC_ROOT = Path("data")
 
 
 def build_backbone(cfg: Config) -> VisionTransformer:
     m = cfg.model
-    return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads, drop_path=m.drop_path)
+    return build_vit(m.name, m.image_size, m.patch_size, width=m.width, depth=m.depth, heads=m.heads, drop_path=m.drop_path,
+                     grad_checkpointing=m.grad_checkpointing)
 
 
 class Run(NamedTuple):
@@ -57,13 +59,22 @@ def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
     Training ranks get different seeds (different corruptions and augmentations; DDP keeps their weights in sync);
     an evaluation (per_process_seed=False) seeds every rank alike, so a fresh backbone is the same on all of them.
     Stages run one after another in one process (compare) share the process's Accelerate state: see
-    train.accelerator_settings.
+    runtime.make_accelerator.
     """
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    train = cfg.train.for_processes(accelerator.num_processes)
+    train = cfg.train.for_processes(process_state().num_processes)
+    accelerator = make_accelerator(train, cfg.output_dir)
     set_seed(train.seed, device_specific=per_process_seed)
     global_batch = train.batch_size * accelerator.num_processes * train.grad_accum
     return Run(accelerator, cfg.model_copy(update={"train": train}, deep=True), global_batch)
+
+
+def run_settings(accelerator: Accelerator, cfg: Config, global_batch: int) -> str:
+    """How the run computes, for its start line: precision, compile and how the global batch is split."""
+    t = cfg.train
+    compiling = resolve_compile(t.compile, Device.this_process())
+    return (f"{precision_label(accelerator.mixed_precision)}, compile {f'on ({t.compile_backend})' if compiling else 'off'}, "
+            f"global batch {global_batch} = {accelerator.num_processes} process(es) x {t.batch_size} images"
+            f" x {t.grad_accum} accumulation step(s)")
 
 
 def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
@@ -176,7 +187,8 @@ def labelled(batches: Iterable[Batch], classes: int, what: str) -> Iterator[Batc
 # optimiser's). Everything else shapes the model, its optimiser state or the data stream the checkpoint continues.
 RESUMABLE = ("train.steps", "train.warmup_steps", "train.lr", "train.weight_decay", "train.betas", "train.momentum",
              "train.clip_grad_norm", "train.max_nonfinite_steps", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.compile", "train.cpu_threads", "data.max_skip_fraction", "data.val_shards",
+             "train.compile", "train.compile_backend", "train.cpu_threads", "model.grad_checkpointing",
+             "data.max_skip_fraction", "data.val_shards",
              "log.", "finetune.", "fewshot.", "output_dir")
 
 
@@ -206,9 +218,9 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
         return []
     before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
     changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
-               # config.yaml holds the per-process batch derived from train.global_batch_size; the checkpoint's
-               # process count is checked on its own
-               and not (key == "train.batch_size" and now.get("train.global_batch_size") is not None)]
+               # config.yaml holds the per-process batch (and accumulation) derived from train.global_batch_size;
+               # the checkpoint's process count is checked on its own
+               and not (key in ("train.batch_size", "train.grad_accum") and now.get("train.global_batch_size") is not None)]
     refused = [key for key in changed if not key.startswith(RESUMABLE)]
     if refused:
         key = refused[0]

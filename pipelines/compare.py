@@ -13,8 +13,8 @@ repeated; an interrupted training stage resumes from its newest checkpoint.
 
 The stages run one after another in this process, each started by common.start_run with its own Accelerator
 (trackers, project directory, accumulation). Accelerate keeps one state per process, which the first Accelerator
-sets and nothing public resets, so every stage of a plan must agree on train.mixed_precision and train.compile: a
-plan that does not is refused when it is loaded.
+sets and nothing public resets, so every stage of a plan must agree on train.mixed_precision: a plan that does not
+is refused when it is loaded. Each training stage compiles its own model from a clean dynamo state.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
 from mpp.shards import Sample, write_shards
-from mpp.train import accelerator_settings, precision_label, process_state
+from mpp.runtime import Device, precision_label, process_state, resolve_precision
 from pipelines import finetune, pretrain
 from pipelines.common import RunInUse, build_backbone, num_classes, resolve_shards, start_run
 from pipelines.evaluators import Stage, TopK
@@ -108,16 +108,16 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
 
 
 def check_one_process(stages: dict[str, Config]) -> None:
-    """Refuse a plan whose stages need different Accelerate process settings (see the module's docstring)."""
+    """Refuse a plan whose stages need different mixed precision (see the module's docstring)."""
+    device = Device.this_process()
     (first, cfg), *others = stages.items()
-    precision, compiled = accelerator_settings(cfg.train)
+    precision = resolve_precision(cfg.train.mixed_precision, device)
     for name, other in others:
-        other_precision, other_compiled = accelerator_settings(other.train)
-        if (other_precision, other_compiled) != (precision, compiled):
-            raise ConfigError(f"the comparison's {first} runs with train.mixed_precision {precision_label(precision)} and "
-                              f"train.compile {compiled}, its {name} with {precision_label(other_precision)} and "
-                              f"{other_compiled}; compare runs every stage in one process, which keeps the first stage's "
-                              f"precision and compile setting: set both once, in the plan's common section")
+        other_precision = resolve_precision(other.train.mixed_precision, device)
+        if other_precision != precision:
+            raise ConfigError(f"the comparison's {first} runs with train.mixed_precision {precision_label(precision)}, its "
+                              f"{name} with {precision_label(other_precision)}; compare runs every stage in one process, "
+                              f"which keeps the first stage's precision: set it once, in the plan's common section")
 
 
 def dotted(keys: dict, prefix: str = "") -> dict[str, Any]:

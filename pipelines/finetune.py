@@ -14,10 +14,11 @@ from mpp.config import Config, ConfigError
 from mpp.data import BadLabel, DataError, LabelReader, label_members
 from mpp.objectives import Classification, finetuning_head
 from mpp.rundir import RESULTS, WEIGHTS
-from mpp.train import Evaluator, precision_label, train
+from mpp.runtime import explained_out_of_memory
+from mpp.train import Evaluator, train
 from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, class_names, command_line, end_tracking,
-                              labelled, num_classes, resolve_shards, resume_command, resume_point, start_run,
-                              start_tracking, train_loader)
+                              labelled, num_classes, resolve_shards, resume_command, resume_point, run_settings,
+                              start_run, start_tracking, train_loader)
 from pipelines.evaluators import Stage, build_evaluators
 
 
@@ -48,6 +49,7 @@ def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classificat
     """The one difference between fine-tuning and training from scratch is where the backbone comes from."""
     backbone = load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg)
     backbone.set_drop_path(cfg.model.drop_path)
+    backbone.grad_checkpointing = cfg.model.grad_checkpointing
     return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True, pool=cfg.finetune.pool,
                           label_smoothing=cfg.train.label_smoothing)
 
@@ -89,7 +91,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         accelerator.print(
             f"fine-tuning {'a fresh backbone (no --ckpt)' if ckpt is None else ckpt} (width {b.width}, depth {b.depth}, "
             f"{b.heads} heads, patch {b.patch_size}, {b.image_size} px) for {classes} classes on {len(urls)} shards with "
-            f"{accelerator.num_processes} process(es), {precision_label(accelerator.mixed_precision)}, global batch {global_batch}")
+            f"{accelerator.num_processes} process(es), {run_settings(accelerator, cfg, global_batch)}")
 
         history = History()
         accelerator.register_for_checkpointing(history)
@@ -99,9 +101,10 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict[str, flo
         def batches(state):
             return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
 
-        results = train(accelerator, classifier, batches, cfg.train, cfg.log, cfg.output_dir, resume_from=resume_from,
-                        evaluators=tuple(history.recording(e) for e in evaluators),
-                        max_skip_fraction=cfg.data.max_skip_fraction, resume_hint=resume_command())
+        with explained_out_of_memory(cfg.train):
+            results = train(accelerator, classifier, batches, cfg.train, cfg.log, cfg.output_dir, resume_from=resume_from,
+                            evaluators=tuple(history.recording(e) for e in evaluators),
+                            max_skip_fraction=cfg.data.max_skip_fraction, resume_hint=resume_command())
         end_tracking(accelerator)
     summary = {
         "top1": results["eval/top1"],

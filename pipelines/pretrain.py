@@ -11,10 +11,11 @@ import torch
 from mpp.config import Config
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.rundir import RESULTS, WEIGHTS
-from mpp.train import precision_label, train
+from mpp.runtime import explained_out_of_memory
+from mpp.train import train
 from pipelines.common import (OutputDirLock, build_backbone, check_output_dir, command_line, end_tracking, labelled,
-                              num_classes, resolve_shards, resume_command, resume_point, start_run, start_tracking,
-                              train_loader)
+                              num_classes, resolve_shards, resume_command, resume_point, run_settings, start_run,
+                              start_tracking, train_loader)
 from pipelines.evaluators import Stage, build_evaluators
 
 
@@ -38,7 +39,7 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
             f"{b.image_size} px; {sum(p.numel() for p in b.parameters()) / 1e6:.1f}M params) "
             f"on {len(urls)} shards with {accelerator.num_processes} process(es) on {accelerator.device}"
             f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-            f"{precision_label(accelerator.mixed_precision)}, global batch {global_batch}")
+            f"{run_settings(accelerator, cfg, global_batch)}")
         evaluators = build_evaluators(cfg, accelerator, Stage("pretrain", classes))
         started = time.perf_counter()
 
@@ -46,9 +47,10 @@ def run(cfg: Config, *, resume: bool = False) -> dict[str, float]:
             loader = train_loader(urls, cfg, accelerator, state, labels=classes is not None)
             return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
 
-        results = train(accelerator, objective, batches,
-                        cfg.train, cfg.log, cfg.output_dir, resume_from=resume_from, max_skip_fraction=cfg.data.max_skip_fraction,
-                        evaluators=evaluators, resume_hint=resume_command())
+        with explained_out_of_memory(cfg.train):
+            results = train(accelerator, objective, batches,
+                            cfg.train, cfg.log, cfg.output_dir, resume_from=resume_from, max_skip_fraction=cfg.data.max_skip_fraction,
+                            evaluators=evaluators, resume_hint=resume_command())
         end_tracking(accelerator)
         if accelerator.is_main_process:
             (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(

@@ -18,7 +18,8 @@ from mpp.config import load_config  # noqa: E402
 from mpp.data import Batch, StreamPosition  # noqa: E402
 from mpp.model import build_vit  # noqa: E402
 from mpp.objectives import Objective, StepOutput  # noqa: E402
-from mpp.train import make_accelerator, train  # noqa: E402
+from mpp.runtime import make_accelerator  # noqa: E402
+from mpp.train import train  # noqa: E402
 
 STEPS, CLASSES = 4, 4
 

@@ -5,7 +5,7 @@ import torch
 
 from pydantic import BaseModel
 
-from mpp.config import Config, ConfigError, load_config
+from mpp.config import Config, ConfigError, TrainConfig, load_config
 from mpp.model import VIT_SIZES, build_vit
 
 ROOT = Path(__file__).parents[1]
@@ -112,3 +112,33 @@ def test_readme_documents_every_config_key():
     for key, description in dotted_keys(Config):
         assert description, f"{key} has no description"
         assert f"| `{key}` |" in readme and description in readme, f"README's config reference lacks {key}"
+
+
+def test_a_micro_batch_splits_the_global_batch_into_accumulation_steps():
+    paper = TrainConfig(global_batch_size=4096, micro_batch_size=128)
+    assert [(t.batch_size, t.grad_accum) for t in (paper.for_processes(n) for n in (1, 4, 32))] == [(128, 32), (128, 8), (128, 1)]
+    with pytest.raises(ConfigError, match=r"train.global_batch_size 4096 is not a whole number of micro-batches of 128 "
+                                          r"images on each of 3 process\(es\)"):
+        paper.for_processes(3)
+    with pytest.raises(ConfigError, match=r"train.global_batch_size 4096 is not a whole number .* on each of 64 process"):
+        paper.for_processes(64)  # 64 images each: fewer than one micro-batch
+    without = TrainConfig(global_batch_size=4096, grad_accum=2)  # the accumulation given, the batch derived
+    assert (without.for_processes(4).batch_size, without.for_processes(4).grad_accum) == (512, 2)
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size splits train.global_batch_size, which is not set"):
+        TrainConfig(micro_batch_size=32).for_processes(1)
+
+
+def test_grad_checkpointing_gives_the_same_loss_and_gradients():
+    # Stochastic depth on: the recomputed forward must drop the same residual branches as the first one.
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        vit = build_vit("vit_ti", 16, 4, width=32, depth=3, heads=2, drop_path=0.3, grad_checkpointing=checkpointing)
+        images = torch.randn(4, 3, 16, 16)
+        torch.manual_seed(1)
+        loss = vit(images).square().mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in vit.parameters()]))
+    (loss, grads), (checkpointed_loss, checkpointed_grads) = results
+    assert torch.equal(loss, checkpointed_loss)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grads, checkpointed_grads))

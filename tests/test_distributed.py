@@ -54,14 +54,18 @@ def test_uneven_shards_over_two_processes_do_not_hang(tmp_path, make_shards):
     assert (tmp_path / "run" / "model.safetensors").is_file()
 
 
-def test_two_process_run_resumes_to_the_same_weights(tmp_path, make_shards):
-    make_shards([30] * 4, size=32)
-    common = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=3",
-              "train.keep_checkpoints=5", "data.num_workers=1"]
+def test_two_process_run_over_uneven_shards_resumes_to_the_same_weights(tmp_path, make_shards):
+    # Rank 0 streams shards 0 and 2 (60 samples a pass), rank 1 shards 1 and 3 (10): their stream positions differ,
+    # and each rank must resume from its own (they used to resume both from rank 0's).
+    make_shards([30, 5, 30, 5], size=32)
+    common = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "train.grad_accum=2", "train.checkpoint_every=3",
+              "train.keep_checkpoints=5", "data.num_workers=1", "data.resampled=false"]
     pretrain_two_processes(tmp_path, *common)
     uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
     checkpoints = complete_checkpoints(tmp_path / "run")
     assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]
+    positions = [json.loads((checkpoints[0] / f"stream_state_{rank}.json").read_text()) for rank in (0, 1)]
+    assert positions[0] != positions[1]
     shutil.rmtree(checkpoints[-1])  # as if both processes had died after step 3's checkpoint
     (tmp_path / "run" / "model.safetensors").unlink()
 
@@ -69,6 +73,25 @@ def test_two_process_run_resumes_to_the_same_weights(tmp_path, make_shards):
     assert re.search(r"resumed from .*step_00000003 at step 3", proc.stdout)
     resumed = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_two_processes_compiled_with_accumulation_panels_and_evaluations_match_eager(tmp_path, make_shards):
+    # The image panel and the evaluations read the bare objective; they used to unwrap the compiled DDP model, which
+    # left rank 0 without no_sync and crashed the next step with a collective mismatch. aot_eager compiles what
+    # inductor would (dynamo and AOTAutograd over DDP) without its code generation, which takes minutes on 2 CPUs.
+    make_shards([40, 40], size=32)
+    write_test_shards(tmp_path / "val", [20], size=32)
+    common = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "train.grad_accum=2", "train.checkpoint_every=6",
+              "log.every=2", "log.images_every=2", "eval.every=2", "eval.images=8", f"data.val_shards={tmp_path / 'val'}",
+              "train.mixed_precision=no"]
+    weights = {}
+    for compile_model in ("false", "true"):
+        out = f"output_dir={tmp_path / compile_model}"
+        proc = pretrain_two_processes(tmp_path, *common, out, f"train.compile={compile_model}", "train.compile_backend=aot_eager")
+        assert "with 2 process(es)" in proc.stdout and f"compile {'on (aot_eager)' if compile_model == 'true' else 'off'}" in proc.stdout
+        weights[compile_model] = load_file(tmp_path / compile_model / "model.safetensors")
+    worst = max((weights["true"][k] - weights["false"][k]).abs().max().item() for k in weights["false"])
+    assert worst < 1e-4, worst
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, make_shards):

@@ -8,12 +8,16 @@ import launch
 from mpp.config import TrainConfig, load_config
 from mpp.model import DropPath, VisionTransformer
 from mpp.objectives import Classification, MaskedPatchPrediction, normalize
-from mpp.train import build_optimizer, head_lr, warmup_cosine
+from mpp.optim import build_optimizer, head_lr, param_groups, warmup_cosine
 from pipelines import finetune
 
 from conftest import TINY, reset_accelerator
 
 NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")  # the input tokens, exempt from weight decay, by name
+
+
+def optimizer_of(module, cfg):
+    return build_optimizer(param_groups(module, cfg.layer_decay), cfg)
 
 
 def classifier(depth=2, drop_path=0.0, pool="cls", seed=0):
@@ -25,7 +29,7 @@ def classifier(depth=2, drop_path=0.0, pool="cls", seed=0):
 def test_layer_decay_scales_follow_the_beit_formula_through_warmup_and_cosine():
     model = classifier(depth=2)
     cfg = TrainConfig(optimizer="adamw", lr=1e-2, layer_decay=0.5, steps=10, warmup_steps=2)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = optimizer_of(model, cfg)
     scale_of = {id(p): g["lr_scale"] for g in optimizer.param_groups for p in g["params"]}
     wd_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
     expected = {"backbone.patch_embed.proj.weight": 0.5 ** 3, "backbone.cls_token": 0.5 ** 3, "backbone.pos_embed": 0.5 ** 3,
@@ -43,7 +47,7 @@ def test_layer_decay_scales_follow_the_beit_formula_through_warmup_and_cosine():
     for step in range(6):
         for group in optimizer.param_groups:
             assert group["lr"] == pytest.approx(cfg.lr * group["lr_scale"] * factor(step))
-        assert head_lr(scheduler) == pytest.approx(cfg.lr * factor(step))  # what train/lr logs: the head's
+        assert head_lr(optimizer) == pytest.approx(cfg.lr * factor(step))  # what train/lr logs: the head's
         optimizer.step()
         scheduler.step()
 
@@ -51,7 +55,7 @@ def test_layer_decay_scales_follow_the_beit_formula_through_warmup_and_cosine():
 def test_mask_embedding_is_an_input_token_for_layer_decay():
     torch.manual_seed(0)
     objective = MaskedPatchPrediction(VisionTransformer(16, 4, 32, 3, 2))
-    optimizer = build_optimizer(objective, TrainConfig(layer_decay=0.8))
+    optimizer = optimizer_of(objective, TrainConfig(layer_decay=0.8))
     scale_of = {id(p): g["lr_scale"] for g in optimizer.param_groups for p in g["params"]}
     assert scale_of[id(objective.mask_embedding)] == pytest.approx(0.8 ** 4)
     assert scale_of[id(objective.head.weight)] == 1.0
@@ -61,7 +65,7 @@ def test_no_weight_decay_names_the_input_tokens_of_backbone_and_objective():
     objective = MaskedPatchPrediction(VisionTransformer(16, 4, 32, 2, 2))
     assert objective.no_weight_decay() == {"backbone.cls_token", "backbone.pos_embed", "mask_embedding"}
     assert classifier().no_weight_decay() == {"backbone.cls_token", "backbone.pos_embed"}
-    optimizer = build_optimizer(objective, TrainConfig(weight_decay=0.05))
+    optimizer = optimizer_of(objective, TrainConfig(weight_decay=0.05))
     wd_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
     for name, p in objective.named_parameters():
         exempt = p.ndim <= 1 or name.split(".")[-1] in NO_DECAY
@@ -83,7 +87,7 @@ def todays_optimizer(module, cfg):
 def test_layer_decay_one_is_todays_optimizer_exactly(name):
     cfg = TrainConfig(optimizer=name, lr=0.05, layer_decay=1.0, steps=10, warmup_steps=2)
     ours, reference = classifier(seed=3), classifier(seed=3)
-    opt_ours, opt_ref = build_optimizer(ours, cfg), todays_optimizer(reference, cfg)
+    opt_ours, opt_ref = optimizer_of(ours, cfg), todays_optimizer(reference, cfg)
     assert len(opt_ours.param_groups) == 2
     images = torch.randint(0, 256, (6, 3, 16, 16), dtype=torch.uint8)
     labels = torch.arange(6) % 5

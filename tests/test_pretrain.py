@@ -13,7 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mpp.config import ConfigError, load_config
 from mpp.model import normalize
 from mpp.objectives import OBJECTIVES, Objective, ObjectiveKind, StepOutput
-from mpp.train import complete_checkpoints, default_precision
+from mpp.runtime import Device, resolve_precision
+from mpp.train import complete_checkpoints
 from pipelines import pretrain
 
 from conftest import ROOT, TINY, reset_accelerator
@@ -116,5 +117,27 @@ def test_accelerate_launch_on_cpu_trains_on_every_core(tmp_path, make_shards):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    precision = "bf16" if default_precision("cpu") == "bf16" else "fp32"  # what auto picks on this CPU
+    precision = "bf16" if resolve_precision("auto", Device.this_process()) == "bf16" else "fp32"  # what auto picks here
     assert f"on cpu ({len(os.sched_getaffinity(0))} thread(s) each), {precision}," in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_tenth_run_compiled_in_one_process_is_still_compiled(tmp_path, make_shards, monkeypatch):
+    # compare runs every stage in one process; each new model fails dynamo's guards, and past its recompile limit
+    # (8) every later model would silently run eager. A counting backend shows which runs were really compiled.
+    make_shards([20], size=24)
+    compiled_in, run_index = [], [0]
+    real_compile = torch.compile
+
+    def counting_compile(model, backend):
+        def count(graph, example_inputs):
+            compiled_in.append(run_index[0])
+            return graph.forward
+
+        return real_compile(model, backend=count)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    for run_index[0] in range(10):
+        pretrain.run(load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / f'run{run_index[0]}'}",
+                                        *TINY, "train.steps=1", "train.warmup_steps=0", "train.batch_size=4",
+                                        "train.compile=true", "train.mixed_precision=no"]))
+    assert 9 in compiled_in, sorted(set(compiled_in))

@@ -20,8 +20,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mpp.config import DataConfig, load_config
 from mpp.data import EvalTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
-from mpp.train import TrainingDiverged, complete_checkpoints, make_accelerator, train
-from pipelines import cli
+from mpp.runtime import make_accelerator
+from mpp.errors import UserError
+from mpp.train import TrainingDiverged, check_seen_by_every_rank, complete_checkpoints, train
+from pipelines import cli, pretrain
 from pipelines.common import build_backbone, start_tracking, train_loader
 
 from conftest import ROOT, TINY
@@ -317,7 +319,26 @@ def test_out_of_memory_says_what_to_reduce(tmp_path, make_shards):
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: out of memory (") and "can't allocate memory" in result.stderr
-    assert "reduce train.batch_size" in result.stderr and "model.width" in result.stderr
+    assert "shrink model.width" in result.stderr
+
+
+@pytest.mark.parametrize("batch, fix", [
+    (["train.batch_size=64"], "lower train.batch_size and raise train.grad_accum to keep the global batch"),
+    (["train.global_batch_size=64"], "set train.micro_batch_size below 64 (train.grad_accum follows, so "
+                                     "train.global_batch_size 64 stays)"),
+], ids=["batch_size", "global_batch_size"])
+def test_out_of_memory_while_training_names_what_sets_the_forward_batch(tmp_path, make_shards, batch, fix):
+    # 3,137 tokens of width 1024 for 64 images: the MLP's hidden activations alone are 3.3 GB, which with the rest
+    # pass the 4 GiB address limit in the first forward pass.
+    make_shards([70], size=24)
+    result = subprocess.run([sys.executable, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "model.image_size=224", "model.depth=1", "model.width=1024",
+                             "train.steps=2", "train.warmup_steps=0", "train.mixed_precision=no", *batch],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: out of memory with 64 images per process per forward pass (") and "Traceback" not in result.stderr
+    assert error.endswith(f"; {fix}, or set model.grad_checkpointing=true"), error
 
 
 def test_a_user_error_under_two_processes_is_printed_once(tmp_path):
@@ -340,3 +361,30 @@ def test_an_error_only_another_rank_meets_is_printed_by_it_naming_itself(monkeyp
     monkeypatch.setenv("RANK", "0")
     assert cli.fail("unknown config key 'train.stpes'") == 2
     assert capsys.readouterr().err == "error: unknown config key 'train.stpes'\n"
+
+
+def test_a_compile_that_fails_is_one_line_naming_train_compile_false(tmp_path, make_shards):
+    # No C++ compiler for inductor's CPU code (CXX names none): the failure surfaces at the first step, deep in torch.
+    make_shards([20], size=24)
+    result = subprocess.run([sys.executable, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2", "train.warmup_steps=0",
+                             "train.batch_size=4", "train.compile=true"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "CXX": "/nonexistent"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: torch.compile could not compile the model \(.*C\+\+ compiler.*\); set train.compile=false "
+                        r"to train without it", error), error
+
+
+def test_a_checkpoint_some_rank_cannot_see_is_refused_naming_the_rank(tmp_path, make_shards):
+    # On several nodes without a shared output_dir, the other nodes' ranks find no stream state of theirs.
+    make_shards([40], size=32)
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                             "train.steps=2", "train.warmup_steps=0", "train.batch_size=4"])
+    pretrain.run(cfg)
+    checkpoint = complete_checkpoints(tmp_path / "run")[-1]
+    (checkpoint / "stream_state_0.json").unlink()
+    with pytest.raises(UserError, match=rf"checkpoint {checkpoint} is not visible to rank\(s\) 0: with several nodes, "
+                                        r"output_dir must be on a filesystem every node shares"):
+        check_seen_by_every_rank(make_accelerator(cfg.train, cfg.output_dir), checkpoint)

@@ -1,6 +1,7 @@
 """Checkpoints that are damaged, runs resumed with other settings or after they finished, and run directories
 that cannot be used (docs/reliability.md lists them)."""
 
+import contextlib
 import json
 import re
 import shutil
@@ -10,12 +11,15 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import load_config
 from mpp.data import DataError
 from mpp.errors import UserError
-from mpp.train import Evaluator, complete_checkpoints, make_accelerator, train, warmup_cosine
+from mpp.optim import warmup_cosine
+from mpp.runtime import make_accelerator
+from mpp.train import Evaluator, complete_checkpoints, train
 from pipelines import finetune, pretrain
 from pipelines.common import build_backbone, start_tracking, train_loader
 from mpp.objectives import MaskedPatchPrediction
@@ -125,18 +129,55 @@ def test_a_resume_shorter_than_its_checkpoint_is_refused(tmp_path, finished_run)
         pretrain.run(pretrain_config(tmp_path, "train.steps=3"), resume=True)
 
 
+@contextlib.contextmanager
+def recorded_steps():
+    """The param groups of every optimiser step taken inside (torch's global step hook: the loop's optimiser, as it
+    stepped), each as [(lr, weight_decay, betas, lr_scale, apply_weight_decay)] per group."""
+    steps = []
+
+    def record(optimizer, args, kwargs):
+        steps.append([(g["lr"], g["weight_decay"], g.get("betas"), g["lr_scale"], g["apply_weight_decay"])
+                      for g in optimizer.param_groups])
+
+    handle = register_optimizer_step_post_hook(record)
+    try:
+        yield steps
+    finally:
+        handle.remove()
+
+
 def test_a_resumed_optimizer_takes_the_new_hyperparameters(tmp_path, finished_run):
-    # The checkpoint's optimiser state carries the old lr, weight decay and betas; the new ones must replace them.
+    # The checkpoint's optimiser state carries the old lr, weight decay and betas; the new ones must replace them,
+    # each group keeping its own weight-decay exemption.
+    shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])
     cfg = pretrain_config(tmp_path, "train.lr=5e-4", "train.steps=6", "train.weight_decay=0.1", "train.betas=[0.8,0.99]")
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    objective = MaskedPatchPrediction(build_backbone(cfg))
-    start_tracking(accelerator, cfg, "pretrain", objective.headline_charts())
-    urls = [str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))]
-    train(accelerator, objective, lambda state: train_loader(urls, cfg, accelerator, state),
-          cfg.train, cfg.log, cfg.output_dir, resume_from=complete_checkpoints(tmp_path / "run")[0])
-    decay, no_decay = accelerator._optimizers[0].param_groups
-    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
-    assert decay["betas"] == no_decay["betas"] == (0.8, 0.99) and decay["initial_lr"] == 5e-4
+    with recorded_steps() as steps:
+        pretrain.run(cfg, resume=True)
+    assert len(steps) == 4  # steps 3 to 6
+    factor = warmup_cosine(1, 6)(2)  # the first resumed step's schedule
+    for lr, weight_decay, betas, scale, decayed in steps[0]:
+        assert (weight_decay, betas) == (0.1 if decayed else 0.0, (0.8, 0.99))
+        assert lr == pytest.approx(5e-4 * scale * factor)
+
+
+def test_a_layer_decay_finetuning_resumed_has_the_uninterrupted_runs_group_lrs_at_every_step(tmp_path, make_shards):
+    # Each layer keeps its own lr through a resume (it used to get the head's), so the weights come out the same.
+    make_shards([30, 30], size=24)
+    write_test_shards(tmp_path / "val", [7, 5], size=24)
+    cfg = finetune_config(tmp_path, "train.layer_decay=0.5", "train.optimizer=adamw", "train.lr=0.01",
+                          "train.weight_decay=0.05", "finetune.eval_every=100")
+    with recorded_steps() as uninterrupted:
+        finetune.run(cfg, ckpt=None)
+    weights = load_file(tmp_path / "ft" / "model.safetensors")
+    scales = sorted({scale for *_, scale, _ in uninterrupted[0]})
+    assert scales == [0.5 ** 3, 0.5 ** 2, 0.5, 1.0]  # depth 2: embeddings, two blocks, norm and head
+    shutil.rmtree(complete_checkpoints(tmp_path / "ft")[-1])  # as if stopped after step 3's checkpoint
+    reset_accelerator()
+    with recorded_steps() as resumed:
+        finetune.run(cfg, ckpt=None, resume=True)
+    assert resumed == uninterrupted[3:]
+    again = load_file(tmp_path / "ft" / "model.safetensors")
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
 
 
 # ---------------------------------------------------------------- finished runs and evaluations

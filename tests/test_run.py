@@ -46,4 +46,4 @@ def test_stages_in_one_process_share_its_accelerate_state_so_compare_refuses_pla
     start_run(load_config(None, [f"output_dir={tmp_path / 'a'}", "train.mixed_precision=no"]))
     start_run(load_config(None, [f"output_dir={tmp_path / 'b'}", "train.mixed_precision=no", "train.grad_accum=2"]))
     with pytest.raises(ValueError, match="AcceleratorState has already been initialized"):
-        start_run(load_config(None, [f"output_dir={tmp_path / 'c'}", "train.mixed_precision=fp16"]))
+        start_run(load_config(None, [f"output_dir={tmp_path / 'c'}", "train.mixed_precision=bf16"]))

@@ -247,7 +247,7 @@ def test_a_missing_fashion_mnist_path_names_how_to_get_it(tmp_path):
 def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, capsys):
     from conftest import reset_accelerator
     from mpp.config import load_config
-    from mpp.train import make_accelerator
+    from mpp.runtime import make_accelerator
     from pipelines import common
 
     monkeypatch.setattr(common, "SYNTHETIC_ROOT", tmp_path / "data")

@@ -4,21 +4,26 @@ import importlib.util
 import io
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 import webdataset as wds
 from PIL import Image
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
+from mpp import runtime
 from mpp.config import TrainConfig
-from mpp.data import EvalTransform, TrainTransform, crop_resize
+from mpp.data import Batch, EvalTransform, TrainTransform, crop_resize
+from mpp.errors import UserError
 from mpp.model import Attention, build_vit
 from mpp.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
-from mpp.train import apply_gradients, build_optimizer, cpu_threads, default_precision, make_accelerator
+from mpp.optim import build_optimizer, build_schedule, param_groups
+from mpp.runtime import CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile, resolve_precision
+from mpp.train import LogWindow, train_step
 from pipelines import prepare
 
 from conftest import ROOT
@@ -73,15 +78,20 @@ def test_nonfinite_gradient_leaves_weights_moments_and_step_count_untouched(tmp_
     cfg = TrainConfig(optimizer=optimizer, warmup_steps=0, compile=False)
     accelerator = make_accelerator(cfg, tmp_path)
     objective = tiny_objective()
-    prepared, opt = accelerator.prepare(objective, build_optimizer(objective, cfg))
-    batch = images()
+    prepared = accelerator.prepare(objective)
+    opt = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+    schedule = build_schedule(opt, cfg)
+    batch = Batch(images(), torch.full((4,), -1))
 
     def step(poison: bool):
-        loss = prepared(batch).loss * (float("nan") if poison else 1.0)
-        accelerator.backward(loss)
-        _, finite = apply_gradients(accelerator, prepared, opt, cfg.clip_grad_norm)
-        opt.zero_grad(set_to_none=True)
-        return bool(finite)
+        def forward(images, labels):
+            out = prepared(images, labels)
+            out.loss = out.loss * (float("nan") if poison else 1.0)
+            return out
+
+        result = train_step(accelerator, prepared, forward, opt, schedule, [batch], cfg.clip_grad_norm)
+        assert bool(result.nonfinite) == poison  # without a loss scaler a non-finite gradient counts
+        return bool(result.stepped)
 
     def snapshot():
         weights = [p.detach().clone() for p in objective.parameters()]
@@ -206,13 +216,104 @@ def test_cpu_bf16_attention_matches_fp32_scaled_dot_product_attention():
         assert torch.allclose(grad, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
 
 
-def test_auto_precision_is_bf16_on_gpu_and_on_cpus_with_bf16_instructions(monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert default_precision("cuda") == "bf16"
-    assert default_precision("cpu") == "no"
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert default_precision("cpu") == "bf16"
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    assert default_precision("cpu") == "bf16"
+def test_auto_precision_is_bf16_where_the_hardware_has_it_else_fp16_on_gpus_and_fp32_on_cpus():
+    ampere, volta = Device("cuda", native_bf16=True, capability=(8, 0)), Device("cuda", native_bf16=False, capability=(7, 0))
+    assert resolve_precision("auto", ampere) == "bf16"
+    assert resolve_precision("auto", volta) == "fp16"  # emulated bf16 is slow there
+    assert resolve_precision("auto", Device("cpu", native_bf16=True)) == "bf16"
+    assert resolve_precision("auto", Device("cpu", native_bf16=False)) == "no"
+    assert resolve_precision("bf16", volta) == "bf16"  # what the user asks for
+    with pytest.raises(UserError, match=r"train.mixed_precision=fp16 needs a GPU .*; use bf16 .* or no"):
+        resolve_precision("fp16", Device("cpu", native_bf16=True))
+
+
+def test_cpu_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(runtime, "Path", lambda path: cpuinfo if path == "/proc/cpuinfo" else Path(path))
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f\n")
+    assert not runtime.cpu_has_bf16()
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
+    assert runtime.cpu_has_bf16()
+    cpuinfo.unlink()
+    assert not runtime.cpu_has_bf16()  # no /proc: fp32
+
+
+def test_auto_compile_only_on_gpus_triton_supports_and_true_refuses_the_rest_in_one_line():
+    h100 = Device("cuda", native_bf16=True, capability=(9, 0), triton=True)
+    p100 = Device("cuda", native_bf16=False, capability=(6, 0), triton=True)
+    no_triton = Device("cuda", native_bf16=True, capability=(8, 0), triton=False)
+    cpu = Device("cpu", native_bf16=False)
+    assert resolve_compile("auto", h100) and not resolve_compile("auto", p100)
+    assert not resolve_compile("auto", no_triton) and not resolve_compile("auto", cpu)
+    assert resolve_compile(True, cpu) and resolve_compile(True, h100) and not resolve_compile(False, h100)
+    with pytest.raises(CompileUnavailable, match=r"train.compile=true cannot compile for a GPU of compute capability 6.0: "
+                                                 r"Triton needs compute capability 7.0 or newer; set train.compile=false"):
+        resolve_compile(True, p100)
+    with pytest.raises(CompileUnavailable, match=r"Triton is not installed .*; set train.compile=false"):
+        resolve_compile(True, no_triton)
+
+
+def test_a_training_step_neither_reads_the_device_nor_builds_tensors_from_host_values(tmp_path):
+    # On a GPU either would make the host wait for the device every step (a sync) or copy to it (torch.tensor of a
+    # Python number is a blocking host-to-device copy); only log lines read values back. The profiler names both
+    # on any device: `_local_scalar_dense` is a read of a tensor's value on the host, `lift_fresh` a tensor made from
+    # host data.
+    cfg = TrainConfig(warmup_steps=1, compile=False)
+    accelerator = make_accelerator(cfg, tmp_path)
+    objective = tiny_objective()
+    model = accelerator.prepare(objective)
+    optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+    schedule = build_schedule(optimizer, cfg)
+    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction=1.0)
+    batch = Batch(images(), torch.full((4,), -1))
+    for step in (1, 2):
+        window.stepped(step, train_step(accelerator, model, model, optimizer, schedule, [batch], cfg.clip_grad_norm))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        window.stepped(3, train_step(accelerator, model, model, optimizer, schedule, [batch], cfg.clip_grad_norm))
+
+    def inside_fused_optimizer(event) -> bool:  # the CPU kernel reads its scalars on the host; the CUDA one on the device
+        while event is not None:
+            if event.name.startswith("aten::_fused_"):
+                return True
+            event = event.cpu_parent
+        return False
+
+    assert "aten::_fused_adamw_" in {event.name for event in profile.events()}  # the optimiser step was profiled
+    ops = {event.name for event in profile.events() if not inside_fused_optimizer(event)}
+    assert not ops & {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::lift_fresh"}, ops
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "fp16-scaler"])
+def test_under_a_loss_scaler_only_a_nonfinite_loss_counts_towards_max_nonfinite_steps(tmp_path, scaled):
+    # fp16 training overflows now and then by design: the scaler skips the step and lowers its scale. Those steps
+    # must not add up to a "diverged" stop; a non-finite loss still does. (fp16 needs a GPU: on a CPU a GradScaler
+    # given to Accelerate before the optimiser is prepared plays the loop's part.)
+    cfg = TrainConfig(warmup_steps=1, compile=False)
+    accelerator = make_accelerator(cfg, tmp_path)
+    if scaled:
+        accelerator.scaler = torch.amp.GradScaler("cpu")
+    objective = tiny_objective()
+    model = accelerator.prepare(objective)
+    optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+    schedule = build_schedule(optimizer, cfg)
+    batch = Batch(images(), torch.full((4,), -1))
+
+    def step(poison):
+        def forward(images, labels):
+            out = model(images, labels)
+            if poison == "loss":
+                out.loss = out.loss * float("nan")
+            return out
+
+        # A finite loss whose gradient overflows:
+        hook = objective.head.bias.register_hook(lambda grad: grad * float("inf")) if poison == "gradient" else None
+        result = train_step(accelerator, model, forward, optimizer, schedule, [batch], cfg.clip_grad_norm)
+        if hook:
+            hook.remove()
+        return result
+
+    overflow = step("gradient")
+    assert not bool(overflow.stepped) and bool(overflow.nonfinite) == (not scaled)
+    nan = step("loss")
+    assert not bool(nan.stepped) and bool(nan.nonfinite)
+    assert bool(step(None).stepped)

@@ -16,7 +16,8 @@ from mpp.config import DataConfig, load_config
 from mpp.data import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
 import mpp.train
-from mpp.train import Preempted, complete_checkpoints, make_accelerator, next_batch, train
+from mpp.runtime import make_accelerator
+from mpp.train import Preempted, complete_checkpoints, next_batch, train
 from pipelines.common import build_backbone
 
 from conftest import ROOT, TINY
