@@ -24,7 +24,7 @@ from mpp.errors import UserError
 
 # Per-image correctness as the callers hold it: a numpy array, a (CPU or GPU) tensor, or nested lists of bools.
 Correct = np.ndarray | torch.Tensor | Sequence
-# Replicates drawn at once: their image-count matrix (replicates x images) stays near 2**23 entries (64 MiB).
+# Replicates drawn at once: their draw and image-count matrices (replicates x images) stay near 2**23 entries (64 MiB each).
 CHUNK_ENTRIES = 2**23
 
 
@@ -44,17 +44,15 @@ def correct_matrix(correct: Correct, name: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class GapInterval:
-    """Mean top-1 of arm A minus arm B (fractions of 1) with its percentile bootstrap interval."""
+    """Mean top-1 of arm A minus arm B (fractions of 1) with its percentile bootstrap interval (plain fields, so
+    dataclasses.asdict gives results.json its entry)."""
 
     gap: float
     low: float
     high: float
+    excludes_zero: bool  # low > 0 or high < 0: the gap is resolved at this confidence
     confidence: float
     resamples: int
-
-    @property
-    def excludes_zero(self) -> bool:
-        return self.low > 0 or self.high < 0
 
 
 def paired_bootstrap_gap(correct_a: Correct, correct_b: Correct, *, resamples: int = 10_000, confidence: float = 0.95,
@@ -92,8 +90,8 @@ def paired_bootstrap_gap(correct_a: Correct, correct_b: Correct, *, resamples: i
         gaps[start : start + n] = (np.take_along_axis(top1_a, seeds_a, axis=1).mean(axis=1)
                                    - np.take_along_axis(top1_b, seeds_b, axis=1).mean(axis=1))
     low, high = np.quantile(gaps, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return GapInterval(gap=float(a.mean() - b.mean()), low=float(low), high=float(high), confidence=confidence,
-                       resamples=resamples)
+    return GapInterval(gap=float(a.mean() - b.mean()), low=float(low), high=float(high),
+                       excludes_zero=bool(low > 0 or high < 0), confidence=confidence, resamples=resamples)
 
 
 @dataclass(frozen=True)
@@ -168,14 +166,10 @@ class Pick:
     pick: str  # the cheapest of `tied`, then the earliest in the grid
     best: str  # the highest dev top-1 (the earliest in the grid among equals)
     tied: tuple[str, ...]  # `best` and the candidates the split cannot tell from it, in grid order
-    top1: dict[str, float]  # every candidate's dev top-1
+    tie: bool  # more than one in `tied`: the split could not single out a best, so cost and grid order picked
     p_value: dict[str, float]  # every candidate's exact McNemar p-value against `best` (1.0 for `best`)
+    top1: dict[str, float]  # every candidate's dev top-1
     significance: float
-
-    @property
-    def tie(self) -> bool:
-        """Whether the split could not single out one best recipe, so the pick was made among ties by cost."""
-        return len(self.tied) > 1
 
 
 def pick_recipe(candidates: Sequence[Candidate], significance: float = 0.05) -> Pick:
@@ -203,7 +197,7 @@ def pick_recipe(candidates: Sequence[Candidate], significance: float = 0.05) -> 
     tied = tuple(name for name in names if p_value[name] >= significance)
     order = {c.name: (c.cost, i) for i, c in enumerate(candidates)}
     pick = min(tied, key=lambda name: order[name])
-    return Pick(pick=pick, best=best, tied=tied, top1=top1, p_value=p_value, significance=significance)
+    return Pick(pick=pick, best=best, tied=tied, tie=len(tied) > 1, p_value=p_value, top1=top1, significance=significance)
 
 
 class FoldError(UserError):
