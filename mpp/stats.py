@@ -1,0 +1,238 @@
+"""Statistics for comparing fine-tuned classifiers: pure functions on per-image "correct" arrays, no I/O.
+
+- `paired_bootstrap_gap`: a 95% interval for the top-1 gap between two arms scored on the same test images, over
+  test images and fine-tuning seeds.
+- `mcnemar`: the exact McNemar test for two runs scored on the same images.
+- `dev_resolution`: what a dev split of n images can resolve.
+- `pick_recipe`: the dev pick that treats differences the dev split cannot resolve as ties.
+- `stratified_folds`: a stratified, key-hashed k-fold assignment.
+
+docs/statistics.md gives the method, its assumptions and a worked example.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mpp.errors import UserError
+
+# Per-image correctness as the callers hold it: a numpy array, a (CPU or GPU) tensor, or nested lists of bools.
+Correct = np.ndarray | torch.Tensor | Sequence
+# Replicates drawn at once: their draw and image-count matrices (replicates x images) stay near 2**23 entries (64 MiB each).
+CHUNK_ENTRIES = 2**23
+
+
+def correct_matrix(correct: Correct, name: str) -> np.ndarray:
+    """A (seeds, images) or (images,) boolean array (numpy, torch or nested lists) -> a (seeds, images) float64 array."""
+    if isinstance(correct, torch.Tensor):
+        correct = correct.detach().cpu().numpy()
+    matrix = np.asarray(correct)
+    if matrix.ndim == 1:
+        matrix = matrix[None, :]
+    if matrix.ndim != 2 or matrix.shape[0] == 0 or matrix.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty (seeds, images) array of per-image correctness, got shape {matrix.shape}")
+    if not np.isin(matrix, (0, 1)).all():
+        raise ValueError(f"{name} must hold only True/False (or 1/0) per image")
+    return matrix.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class GapInterval:
+    """Mean top-1 of arm A minus arm B (fractions of 1) with its percentile bootstrap interval (plain fields, so
+    dataclasses.asdict gives results.json its entry)."""
+
+    gap: float
+    low: float
+    high: float
+    excludes_zero: bool  # low > 0 or high < 0: the gap is resolved at this confidence
+    confidence: float
+    resamples: int
+
+
+def paired_bootstrap_gap(correct_a: Correct, correct_b: Correct, *, resamples: int = 10_000, confidence: float = 0.95,
+                         seed: int = 0) -> GapInterval:
+    """The gap in top-1 between arms A and B, scored on the same test images, with a percentile bootstrap interval.
+
+    `correct_a`, `correct_b`: (seeds, images) booleans, row s saying which test images seed s's run classified
+    correctly; the arms may have different seed counts but must share the images, in the same order. The gap is the
+    mean over seeds of A's top-1 minus B's. Each replicate draws the test images with replacement, the same draw for
+    both arms (the pairing: an image hard for one arm tends to be hard for the other, and that shared difficulty
+    cancels in the gap), and draws each arm's seeds with replacement, separately per arm (seed s of A and seed s of B
+    are independent trainings, not a pair), then takes the gap of the resampled means. The interval is the
+    (1-confidence)/2 and (1+confidence)/2 quantiles of the replicates' gaps. Deterministic for a given `seed`.
+    """
+    a, b = correct_matrix(correct_a, "correct_a"), correct_matrix(correct_b, "correct_b")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"the arms were scored on different test sets ({a.shape[1]} and {b.shape[1]} images); a paired "
+                         f"comparison needs the same images, in the same order")
+    if resamples < 1 or not 0 < confidence < 1:
+        raise ValueError(f"resamples must be >= 1 and confidence in (0, 1), got {resamples} and {confidence}")
+    rng = np.random.default_rng(seed)
+    images = a.shape[1]
+    both = np.concatenate([a, b]).T  # (images, seeds of A + seeds of B)
+    gaps = np.empty(resamples)
+    chunk = max(1, CHUNK_ENTRIES // images)
+    for start in range(0, resamples, chunk):
+        n = min(chunk, resamples - start)
+        # How often each image is drawn in each replicate; then every seed's top-1 on that draw is one matrix product.
+        drawn = rng.integers(0, images, size=(n, images)) + images * np.arange(n)[:, None]
+        counts = np.bincount(drawn.ravel(), minlength=n * images).reshape(n, images).astype(np.float64)
+        top1 = counts @ both / images  # (n, seeds of A + seeds of B)
+        top1_a, top1_b = top1[:, : a.shape[0]], top1[:, a.shape[0] :]
+        seeds_a = rng.integers(0, a.shape[0], size=(n, a.shape[0]))
+        seeds_b = rng.integers(0, b.shape[0], size=(n, b.shape[0]))
+        gaps[start : start + n] = (np.take_along_axis(top1_a, seeds_a, axis=1).mean(axis=1)
+                                   - np.take_along_axis(top1_b, seeds_b, axis=1).mean(axis=1))
+    low, high = np.quantile(gaps, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return GapInterval(gap=float(a.mean() - b.mean()), low=float(low), high=float(high),
+                       excludes_zero=bool(low > 0 or high < 0), confidence=confidence, resamples=resamples)
+
+
+@dataclass(frozen=True)
+class McNemar:
+    """Discordant images of runs A and B and the exact two-sided p-value of "both are equally accurate"."""
+
+    a_only: int  # images A classified correctly and B did not
+    b_only: int  # images B classified correctly and A did not
+    p_value: float
+
+
+def discordant(correct_a: Correct, correct_b: Correct) -> tuple[int, int]:
+    """(images only A got right, images only B got right) for two runs scored on the same images."""
+    a, b = correct_matrix(correct_a, "correct_a"), correct_matrix(correct_b, "correct_b")
+    if a.shape[0] != 1 or b.shape != a.shape:
+        raise ValueError(f"two runs on the same images are compared, one (images,) vector each; got shapes {a.shape} and {b.shape}")
+    return int((a > b).sum()), int((b > a).sum())
+
+
+def mcnemar(correct_a: Correct, correct_b: Correct) -> McNemar:
+    """McNemar's exact test for two runs scored on the same images (one (images,) boolean vector each).
+
+    Only the discordant images carry information on which run is more accurate. Under "equally accurate", each of
+    the n = a_only + b_only discordant images is A's with probability 1/2, so p = P(Binomial(n, 1/2) is at least as
+    far from n/2 as observed), both tails: 2 x P(X <= min(a_only, b_only)), capped at 1. Computed in exact integers.
+    """
+    a_only, b_only = discordant(correct_a, correct_b)
+    return McNemar(a_only, b_only, mcnemar_p(a_only, b_only))
+
+
+def mcnemar_p(a_only: int, b_only: int) -> float:
+    """The exact two-sided McNemar p-value for the discordant counts (see `mcnemar`)."""
+    n, fewer = a_only + b_only, min(a_only, b_only)
+    tail, term = 0, 1  # term = comb(n, k), updated in exact integers
+    for k in range(fewer + 1):
+        tail += term
+        term = term * (n - k) // (k + 1)
+    return min(1.0, 2 * tail / 2**n)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What a split of `images` images can resolve at top-1 `accuracy` (fractions of 1)."""
+
+    images: int
+    accuracy: float
+    one_image: float  # how much one image moves top-1: 1 / images
+    standard_error: float  # the binomial standard error of top-1: sqrt(accuracy (1 - accuracy) / images)
+
+
+def dev_resolution(images: int, accuracy: float = 0.5) -> Resolution:
+    """The resolution of a dev split of `images` images at top-1 `accuracy` (0.5, the default, is the widest)."""
+    if images < 1 or not 0 <= accuracy <= 1:
+        raise ValueError(f"a split needs at least one image and an accuracy in [0, 1], got {images} and {accuracy}")
+    return Resolution(images, accuracy, 1 / images, math.sqrt(accuracy * (1 - accuracy) / images))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A recipe scored on the dev split: its per-image correctness (the dev images, in one order for every
+    candidate) and its cost (training steps, say; lower is cheaper)."""
+
+    name: str
+    correct: Correct  # (images,) booleans
+    cost: float
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The recipe picked on the dev split, and why."""
+
+    pick: str  # the cheapest of `tied`, then the earliest in the grid
+    best: str  # the highest dev top-1 (the earliest in the grid among equals)
+    tied: tuple[str, ...]  # `best` and the candidates the split cannot tell from it, in grid order
+    tie: bool  # more than one in `tied`: the split could not single out a best, so cost and grid order picked
+    p_value: dict[str, float]  # every candidate's exact McNemar p-value against `best` (1.0 for `best`)
+    top1: dict[str, float]  # every candidate's dev top-1
+    significance: float
+
+
+def pick_recipe(candidates: Sequence[Candidate], significance: float = 0.05) -> Pick:
+    """The recipe to keep from `candidates` (in grid order), scored on one dev split.
+
+    The rule: `best` is the candidate with the highest dev top-1 (the earliest in the grid among equals). A
+    candidate is tied with `best` when the dev split cannot tell them apart: McNemar's exact test on their discordant
+    dev images (`mcnemar`) gives p >= `significance`, i.e. the difference is within what the split resolves, judged
+    on the paired images (exact, so it stays honest at the handful of discordant images a small split has). Among
+    `best` and its ties the pick is the cheapest, then the earliest in the grid. This is a screening rule, not a
+    test with a guaranteed error rate: `best` is chosen by the same data and every candidate is compared with it.
+    """
+    if not candidates:
+        raise ValueError("pick_recipe needs at least one candidate")
+    names = [c.name for c in candidates]
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidate names must be distinct, got {names}")
+    correct = {c.name: correct_matrix(c.correct, c.name) for c in candidates}
+    if len({v.shape for v in correct.values()}) != 1 or next(iter(correct.values())).shape[0] != 1:
+        raise ValueError(f"every candidate must be one (images,) vector on the same dev images, got shapes "
+                         f"{[v.shape for v in correct.values()]}")
+    top1 = {name: float(v.mean()) for name, v in correct.items()}
+    best = max(names, key=lambda name: top1[name])  # max keeps the first of equals: the earliest in the grid
+    p_value = {name: mcnemar_p(*discordant(correct[best], correct[name])) for name in names}
+    tied = tuple(name for name in names if p_value[name] >= significance)
+    order = {c.name: (c.cost, i) for i, c in enumerate(candidates)}
+    pick = min(tied, key=lambda name: order[name])
+    return Pick(pick=pick, best=best, tied=tied, tie=len(tied) > 1, p_value=p_value, top1=top1, significance=significance)
+
+
+class FoldError(UserError):
+    """A labelled set too small for the k-fold split asked for."""
+
+
+def stratified_folds(samples: Iterable[tuple[str, int]], k: int) -> list[int]:
+    """A fold index in [0, k) for each (key, label) sample, in the samples' order.
+
+    Stratified: within each class the samples are ordered by a hash of their key (zlib.crc32, then the key) and dealt
+    to the folds in turn, continuing from where the previous class (in label order) stopped; so every fold holds each
+    class's images to within one, and the folds' sizes differ by at most one. The same keys give the same folds on
+    every run and machine, whatever order the samples come in. Refuses a class with fewer than k images: a fold
+    without that class could not score it.
+    """
+    samples = list(samples)
+    if k < 2:
+        raise ValueError(f"k-fold needs k >= 2, got {k}")
+    by_class: dict[int, list[int]] = {}
+    for index, (_, label) in enumerate(samples):
+        by_class.setdefault(int(label), []).append(index)
+    keys = [key for key, _ in samples]
+    if len(set(keys)) != len(keys):
+        raise ValueError("stratified_folds needs distinct keys (the hash that deals the folds is of the key)")
+    if not by_class:
+        raise FoldError(f"dev_folds {k} needs labelled images, and there are none; point data.shards at labelled shards")
+    fewest = min(by_class, key=lambda label: (len(by_class[label]), label))
+    if len(by_class[fewest]) < k:
+        raise FoldError(f"dev_folds {k} needs at least {k} images of every class, and class {fewest} has "
+                        f"{len(by_class[fewest])}; lower dev_folds to {max(2, len(by_class[fewest]))} or add images of class {fewest}")
+    folds = [0] * len(samples)
+    dealt = 0
+    for label in sorted(by_class):
+        ranked = sorted(by_class[label], key=lambda i: (zlib.crc32(samples[i][0].encode()), samples[i][0]))
+        for rank, index in enumerate(ranked):
+            folds[index] = (dealt + rank) % k
+        dealt += len(ranked)
+    return folds

@@ -1,0 +1,167 @@
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mpp.errors import UserError
+from mpp.stats import (Candidate, FoldError, dev_resolution, mcnemar, mcnemar_p, paired_bootstrap_gap, pick_recipe,
+                       stratified_folds)
+
+
+def shifted(images: int, right: int, shift: int, seeds: int = 1, noise: int = 0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Arm A right on `right` of `images`; arm B the same runs with `shift` of A's right images wrong. With `noise`,
+    each seed's run differs from the others on that many random images (in both arms alike)."""
+    rng = np.random.default_rng(seed)
+    a = np.zeros((seeds, images), dtype=bool)
+    a[:, :right] = True
+    for row in a:
+        flip = rng.choice(np.arange(shift, images), size=noise, replace=False)  # never the shifted images
+        row[flip] = ~row[flip]
+    b = a.copy()
+    b[:, :shift] = False
+    return a, b
+
+
+def test_identical_predictions_give_a_zero_width_interval_at_zero():
+    a = np.random.default_rng(0).random((3, 500)) < 0.7
+    same_seeds = np.repeat(a[:1], 3, axis=0)  # seeds that agree: only the images vary
+    for correct in (a[:1], same_seeds):
+        gap = paired_bootstrap_gap(correct, correct.copy(), resamples=2000)
+        assert (gap.gap, gap.low, gap.high) == (0.0, 0.0, 0.0)
+        assert not gap.excludes_zero
+
+
+def test_a_five_point_shift_on_1000_images_is_detected_and_covered():
+    a, b = shifted(1000, 700, 50)
+    gap = paired_bootstrap_gap(a, b)
+    assert gap.gap == pytest.approx(0.05)
+    assert gap.excludes_zero and gap.low < 0.05 < gap.high
+    assert gap.resamples == 10_000 and gap.confidence == 0.95
+    # B - A is the mirror image
+    mirrored = paired_bootstrap_gap(b, a)
+    assert mirrored.gap == pytest.approx(-0.05) and mirrored.high < 0
+
+
+def test_the_interval_is_paired_so_it_is_far_narrower_than_for_independent_test_sets():
+    a, b = shifted(1000, 700, 50)
+    gap = paired_bootstrap_gap(a, b)
+    # The same gap between two independent samples of 1000 images: a 95% half-width of 1.96 x sqrt(sum p(1-p)/n).
+    unpaired_half_width = 1.96 * math.sqrt((0.7 * 0.3 + 0.65 * 0.35) / 1000)
+    assert (gap.high - gap.low) / 2 < 0.5 * unpaired_half_width
+    # Paired: only the 50 discordant images vary the gap, so its standard error is about sqrt(50 (1 - 50/1000)) / 1000.
+    assert (gap.high - gap.low) / 2 == pytest.approx(1.96 * math.sqrt(50 * 0.95) / 1000, rel=0.15)
+
+
+def test_seeds_are_resampled_so_their_spread_widens_the_interval_and_arms_may_have_different_seed_counts():
+    a, b = shifted(1000, 700, 50, seeds=3, noise=60)
+    noisy = paired_bootstrap_gap(a, b)
+    quiet = paired_bootstrap_gap(*shifted(1000, 700, 50, seeds=3))
+    assert noisy.gap == pytest.approx(0.05) and noisy.low < 0.05 < noisy.high
+    assert noisy.high - noisy.low > quiet.high - quiet.low
+    uneven = paired_bootstrap_gap(a, b[:2])
+    assert uneven.gap == pytest.approx(a.mean() - b[:2].mean())
+    assert uneven.low < uneven.gap < uneven.high
+
+
+def test_bootstrap_is_deterministic_per_seed_and_takes_torch_tensors():
+    a, b = shifted(300, 200, 10, seeds=2, noise=20)
+    first = paired_bootstrap_gap(a, b, resamples=500, seed=3)
+    assert paired_bootstrap_gap(torch.from_numpy(a), torch.from_numpy(b), resamples=500, seed=3) == first
+    assert paired_bootstrap_gap(a, b, resamples=500, seed=4) != first
+
+
+def test_bootstrap_refuses_different_test_sets_and_non_boolean_scores():
+    with pytest.raises(ValueError, match="different test sets"):
+        paired_bootstrap_gap(np.ones((2, 100), bool), np.ones((2, 99), bool))
+    with pytest.raises(ValueError, match="True/False"):
+        paired_bootstrap_gap(np.full((1, 10), 0.7), np.ones((1, 10)))
+
+
+def test_bootstrap_at_full_size_is_fast():
+    """10,000 resamples over 10,000 images and 3 seeds per arm: the size a real comparison asks for."""
+    rng = np.random.default_rng(0)
+    a, b = rng.random((3, 10_000)) < 0.8, rng.random((3, 10_000)) < 0.78
+    started = time.perf_counter()
+    paired_bootstrap_gap(a, b)
+    assert time.perf_counter() - started < 10  # about 1 s on one core here; vectorised, not a Python loop
+
+
+def test_mcnemar_matches_hand_computed_exact_values():
+    # b=10, c=2: p = 2 (C(12,0) + C(12,1) + C(12,2)) / 2^12 = 2 x 79 / 4096
+    assert mcnemar_p(10, 2) == 158 / 4096
+    assert mcnemar_p(2, 10) == 158 / 4096
+    assert mcnemar_p(5, 0) == 2 / 32
+    assert mcnemar_p(7, 7) == 1.0 and mcnemar_p(0, 0) == 1.0
+    # many discordant images: close to the continuity-corrected chi-square, (|b - c| - 1)^2 / (b + c) = 1.661 -> p 0.197
+    assert mcnemar_p(3000, 2900) == pytest.approx(0.1974, abs=0.002)
+    a = np.array([1] * 10 + [0] * 2 + [1] * 50 + [0] * 30, dtype=bool)
+    b = np.array([0] * 10 + [1] * 2 + [1] * 50 + [0] * 30, dtype=bool)
+    result = mcnemar(a, torch.from_numpy(b))
+    assert (result.a_only, result.b_only, result.p_value) == (10, 2, 158 / 4096)
+
+
+def test_dev_resolution_of_64_images_at_half_accuracy():
+    res = dev_resolution(64, 0.5)
+    assert res.one_image == 1 / 64 and res.standard_error == 0.0625  # +-6.25 points
+    assert dev_resolution(10_000, 0.9).standard_error == pytest.approx(0.003)
+    with pytest.raises(ValueError):
+        dev_resolution(0)
+
+
+def dev(right: list[int], images: int = 64) -> np.ndarray:
+    correct = np.zeros(images, dtype=bool)
+    correct[right] = True
+    return correct
+
+
+def test_a_one_image_difference_on_64_dev_images_is_a_tie_broken_by_cost():
+    picked = pick_recipe([Candidate("long", dev(list(range(33))), cost=2000),  # 33/64: one image more
+                          Candidate("short", dev(list(range(32))), cost=1000)])
+    assert picked.best == "long" and picked.top1 == {"long": 33 / 64, "short": 32 / 64}
+    assert picked.tied == ("long", "short") and picked.tie
+    assert picked.pick == "short"
+    assert picked.p_value == {"long": 1.0, "short": 1.0}  # one discordant image
+
+
+def test_a_large_dev_difference_is_not_a_tie_and_equal_costs_go_to_the_earliest_in_the_grid():
+    picked = pick_recipe([Candidate("weak", dev(list(range(30))), cost=1000),
+                          Candidate("strong", dev(list(range(50))), cost=2000)])
+    assert (picked.best, picked.pick, picked.tied, picked.tie) == ("strong", "strong", ("strong",), False)
+    assert picked.p_value["weak"] == mcnemar_p(20, 0)
+    same_cost = pick_recipe([Candidate("first", dev(list(range(31))), cost=1000),
+                             Candidate("second", dev(list(range(32))), cost=1000),
+                             Candidate("third", dev(list(range(31))), cost=1000)])
+    assert (same_cost.best, same_cost.pick, same_cost.tied) == ("second", "first", ("first", "second", "third"))
+    equal_top1 = pick_recipe([Candidate("a", dev([0]), cost=5), Candidate("b", dev([1]), cost=5)])
+    assert equal_top1.best == "a"
+
+
+def test_pick_recipe_refuses_candidates_on_different_dev_images():
+    with pytest.raises(ValueError, match="same dev images"):
+        pick_recipe([Candidate("a", dev([0], 64), 1), Candidate("b", dev([0], 63), 1)])
+
+
+def test_stratified_folds_balance_each_class_and_the_folds_and_follow_the_keys():
+    samples = [(f"shard-{i % 3}/key-{i:04d}", label) for label, count in ((0, 10), (1, 11), (2, 7)) for i in range(count * 100, count * 100 + count)]
+    folds = stratified_folds(samples, 5)
+    assert set(folds) == set(range(5))
+    for label in (0, 1, 2):
+        per_fold = np.bincount([f for f, (_, l) in zip(folds, samples) if l == label], minlength=5)
+        assert per_fold.max() - per_fold.min() <= 1
+    sizes = np.bincount(folds, minlength=5)
+    assert sizes.max() - sizes.min() <= 1 and sizes.sum() == 28
+    by_key = dict(zip((key for key, _ in samples), folds))
+    shuffled = [samples[i] for i in np.random.default_rng(0).permutation(len(samples))]
+    assert dict(zip((key for key, _ in shuffled), stratified_folds(shuffled, 5))) == by_key
+
+
+def test_stratified_folds_refuse_a_class_smaller_than_k_in_one_line():
+    samples = [(f"k{i}", 0) for i in range(8)] + [(f"j{i}", 4) for i in range(3)]
+    with pytest.raises(FoldError) as refused:
+        stratified_folds(samples, 5)
+    message = str(refused.value)
+    assert isinstance(refused.value, UserError) and "\n" not in message
+    assert "class 4 has 3" in message and "lower dev_folds to 3" in message
+    assert stratified_folds(samples, 3)  # 3 of class 4: enough for 3 folds
