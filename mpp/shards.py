@@ -414,7 +414,10 @@ def cifar_samples(path: str | os.PathLike, split: str = "train") -> Source:
     missing = [name for name in layout.splits[split] if name not in files]
     if missing:
         raise SourceError(f"{path} lacks {', '.join(missing)} of the {layout.corpus} {split} split; unpack the whole archive again")
-    class_names = [name.decode() for name in _unpickle_cifar(files[layout.meta], layout.meta, path).get(layout.names_key, [])]
+    names = _unpickle_cifar(files[layout.meta], layout.meta, path).get(layout.names_key)
+    if not isinstance(names, list) or not names or not all(isinstance(name, bytes) for name in names):
+        raise SourceError(f"{layout.meta} in {path} does not list the class names; download the python version again")
+    class_names = [name.decode() for name in names]
     batches = [_cifar_batch(_unpickle_cifar(files[name], name, path), layout, len(class_names), f"{name} in {path}")
                for name in layout.splits[split]]
     pixels = np.concatenate([data for data, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)

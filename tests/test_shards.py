@@ -359,6 +359,9 @@ def test_a_damaged_or_code_running_cifar_file_is_refused_before_it_runs(tmp_path
     write_cifar_file(folder / "data_batch_4", {b"labels": [10], b"data": cifar_rows(np.zeros((1, 32, 32, 3), np.uint8))})
     with pytest.raises(SourceError, match="data_batch_4 in .* is not a CIFAR-10 batch .*labels below 10"):
         prepare.run(str(folder), str(tmp_path / "out"))
+    write_cifar_file(folder / "batches.meta", {b"num_vis": 3072})
+    with pytest.raises(SourceError, match="batches.meta in .* does not list the class names"):
+        prepare.run(str(folder), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
