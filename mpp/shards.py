@@ -1,6 +1,6 @@
 """Write WebDataset shards: plain tars of `KEY.jpg|png|webp` plus optional `KEY.cls` (ASCII digits).
 
-Sources (a folder of images, a Hugging Face dataset, MNIST-style IDX files, the synthetic corpus)
+Sources (a folder of images, a Hugging Face dataset, MNIST-style IDX files, CIFAR-10/100, the synthetic corpus)
 yield `Sample`s; `write_shards` packs them into `out_dir/{prefix}-000000.tar, ...` and records
 `summary.json` last, so a directory with a summary holds a complete shard set. Folder and Hugging
 Face sources come out in a fixed shuffled order, so every shard mixes classes.
@@ -12,7 +12,9 @@ import gzip
 import io
 import json
 import os
+import pickle
 import re
+import tarfile
 import tempfile
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sized
@@ -367,6 +369,112 @@ def _read_idx(path: Path, ndim: int) -> np.ndarray:
     if values.size != np.prod(shape):
         raise SourceError(f"{path} declares shape {shape} but holds {values.size} values; the file is truncated or corrupt")
     return values.reshape(shape)
+
+
+@dataclass(frozen=True)
+class _CifarLayout:
+    corpus: str
+    meta: str  # the file that names the classes
+    names_key: bytes
+    labels_key: bytes
+    splits: dict[str, tuple[str, ...]]
+
+
+# The "python version" of CIFAR-10 and CIFAR-100 as its authors distribute it (https://www.cs.toronto.edu/~kriz/cifar.html):
+# Python 2 pickles of dicts whose b"data" is an N x 3072 uint8 array, each row 1024 red, 1024 green then 1024 blue
+# values over the 32 x 32 image, row by row. CIFAR-100's labels are its 100 fine classes.
+_CIFAR = (
+    _CifarLayout("CIFAR-10", "batches.meta", b"label_names", b"labels",
+                 {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}),
+    _CifarLayout("CIFAR-100", "meta", b"fine_label_names", b"fine_labels", {"train": ("train",), "test": ("test",)}),
+)
+_CIFAR_ARCHIVE = re.compile(r"cifar-100?-python\.tar\.gz$")
+
+
+def is_cifar(path: str | os.PathLike) -> bool:
+    """CIFAR-10's or CIFAR-100's python-version archive, or a folder holding its class list and one of its batches."""
+    path = Path(path)
+    if path.is_file():
+        return bool(_CIFAR_ARCHIVE.search(path.name))
+    return path.is_dir() and any((path / layout.meta).is_file() and any((path / name).is_file() for names in layout.splits.values() for name in names)
+                                 for layout in _CIFAR)
+
+
+def cifar_samples(path: str | os.PathLike, split: str = "train") -> Source:
+    """CIFAR-10 or CIFAR-100, python version: the .tar.gz or the folder it unpacks to (cifar-10-batches-py,
+    cifar-100-python). Images are stored as RGB PNGs in the files' order, keyed by their index in the split."""
+    path = Path(path).expanduser()
+    splits = sorted({name for layout in _CIFAR for name in layout.splits})
+    if split not in splits:
+        raise SourceError(f"CIFAR has no split '{split}'; pass one of {', '.join(splits)} (--split)")
+    files = _cifar_files(path, {name for layout in _CIFAR for name in (layout.meta, *layout.splits[split])})
+    layout = next((layout for layout in _CIFAR if layout.meta in files), None)
+    if layout is None:
+        raise SourceError(f"{path} holds neither batches.meta (CIFAR-10) nor meta (CIFAR-100); pass the python version's .tar.gz or the folder it unpacks to")
+    missing = [name for name in layout.splits[split] if name not in files]
+    if missing:
+        raise SourceError(f"{path} lacks {', '.join(missing)} of the {layout.corpus} {split} split; unpack the whole archive again")
+    names = _unpickle_cifar(files[layout.meta], layout.meta, path).get(layout.names_key)
+    if not isinstance(names, list) or not names or not all(isinstance(name, bytes) for name in names):
+        raise SourceError(f"{layout.meta} in {path} does not list the class names; download the python version again")
+    class_names = [name.decode() for name in names]
+    batches = [_cifar_batch(_unpickle_cifar(files[name], name, path), layout, len(class_names), f"{name} in {path}")
+               for name in layout.splits[split]]
+    pixels = np.concatenate([data for data, _ in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    labels = [label for _, batch_labels in batches for label in batch_labels]
+
+    def read() -> Iterator[Sample]:
+        for i, (image, label) in enumerate(zip(pixels, labels)):
+            buffer = io.BytesIO()
+            Image.fromarray(np.ascontiguousarray(image)).save(buffer, "PNG")
+            yield Sample(f"{i:08d}", buffer.getvalue(), "png", label)
+
+    return Source(f"{layout.corpus} {path} ({split})", len(labels), read, class_names)
+
+
+def _cifar_files(path: Path, wanted: set[str]) -> dict[str, bytes]:
+    """The wanted files of a CIFAR folder or archive, by base name; an archive is read in one pass."""
+    if path.is_dir():
+        return {name: (path / name).read_bytes() for name in wanted if (path / name).is_file()}
+    try:
+        with tarfile.open(path, "r|*") as archive:
+            return {Path(member.name).name: archive.extractfile(member).read()
+                    for member in archive if member.isfile() and Path(member.name).name in wanted}
+    except (tarfile.TarError, OSError, EOFError) as exc:  # gzip reports a damaged stream as OSError or EOFError
+        raise SourceError(f"cannot read {path} as a .tar.gz archive ({exc}); download it again") from None
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Rebuilds the dicts, lists, numbers, byte strings and numpy arrays the CIFAR files hold, and nothing else: a pickle
+    naming any other function could run code. The names are those numpy 1 (the files) and numpy 2 write."""
+
+    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"it calls {module}.{name}, which no CIFAR file does")
+        return super().find_class(module, name)
+
+
+def _unpickle_cifar(data: bytes, name: str, path: Path) -> dict:
+    try:
+        loaded = _CifarUnpickler(io.BytesIO(data), encoding="bytes").load()  # Python 2 strings come back as bytes
+    except Exception as exc:  # pickle raises many types (UnpicklingError, EOFError, ValueError, ...) for a damaged file
+        raise SourceError(f"{name} in {path} is not a CIFAR pickle ({exc}); download the python version again") from None
+    if not isinstance(loaded, dict):
+        raise SourceError(f"{name} in {path} is not a CIFAR pickle (it holds a {type(loaded).__name__}, not a dict); download the python version again")
+    return loaded
+
+
+def _cifar_batch(batch: dict, layout: _CifarLayout, classes: int, where: str) -> tuple[np.ndarray, list[int]]:
+    """(N x 3072 uint8 pixels, N labels) of one batch, checked against the layout and the class count."""
+    data, labels = batch.get(b"data"), batch.get(layout.labels_key)
+    if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32
+            or not isinstance(labels, list) or len(labels) != len(data)
+            or not all(isinstance(label, int) and 0 <= label < classes for label in labels)):
+        raise SourceError(f"{where} is not a {layout.corpus} batch (an N x 3072 uint8 'data' array and N labels below {classes}); download the python version again")
+    return data, labels
 
 
 def hf_samples(name_or_path: str | os.PathLike, split: str = "train", image_key: str | None = None, label_key: str | None = None) -> Source:

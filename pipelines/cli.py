@@ -74,10 +74,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
     prepare.add_argument("source", help="a folder of images (class = sub-folder), a Hugging Face dataset name or local path, "
-                                        "an MNIST-style *-images-idx3-ubyte file, or 'synthetic'")
+                                        "an MNIST-style *-images-idx3-ubyte file, CIFAR-10/100's python-version "
+                                        ".tar.gz or folder, or 'synthetic'")
     prepare.add_argument("--out", required=True, help="directory for the shards and summary.json")
     prepare.add_argument("--samples-per-shard", type=int, default=1000)
-    prepare.add_argument("--split", default="train", help="dataset split for Hugging Face sources")
+    prepare.add_argument("--split", default="train", help="dataset split for Hugging Face and CIFAR sources")
     prepare.add_argument("--count", type=int, default=20000, help="images to generate for 'synthetic'")
     prepare.add_argument("--size", type=int, default=64, help="side in pixels of generated 'synthetic' images")
     prepare.add_argument("--overwrite", action="store_true", help="replace shards already in --out")

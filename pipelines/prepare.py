@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, folder_samples, hf_samples, idx_samples, is_saved_dataset, select_classes, synthetic_samples, write_shards
+from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, cifar_samples, folder_samples, hf_samples, idx_samples, is_cifar, is_saved_dataset, select_classes, synthetic_samples, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
+_CIFAR_NAMES = re.compile(r"cifar-10-batches-py|cifar-100?-python")  # the names CIFAR's archives and folders come with
 
 
 def run(
@@ -27,8 +28,9 @@ def run(
 ) -> dict:
     """Write `source` as shards into `out`, print a one-line summary and return summary.json's content.
 
-    source: 'synthetic' (count images of size px), a save_to_disk directory, a folder of images,
-    an MNIST-style *-images-idx3-ubyte(.gz) file (labels beside it), or a Hugging Face dataset name.
+    source: 'synthetic' (count images of size px), CIFAR-10/100's python-version archive or folder, a save_to_disk
+    directory, a folder of images, an MNIST-style *-images-idx3-ubyte(.gz) file (labels beside it), or a Hugging Face
+    dataset name.
     short_side: store images whose short side exceeds it downsized to it, as JPEG at `quality`.
     classes: keep only the samples of these class ids, relabelled 0..k-1 in this order (a class split for transfer).
     """
@@ -49,6 +51,10 @@ def run(
 FASHION_MNIST_FIX = ("on Debian or Ubuntu `apt-get install dataset-fashion-mnist` puts its IDX files in "
                      "/usr/share/datasets/fashion-mnist/; online, `launch.py prepare zalando-datasets/fashion_mnist "
                      "--split train` (or `--split test`) reads the same images from the Hugging Face hub")
+CIFAR_FIX = ("CIFAR-10 and CIFAR-100 come in no Debian or PyPI package: download the python version "
+             "(cifar-10-python.tar.gz or cifar-100-python.tar.gz) from https://www.cs.toronto.edu/~kriz/cifar.html and "
+             "pass the archive or the folder it unpacks to; online, `launch.py prepare uoft-cs/cifar10 --split train` "
+             "(or `--split test`) reads CIFAR-10 from the Hugging Face hub")
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ class SourceRequest:
     source: str
     size: int = 64  # side of generated 'synthetic' images
     count: int = 20000  # images generated for 'synthetic'
-    split: str = "train"  # split of a Hugging Face dataset
+    split: str = "train"  # split of a Hugging Face dataset or of CIFAR
 
     @property
     def path(self) -> Path:
@@ -74,6 +80,7 @@ def idx_pair(request: SourceRequest) -> Source:
 # a function returning a Source (mpp/shards.py) and one line here, before the hub name that takes whatever is left.
 SOURCES: list[tuple[Callable[[SourceRequest], bool], Callable[[SourceRequest], Source]]] = [
     (lambda r: r.source == "synthetic", lambda r: synthetic_samples(r.count, r.size)),
+    (lambda r: is_cifar(r.path), lambda r: cifar_samples(r.path, r.split)),
     (lambda r: r.path.is_dir() and is_saved_dataset(r.path), lambda r: hf_samples(r.path, r.split)),
     (lambda r: r.path.is_dir(), lambda r: folder_samples(r.path)),
     (lambda r: bool(_IDX_IMAGES.search(r.path.name)), idx_pair),
@@ -85,4 +92,6 @@ def open_source(source: str, *, size: int = 64, count: int = 20000, split: str =
     request = SourceRequest(source, size, count, split)
     if not request.path.exists() and "fashion-mnist" in source.lower():
         raise SourceNotFoundError(f"{source} does not exist; {FASHION_MNIST_FIX}")
+    if not request.path.exists() and _CIFAR_NAMES.search(source):
+        raise SourceNotFoundError(f"{source} does not exist; {CIFAR_FIX}")
     return next(open_ for recognises, open_ in SOURCES if recognises(request))(request)

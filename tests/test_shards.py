@@ -2,6 +2,7 @@ import gzip
 import io
 import json
 import struct
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -242,6 +243,134 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(t
 def test_a_missing_fashion_mnist_path_names_how_to_get_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist.*zalando-datasets/fashion_mnist"):
         prepare.run(str(tmp_path / "fashion-mnist" / "train-images-idx3-ubyte.gz"), str(tmp_path / "out"))
+
+
+def py2_pickle(value) -> bytes:
+    """`value` pickled as the CIFAR files are: by Python 2 with numpy 1 (protocol 2, byte strings as str, arrays
+    through numpy.core.multiarray._reconstruct), written opcode by opcode since Python 3 pickles bytes differently."""
+    if isinstance(value, dict):
+        return b"}(" + b"".join(py2_pickle(k) + py2_pickle(v) for k, v in value.items()) + b"u"
+    if isinstance(value, list):
+        return b"](" + b"".join(map(py2_pickle, value)) + b"e"
+    if isinstance(value, int):
+        return b"J" + struct.pack("<i", value)
+    if isinstance(value, bytes):
+        return b"T" + struct.pack("<I", len(value)) + value
+    assert isinstance(value, np.ndarray) and value.dtype == np.uint8
+    dtype = (b"cnumpy\ndtype\n(" + py2_pickle(b"u1") + py2_pickle(0) + py2_pickle(1) + b"tR("
+             + py2_pickle(3) + py2_pickle(b"|") + b"NNN" + py2_pickle(-1) + py2_pickle(-1) + py2_pickle(0) + b"tb")
+    shape = b"(" + b"".join(py2_pickle(n) for n in value.shape) + b"t"
+    return (b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\n(" + py2_pickle(0) + b"t" + py2_pickle(b"b") + b"\x87R("
+            + py2_pickle(1) + shape + dtype + b"\x89" + py2_pickle(value.tobytes()) + b"tb")
+
+
+def write_cifar_file(path: Path, content: dict) -> None:
+    path.write_bytes(b"\x80\x02" + py2_pickle(content) + b".")
+
+
+def cifar_rows(images: np.ndarray) -> np.ndarray:
+    """N x 32 x 32 x 3 images as CIFAR stores them: per image 1024 red, 1024 green, 1024 blue values."""
+    return images.transpose(0, 3, 1, 2).reshape(len(images), 3072)
+
+
+CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def write_cifar10(folder: Path, train: np.ndarray, train_labels: list[int], test: np.ndarray, test_labels: list[int]) -> None:
+    """cifar-10-batches-py as the CIFAR-10 python-version archive unpacks: the training images over five batches."""
+    folder.mkdir()
+    write_cifar_file(folder / "batches.meta", {b"num_cases_per_batch": len(train) // 5,
+                                               b"label_names": [n.encode() for n in CIFAR10_NAMES], b"num_vis": 3072})
+    for i, (images, labels) in enumerate(zip(np.split(train, 5), np.split(np.array(train_labels), 5)), 1):
+        write_cifar_file(folder / f"data_batch_{i}", {b"batch_label": f"training batch {i} of 5".encode(),
+                                                      b"labels": labels.tolist(), b"data": cifar_rows(images),
+                                                      b"filenames": [b"x.png"] * len(images)})
+    write_cifar_file(folder / "test_batch", {b"batch_label": b"testing batch 1 of 1", b"labels": test_labels,
+                                             b"data": cifar_rows(test), b"filenames": [b"x.png"] * len(test)})
+    (folder / "readme.html").write_text("<html></html>")
+
+
+def assert_images_and_labels(out: Path, images: np.ndarray, labels: list[int]) -> None:
+    samples = read_shards(out)
+    assert sorted(samples) == [f"{i:08d}" for i in range(len(images))]
+    for i, (image, label) in enumerate(zip(images, labels)):
+        stored = Image.open(io.BytesIO(samples[f"{i:08d}"]["png"]))
+        assert stored.mode == "RGB" and np.array_equal(np.asarray(stored), image) and label_of(samples[f"{i:08d}"]) == label
+
+
+def test_cifar10_python_version_is_read_from_its_folder_or_its_archive(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    train, test = rng.integers(0, 256, (10, 32, 32, 3), dtype=np.uint8), rng.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    train_labels, test_labels = [3, 8, 1, 0, 9, 3, 5, 1, 7, 2], [6, 4, 3]
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar10(folder, train, train_labels, test, test_labels)
+
+    summary = prepare.run(str(folder), str(tmp_path / "train"))
+
+    assert summary == json.loads((tmp_path / "train" / "summary.json").read_text())
+    assert (summary["samples"], summary["classes"], summary["labels"]) == (10, 8, True)
+    assert summary["class_names"] == CIFAR10_NAMES and summary["source"] == f"CIFAR-10 {folder} (train)"
+    assert_images_and_labels(tmp_path / "train", train, train_labels)
+
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="cifar-10-batches-py")
+    assert launch.main(["prepare", str(archive), "--split", "test", "--out", str(tmp_path / "test")]) == 0
+    assert "wrote 3 samples (3 classes)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "test" / "summary.json").read_text())["class_names"] == CIFAR10_NAMES
+    assert_images_and_labels(tmp_path / "test", test, test_labels)
+
+    summary = prepare.run(str(folder), str(tmp_path / "down"), classes=[3, 1])
+    assert summary["class_names"] == ["cat", "automobile"] and summary["samples"] == 4
+    assert {label_of(s) for s in read_shards(tmp_path / "down").values()} == {0, 1}
+
+
+def test_cifar100_is_labelled_with_its_100_fine_classes(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    fine = [f"fine{i}".encode() for i in range(100)]
+    write_cifar_file(folder / "meta", {b"fine_label_names": fine, b"coarse_label_names": [f"coarse{i}".encode() for i in range(20)]})
+    images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    for split, labels in (("train", [99, 0, 42, 7]), ("test", [5, 5, 60, 1])):
+        write_cifar_file(folder / split, {b"batch_label": split.encode(), b"fine_labels": labels, b"coarse_labels": [19, 0, 1, 2],
+                                          b"data": cifar_rows(images), b"filenames": [b"x.png"] * 4})
+
+    summary = prepare.run(str(folder), str(tmp_path / "out"), split="test")
+
+    assert summary["class_names"] == [name.decode() for name in fine] and summary["classes"] == 3
+    assert_images_and_labels(tmp_path / "out", images, [5, 5, 60, 1])
+    with pytest.raises(SourceError, match="CIFAR has no split 'validation'; pass one of test, train"):
+        prepare.run(str(folder), str(tmp_path / "val"), split="validation")
+
+
+def test_a_damaged_or_code_running_cifar_file_is_refused_before_it_runs(tmp_path):
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar10(folder, rng.integers(0, 256, (5, 32, 32, 3), dtype=np.uint8), [0] * 5,
+                  rng.integers(0, 256, (1, 32, 32, 3), dtype=np.uint8), [0])
+    ran = tmp_path / "ran"
+    (folder / "test_batch").write_bytes(b"\x80\x02cos\nsystem\n(" + py2_pickle(f"touch {ran}".encode()) + b"tR.")
+    with pytest.raises(SourceError, match="test_batch in .* is not a CIFAR pickle .*os.system.*download the python version again"):
+        prepare.run(str(folder), str(tmp_path / "out"), split="test")
+    assert not ran.exists()
+    (folder / "data_batch_4").unlink()
+    with pytest.raises(SourceError, match="lacks data_batch_4 of the CIFAR-10 train split; unpack the whole archive again"):
+        prepare.run(str(folder), str(tmp_path / "out"))
+    write_cifar_file(folder / "data_batch_4", {b"labels": [10], b"data": cifar_rows(np.zeros((1, 32, 32, 3), np.uint8))})
+    with pytest.raises(SourceError, match="data_batch_4 in .* is not a CIFAR-10 batch .*labels below 10"):
+        prepare.run(str(folder), str(tmp_path / "out"))
+    write_cifar_file(folder / "batches.meta", {b"num_vis": 3072})
+    with pytest.raises(SourceError, match="batches.meta in .* does not list the class names"):
+        prepare.run(str(folder), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_cifar_path_is_one_line_naming_how_to_get_it(tmp_path, capsys):
+    missing = tmp_path / "data" / "cifar-10-python.tar.gz"
+    assert launch.main(["prepare", str(missing), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(f"error: {missing} does not exist; CIFAR-10 and CIFAR-100 come in no Debian or PyPI package")
+    assert "https://www.cs.toronto.edu/~kriz/cifar.html" in err and "launch.py prepare uoft-cs/cifar10 --split train" in err
 
 
 def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, capsys):
