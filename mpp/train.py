@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration, broadcast_object_list
 from PIL import Image, ImageDraw, ImageFont
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from mpp.checkpoint import save_weights
 from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
@@ -515,7 +515,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     bar.close()
 
     if accelerator.is_main_process:
-        save_file(accelerator.unwrap_model(objective).export_weights(), str(output_dir / WEIGHTS))
+        save_weights(accelerator.unwrap_model(objective), output_dir / WEIGHTS)
     accelerator.wait_for_everyone()
     return results
 
