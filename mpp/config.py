@@ -6,7 +6,8 @@ import difflib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError
 from mpp.model import Variant, parse_model_name, resolve_variant
@@ -309,13 +310,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        not_yaml = f"config file {path} is not valid YAML ({{}}); fix its syntax"
+        try:
+            top = yaml.safe_load(path.read_text())  # plainly first: OmegaConf takes a top-level scalar for a file name
+        except Exception as exc:
+            raise ConfigError(not_yaml.format(exc.__class__.__name__)) from None
+        if top is not None and not isinstance(top, dict):
+            held = "a list" if isinstance(top, list) else f"the single value {top!r}"
+            raise ConfigError(f"config file {path} holds {held} at its top level; it must be a mapping of sections "
+                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
         try:
             layer = OmegaConf.load(path)
         except Exception as exc:
-            raise ConfigError(f"config file {path} is not valid YAML ({exc.__class__.__name__}); fix its syntax") from None
-        if not isinstance(layer, DictConfig):
-            raise ConfigError(f"config file {path} holds a list at its top level; it must be a mapping of sections "
-                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
+            raise ConfigError(not_yaml.format(exc.__class__.__name__)) from None
         layers.append(layer)
     for item in overrides:
         if "=" not in item:

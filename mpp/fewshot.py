@@ -52,6 +52,29 @@ def fit_ridge(features: torch.Tensor, labels: torch.Tensor, num_classes: int, l2
     return scores
 
 
+def check_pool(train_y: torch.Tensor, eval_y: torch.Tensor, shots: Iterable[int]) -> None:
+    """Refuse a training pool that cannot give `n` examples of every class, for each n in `shots`.
+
+    A class of the evaluation images that the pool lacks altogether is refused too: it could never be predicted, so
+    the accuracy would measure how many classes the first images of the shards happen to hold (2 classes of 10: ~10%).
+    """
+    classes, counts = torch.unique(train_y, return_counts=True)
+    evaluated = set(torch.unique(eval_y).tolist())
+    missing = sorted(evaluated - set(classes.tolist()))
+    if missing:
+        listed = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise FewShotError(f"the few-shot training pool holds examples of {len(evaluated) - len(missing)} of the "
+                           f"{len(evaluated)} classes of the evaluation images (none of class {listed}), so it could "
+                           f"never predict the others; raise fewshot.train_images or use shards that mix classes "
+                           f"(launch.py prepare shuffles them)")
+    for n in shots:
+        short = [(int(c), int(have)) for c, have in zip(classes, counts) if have < n]
+        if short:
+            c, have = short[0]
+            raise FewShotError(f"class {c} has only {have} examples in the few-shot training pool, fewer than {n} shots; "
+                               f"raise fewshot.train_images or drop {n} from fewshot.shots")
+
+
 def few_shot_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, eval_x: torch.Tensor, eval_y: torch.Tensor, *,
                       shots: Iterable[int], draws: int, l2: float, seed: int = 0) -> dict[int, list[float]]:
     """Accuracy on (eval_x, eval_y) of ridge classifiers fit to `n` random examples per class of the training pool.
@@ -59,16 +82,12 @@ def few_shot_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, eval_x: torc
     Returns {n: [accuracy of each draw]}. Randomness comes from a private generator, never the global RNG,
     so an evaluation inside a training run leaves the run's random stream untouched.
     """
+    check_pool(train_y, eval_y, shots)
     classes = torch.unique(train_y)
     by_class = [torch.nonzero(train_y == c).squeeze(1) for c in classes]
     num_classes = int(max(classes.max(), eval_y.max())) + 1
     results: dict[int, list[float]] = {}
     for n in shots:
-        short = [(int(c), len(idx)) for c, idx in zip(classes, by_class) if len(idx) < n]
-        if short:
-            c, have = short[0]
-            raise FewShotError(f"class {c} has only {have} examples in the few-shot training pool, fewer than {n} shots; "
-                               f"raise fewshot.train_images or drop {n} from fewshot.shots")
         results[n] = []
         for draw in range(draws):
             generator = torch.Generator().manual_seed(seed * 1_000_003 + draw * 1009 + n)
@@ -136,6 +155,8 @@ class LabelledImages:
             with accelerator.autocast():
                 parts.append(pooled_features(backbone, images, pooling).float())
         backbone.train(was_training)
-        features = gather_rows(accelerator, torch.cat(parts))
-        labels = gather_rows(accelerator, self.labels.to(accelerator.device))
-        return features.cpu(), labels.cpu()
+        return gather_rows(accelerator, torch.cat(parts)).cpu(), self.all_labels(accelerator)
+
+    def all_labels(self, accelerator: Accelerator) -> torch.Tensor:
+        """The labels (total,) of every process's images, in rank order, on the CPU."""
+        return gather_rows(accelerator, self.labels.to(accelerator.device)).cpu()

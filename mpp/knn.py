@@ -34,3 +34,10 @@ def knn_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
     num_classes = int(max(train_y.max(), test_y.max())) + 1
     predicted = knn_predict(train_x, train_y, test_x, num_classes, k=k, temperature=temperature)
     return (predicted == test_y).double().mean().item()
+
+
+def missing_classes(train_y: torch.Tensor, test_y: torch.Tensor) -> tuple[list[int], float]:
+    """The classes of the queries that no training example has, and the share of the queries in them: those can
+    never be classified right, so top-1 is at most 1 minus that share."""
+    missing = sorted(set(torch.unique(test_y).tolist()) - set(torch.unique(train_y).tolist()))
+    return missing, torch.isin(test_y, torch.tensor(missing, dtype=test_y.dtype)).double().mean().item()

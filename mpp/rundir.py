@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -101,3 +102,21 @@ def checkpoint_fault(directory: Path, processes: int | None = None) -> str | Non
 def newest_verified(output_dir: str | Path) -> Path | None:
     """The newest checkpoint whose files verify, for its weights alone (any process count)."""
     return next((c for c in reversed(complete_checkpoints(output_dir)) if checkpoint_fault(c) is None), None)
+
+
+def too_long(path: str | Path) -> str | None:
+    """Why `path` cannot be created (a name, or the whole path, longer than its file system allows), or None.
+    Checked without looking `path` up, since the kernel refuses even to look up such a path."""
+    path = Path(path).absolute()
+    size, limit = len(os.fsencode(str(path))), os.pathconf(path.anchor, "PC_PATH_MAX")
+    if size >= limit:
+        return f"the path has {size} bytes, more than the {limit - 1} the system allows"
+    existing, descending = Path(path.anchor), True  # the deepest existing folder: its file system sets the limit
+    for part in path.parts[1:]:
+        size, limit = len(os.fsencode(part)), os.pathconf(existing, "PC_NAME_MAX")
+        if size > limit:
+            return f"its name {part[:24]}... has {size} bytes, more than the {limit} its file system allows"
+        descending = descending and (existing / part).is_dir()
+        if descending:
+            existing = existing / part
+    return None

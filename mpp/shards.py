@@ -2,18 +2,21 @@
 
 Sources (a folder of images, a Hugging Face dataset, MNIST-style IDX files, CIFAR-10/100, the synthetic corpus)
 yield `Sample`s; `write_shards` packs them into `out_dir/{prefix}-000000.tar, ...` and records
-`summary.json` last, so a directory with a summary holds a complete shard set. Folder and Hugging
-Face sources come out in a fixed shuffled order, so every shard mixes classes.
+`summary.json` (which lists the shard files) last, so a directory with a summary holds a complete shard set.
+Folder and Hugging Face sources come out in a fixed shuffled order, so every shard mixes classes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gzip
 import io
 import json
 import os
 import pickle
 import re
+import shutil
 import tarfile
 import tempfile
 import warnings
@@ -29,6 +32,7 @@ from tqdm import tqdm
 
 from mpp.data import SIXTEEN_BIT_MODES, upright
 from mpp.errors import UserError
+from mpp.rundir import too_long
 from mpp.synthetic import CLASS_NAMES, synthetic_image
 
 IMAGE_EXTS = ("jpg", "png", "webp")  # what the shards hold; the reader converts every image to RGB
@@ -89,43 +93,71 @@ def write_shards(
     overwrite: bool = False,
     progress: bool = False,
 ) -> dict:
-    """Pack samples into tar shards under out_dir and write out_dir/summary.json; returns the summary.
+    """Pack samples into tar shards under out_dir and write out_dir/summary.json (listing them); returns the summary.
 
-    overwrite=True replaces the .tar files and summary.json already in out_dir.
+    The shards are written into a hidden folder inside out_dir and moved into place only once all are complete, so a
+    failure on the way (a full disk, a bad sample, Ctrl-C) leaves out_dir as it was. overwrite=True replaces the
+    shards an earlier write recorded in summary.json, and summary.json; other files in out_dir stay.
     """
     if samples_per_shard < 1:
         raise SourceError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
     out = Path(out_dir)
     check_writable_dir(out)
-    stale = _stale_outputs(out, overwrite)
+    stale = _stale_outputs(out, prefix, overwrite)
     name = samples.name if isinstance(samples, Source) else "samples"
-    stream = iter(tqdm(samples, total=len(samples) if isinstance(samples, Sized) else None,
-                       disable=not progress, unit="img", desc="writing shards"))
+    bar = tqdm(samples, total=len(samples) if isinstance(samples, Sized) else None, disable=not progress, unit="img",
+               desc="writing shards")
+    stream = iter(bar)
     first = next(stream, None)  # before touching out_dir, so an empty source leaves it as it was
     if first is None:
         raise SourceError(f"{name} holds no readable images; point the source at images or a non-empty dataset")
-    out.mkdir(parents=True, exist_ok=True)
-    for path in stale:  # the summary first: a half-rewritten directory must not look complete
+    staging, created = None, not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".partial-shards-", dir=out))
+        count, labels, files = _write_tars(chain([first], stream), staging / f"{prefix}-%06d.tar", samples_per_shard)
+        summary = {
+            "samples": count,
+            "classes": len(labels),
+            "labels": bool(labels),
+            "shards": len(files),
+            "bytes": sum((staging / file).stat().st_size for file in files),
+            "source": name,
+            "skipped": samples.skipped if isinstance(samples, Source) else 0,
+            "files": files,
+        }
+        if isinstance(samples, Source) and samples.class_names is not None:
+            summary["class_names"] = samples.class_names
+        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    except BaseException as exc:
+        bar.close()  # ends its line, so an error message gets one of its own
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):  # only if nothing else came to be in it
+                out.rmdir()
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            raise SourceError(f"cannot write the shards in {out} ({exc.strerror}); the partial shards were removed and "
+                              f"{out} is as it was: free some space or choose another output directory (--out)") from None
+        raise
+    # Renames only from here on, which need no space. The old summary goes first and the new one comes last:
+    # a directory caught half way must not look complete.
+    for path in stale:
         path.unlink(missing_ok=True)
-    count, labels = _write_tars(chain([first], stream), out / f"{prefix}-%06d.tar", samples_per_shard)
-    shards = sorted(out.glob(f"{prefix}-*.tar"))
-    summary = {
-        "samples": count,
-        "classes": len(labels),
-        "labels": bool(labels),
-        "shards": len(shards),
-        "bytes": sum(p.stat().st_size for p in shards),
-        "source": name,
-        "skipped": samples.skipped if isinstance(samples, Source) else 0,
-    }
-    if isinstance(samples, Source) and samples.class_names is not None:
-        summary["class_names"] = samples.class_names
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for file in [*files, "summary.json"]:
+        os.replace(staging / file, out / file)
+    staging.rmdir()
     return summary
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # write errors that say the disk (or a quota) is full
 
 
 def check_writable_dir(out: Path) -> None:
     """Refuse, before any work, an output directory that cannot be created or written in."""
+    reason = too_long(out)
+    if reason:
+        raise SourceError(f"output directory {out} cannot be created: {reason}; choose a shorter path (--out)")
     existing = out
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -140,25 +172,47 @@ def check_writable_dir(out: Path) -> None:
                           f"writable output directory (--out)") from None
 
 
-def _write_tars(samples: Iterable[Sample], pattern: Path, samples_per_shard: int) -> tuple[int, set[int]]:
-    """Write the shards; returns the sample count and the distinct labels."""
-    count, labels = 0, set()
+def _write_tars(samples: Iterable[Sample], pattern: Path, samples_per_shard: int) -> tuple[int, set[int], list[str]]:
+    """Write the shards; returns the sample count, the distinct labels and the shard file names."""
+    count, labels, files = 0, set(), []
     # A fixed mtime makes the tars byte-identical across runs; encoder=False because records are bytes already.
-    with wds.ShardWriter(str(pattern), maxcount=samples_per_shard, verbose=0, encoder=False, mtime=0) as sink:
+    with wds.ShardWriter(str(pattern), maxcount=samples_per_shard, verbose=0, encoder=False, mtime=0,
+                         post=lambda path: files.append(Path(path).name)) as sink:
         for sample in samples:
             sink.write(_record(sample))
             count += 1
             if sample.label is not None:
                 labels.add(sample.label)
-    return count, labels
+    return count, labels, files
 
 
-def _stale_outputs(out: Path, overwrite: bool) -> list[Path]:
-    """What a rewrite of out must delete; refuses to go on if that includes shards and overwrite is off."""
-    shards = sorted(out.glob("*.tar"))
-    if shards and not overwrite:
-        raise SourceError(f"{out} already holds {len(shards)} .tar files; choose an empty output directory or pass overwrite (--overwrite) to replace them")
-    return [out / "summary.json", *shards]
+def _stale_outputs(out: Path, prefix: str, overwrite: bool) -> list[Path]:
+    """What a rewrite of out replaces: summary.json and the shards it lists (a summary of an older mpp lists none:
+    then the files named as write_shards names them). Refuses if out holds .tar files and overwrite is off, and
+    keeps, saying so, the .tar files no write recorded."""
+    tars = sorted(out.glob("*.tar"))
+    if tars and not overwrite:
+        raise SourceError(f"{out} already holds {len(tars)} .tar files; choose an empty output directory or pass overwrite (--overwrite) to replace them")
+    summary = out / "summary.json"
+    try:
+        listed = json.loads(summary.read_text()).get("files") if summary.is_file() else None
+    except (ValueError, AttributeError):  # not JSON, or not an object: no record of what was written
+        listed = None
+    shard_name = re.compile(rf"{re.escape(prefix)}-\d{{6}}\.tar")  # as _write_tars names them
+    if isinstance(listed, list):
+        ours = [out / name for name in listed if isinstance(name, str) and Path(name).name == name]
+    else:
+        ours = [path for path in tars if shard_name.fullmatch(path.name)]
+    foreign = [path for path in tars if path not in ours]
+    clashing = [path.name for path in foreign if shard_name.fullmatch(path.name)]
+    if clashing:
+        raise SourceError(f"{out} holds {clashing[0]}, named like the shards being written but not listed in its "
+                          f"summary.json, so it may not be replaced; move it elsewhere or choose another output directory (--out)")
+    if foreign:
+        names = ", ".join(path.name for path in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        warnings.warn(f"keeping {names} in {out}: not written by prepare, so not replaced; a run on {out} reads every "
+                      f".tar in it", stacklevel=3)
+    return [summary, *ours]
 
 
 def _record(sample: Sample) -> dict:
@@ -309,19 +363,49 @@ def folder_samples(root: str | os.PathLike) -> Source:
 
     def read() -> Iterator[Sample | None]:
         for path, key, label in entries:
-            encoded = _encoded(path.read_bytes(), keep=_FORMAT_EXTS)
+            try:
+                data = path.read_bytes()
+            except OSError:  # a dangling link, no permission: unreadable like a corrupt file, so skipped and counted
+                yield None
+                continue
+            encoded = _encoded(data, keep=_FORMAT_EXTS)
             yield None if encoded is None else Sample(key, *encoded, label)
 
     return Source(f"folder {root}", len(entries), read, class_names=classes or None)
 
 
 def _image_files(root: Path) -> list[Path]:
-    """Image files under root as sorted relative paths, ignoring hidden files and folders (.ipynb_checkpoints)."""
-    found = []
+    """Image files under root as sorted relative paths, ignoring hidden files and folders (.ipynb_checkpoints).
+
+    Links to files are followed; links to folders once per folder, and never to a folder the walk reads anyway, to
+    root or above it: those would read the same images again under another class, or forever (`ln -s .. loop`).
+    """
+    def visible(dirs: list[str]) -> list[str]:
+        return sorted(d for d in dirs if not d.startswith("."))
+
+    reached = set()  # the folders read without following any link
+    for folder, dirs, _ in os.walk(root):
+        dirs[:] = visible(dirs)
+        reached.add(Path(folder).resolve())
+    real_root, seen, found, unfollowed = root.resolve(), set(reached), [], []
     for folder, dirs, names in os.walk(root, followlinks=True):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        kept = []
+        for name in visible(dirs):
+            path = Path(folder) / name
+            real = path.resolve()
+            if not path.is_symlink() and real in reached:
+                kept.append(name)
+            elif real in seen or real_root.is_relative_to(real):
+                unfollowed.append(path.relative_to(root))
+            else:
+                seen.add(real)
+                kept.append(name)
+        dirs[:] = kept
         rel = Path(folder).relative_to(root)
         found += [rel / n for n in names if not n.startswith(".") and Path(n).suffix.lower() in _IMAGE_SUFFIXES]
+    if unfollowed:
+        warnings.warn(f"not following {len(unfollowed)} folder link(s) under {root} to folders read already, to it or "
+                      f"above it (first: {unfollowed[0]}); each image is read once, where it lies", stacklevel=3)
     return sorted(found)
 
 

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from PIL import Image, ImageDraw, ImageFont
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from mpp.checkpoint import save_weights
 from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, DataError, StreamState
 from mpp.errors import UserError
@@ -478,7 +478,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             evaluate(step)
 
     if accelerator.is_main_process:
-        save_file(objective.export_weights(), str(output_dir / WEIGHTS))
+        save_weights(objective, output_dir / WEIGHTS)
     accelerator.wait_for_everyone()
     return results
 

@@ -24,7 +24,7 @@ from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransfor
 from mpp.errors import UserError
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer, build_vit
-from mpp.rundir import CONFIG, complete_checkpoints, run_config_of
+from mpp.rundir import CONFIG, complete_checkpoints, run_config_of, too_long
 from mpp.shards import synthetic_samples, write_shards
 from mpp.runtime import Device, make_accelerator, precision_label, process_state, resolve_compile
 from mpp.train import resumable_checkpoint
@@ -203,6 +203,8 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
     """Refuse an output_dir that cannot be written, that holds another run's checkpoints, or whose run a resume
     would change in a way it cannot apply; returns what the resume changes, as `key before -> after`."""
     out = Path(cfg.output_dir)
+    if (reason := too_long(out)) is not None:
+        raise UserError(f"output_dir {out} cannot be created: {reason}; set output_dir to a shorter path")
     nearest = next(p for p in (out, *out.absolute().parents) if p.exists())  # created later, under the run's lock
     try:
         with tempfile.TemporaryFile(dir=nearest):

@@ -4,17 +4,16 @@ model card (README.md) that says what it is and how it was made."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
-from safetensors.torch import load_file
-
-from mpp.checkpoint import load_backbone, resolve_checkpoint
+from mpp.checkpoint import classifier_head, load_backbone, resolve_checkpoint, run_files_in
 from mpp.config import Config
 from mpp.data import DataError, expand_shards
 from mpp.hf import ExportError, export_hf
 from mpp.model import VisionTransformer
 from mpp.objectives import OBJECTIVES
-from mpp.rundir import RESULTS, checkpoint_step, is_checkpoint, run_dir_of
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long
 from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
 from pipelines.common import command_line
 
@@ -23,21 +22,49 @@ CARD_METRICS = ("train/loss", "train/loss_prior", "train/color_acc", "train/colo
 
 
 def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
-    """Write the backbone in `ckpt` (ViTModel), with its classifier if it was fine-tuned (ViTForImageClassification)."""
+    """Write the backbone in `ckpt` (ViTModel), with its classifier if it was fine-tuned (ViTForImageClassification).
+
+    A pretraining run's head (MPP's colour head, supervised pretraining's MLP) is the paper's throwaway pretraining
+    head: a pretraining checkpoint exports as a backbone."""
     if to not in FORMATS:
         raise ExportError(f"unknown export format '{to}'; use --to hf DIR")
+    check_export_dir(Path(out_dir))
     backbone = load_backbone(ckpt, cfg.model)
     weights_file = resolve_checkpoint(ckpt)
-    weights = load_file(str(weights_file))
-    # A fine-tuned model keeps its linear head as head.weight/head.bias; a supervised pretraining MLP head
-    # (head.0, head.2) is the paper's throwaway pretraining head and has no ViTForImageClassification form.
-    head = {"weight": weights["head.weight"], "bias": weights["head.bias"]} if "head.weight" in weights else None
-    kind = export_hf(backbone, out_dir, head, id2label=class_names(cfg) if head is not None else None,
+    head = classifier_head(ckpt)
+    kind = export_hf(backbone, out_dir, head, id2label=label_names(cfg, head) if head is not None else None,
                      pool=cfg.finetune.pool)
     (Path(out_dir) / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
     print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
           f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")
     return kind
+
+
+def check_export_dir(out: Path) -> None:
+    """Refuse, before any work, a directory the export cannot be written to or must not be: one holding a run, whose
+    model.safetensors the transformers layout would replace (after which no stage could read the run)."""
+    reason = too_long(out)
+    if reason is not None:
+        raise ExportError(f"export directory {out} cannot be created: {reason}; choose a shorter path (--to hf DIR)")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export directory {out} is a file; choose a directory (--to hf DIR)")
+    found = run_files_in(out) if out.is_dir() else None
+    if found is not None:
+        raise ExportError(f"{out} holds a run of this project ({found}); the export would replace its {WEIGHTS} with "
+                          f"the transformers layout, which finetune, fewshot and knn cannot read: choose another "
+                          f"directory (--to hf DIR)")
+
+
+def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
+    """The class names of the training shards, if they name as many classes as the classifier has outputs."""
+    names = class_names(cfg)
+    outputs = head["weight"].shape[0]
+    if names is not None and len(names) != outputs:
+        warnings.warn(f"the training shards ({cfg.data.shards}) name {len(names)} classes but the classifier has {outputs} "
+                      f"outputs, so its labels are exported as LABEL_0 to LABEL_{outputs - 1}; set data.shards to the "
+                      f"fine-tuning's shards to export their names", stacklevel=2)
+        return None
+    return names
 
 
 def class_names(cfg: Config) -> dict[int, str] | None:
@@ -70,7 +97,10 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
     summary = shards_summary(cfg)
     data = f"`{cfg.data.shards}`" + (f" ({summary['samples']:,} images, {summary['classes']} classes)" if summary else "")
     if fine_tuned:
-        start = record.get("ckpt") or "a fresh backbone (training from scratch)"
+        if "ckpt" not in record:  # a fine-tuning not finished, or its results.json lost
+            start = "a starting point not recorded (no results.json beside the weights)"
+        else:
+            start = record["ckpt"] or "a fresh backbone (training from scratch)"
         objective = f"fine-tuned as a classifier (linear head on the [class] token) from {start}"
         metrics = {k: record[k] for k in ("top1", "top5") if k in record}
         metrics_line = ", ".join(f"{k.replace('top', 'top-')} {100 * v:.2f}%" for k, v in metrics.items())

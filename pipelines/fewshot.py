@@ -10,7 +10,7 @@ from accelerate import Accelerator
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
-from mpp.fewshot import few_shot_accuracy
+from mpp.fewshot import check_pool, few_shot_accuracy
 from mpp.model import VisionTransformer
 from pipelines.common import FrozenFeatureSets, start_run
 
@@ -21,6 +21,8 @@ class FewShot:
     def __init__(self, cfg: Config, accelerator: Accelerator):
         self.cfg = cfg.fewshot
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.fewshot, "few-shot", "fewshot", "few-shot training shards")
+        # Before any training: a pool that cannot give every class its shots stops a pretraining run at once.
+        check_pool(self.sets.pool.all_labels(accelerator), self.sets.eval.all_labels(accelerator), cfg.fewshot.shots)
 
     def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
         """{shots: [accuracy of each draw]}, identical on every process."""

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
-from mpp.knn import knn_accuracy
+from mpp.knn import knn_accuracy, missing_classes
 from mpp.model import VisionTransformer
 from pipelines.common import FrozenFeatureSets, start_run
 
@@ -23,6 +25,18 @@ class Knn:
     def __init__(self, cfg: Config, accelerator: Accelerator):
         self.cfg = cfg.knn
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.knn, "kNN", "knn", "kNN neighbour shards")
+        # A pool short of a few classes of many is normal (5000 neighbours, 1000 classes) and top-1 still measures
+        # something; one short of most only measures that, so the numbers are said, once, before any training.
+        eval_y = self.sets.eval.all_labels(accelerator)
+        missing, share = missing_classes(self.sets.pool.all_labels(accelerator), eval_y)
+        if missing and accelerator.is_main_process:
+            listed = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+            warnings.warn(f"the kNN neighbour pool ({cfg.knn.shards or cfg.data.shards}, first {self.sets.pool.total} "
+                          f"images) holds no image of {len(missing)} of the {len(torch.unique(eval_y))} classes of the "
+                          f"evaluation images (class {listed}); the {share:.0%} of them in those classes can never be "
+                          f"classified right, so kNN top-1 is at most {1 - share:.1%}; "
+                          f"raise knn.train_images or use shards that mix classes (launch.py prepare shuffles them)",
+                          stacklevel=2)
 
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:
         c = self.cfg

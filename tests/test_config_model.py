@@ -70,6 +70,17 @@ def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("text, held", [("hello\n", "the single value 'hello'"), ("42\n", "the single value 42"),
+                                        ("true\n", "the single value True")])
+def test_yaml_holding_a_single_value_is_refused_as_such(tmp_path, text, held):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:  # was "not valid YAML (OSError)", or "unknown config key 'hello'"
+        load_config(path)
+    assert str(err.value) == (f"config file {path} holds {held} at its top level; it must be a mapping of sections "
+                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
+
+
 @pytest.mark.parametrize("steps, warmup", [(1, 0), (20, 2), (600, 60), (5000, 100)])
 def test_unset_warmup_is_a_tenth_of_the_run_at_most_100(steps, warmup):
     assert load_config(None, [f"train.steps={steps}"]).train.warmup_steps == warmup

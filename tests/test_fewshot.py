@@ -1,3 +1,4 @@
+import io
 import json
 import os
 import subprocess
@@ -5,11 +6,13 @@ import sys
 
 import pytest
 import torch
+import webdataset as wds
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import load_config
 from mpp.fewshot import FewShotError, few_shot_accuracy, fit_ridge
+from mpp.synthetic import synthetic_image
 import launch
 from pipelines import pretrain
 
@@ -49,6 +52,37 @@ def test_few_shot_accuracy_refuses_too_few_examples_per_class():
     x, y = separable_problem(per_class=3)
     with pytest.raises(FewShotError, match="fewer than 5 shots"):
         few_shot_accuracy(x, y, x, y, shots=[5], draws=1, l2=1.0)
+
+
+def test_few_shot_accuracy_refuses_a_pool_that_lacks_classes_of_the_evaluation_images():
+    x, y = separable_problem(per_class=10)
+    two = y < 2  # the first images of shards sorted by class: 2 classes of 4
+    with pytest.raises(FewShotError) as err:
+        few_shot_accuracy(x[two], y[two], x, y, shots=[1], draws=1, l2=1.0)  # would score 50% with no word
+    assert "holds examples of 2 of the 4 classes of the evaluation images (none of class 2, 3)" in str(err.value)
+
+
+def write_two_class_shards(directory, count: int = 20):
+    """One shard of synthetic images of classes 0 and 1 only."""
+    directory.mkdir(parents=True)
+    with wds.TarWriter(str(directory / "shard-000000.tar")) as sink:
+        index = written = 0
+        while written < count:
+            image, label = synthetic_image(index, 24)
+            index += 1
+            if label < 2:
+                buffer = io.BytesIO()
+                image.save(buffer, "JPEG")
+                sink.write({"__key__": f"{written:04d}", "jpg": buffer.getvalue(), "cls": str(label).encode()})
+                written += 1
+
+
+def test_pretraining_refuses_a_few_shot_pool_without_most_classes_before_training(tmp_path, make_shards):
+    make_shards([40], size=32)
+    write_two_class_shards(tmp_path / "two")
+    with pytest.raises(FewShotError, match="holds examples of 2 of the 10 classes of the evaluation images"):
+        pretrain.run(tiny(tmp_path, "fewshot.every=3", f"fewshot.shards={tmp_path / 'two'}"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def tiny(tmp_path, *overrides):

@@ -20,7 +20,7 @@ from mpp.validation import PretextValidation
 from pipelines import pretrain
 
 from conftest import ROOT, reset_accelerator
-from test_fewshot import tiny
+from test_fewshot import tiny, write_two_class_shards
 
 
 def unit(degrees):
@@ -56,6 +56,25 @@ def test_knn_runs_inside_pretraining_and_as_a_command(tmp_path, make_shards, cap
     written = json.loads((tmp_path / "eval" / "knn.json").read_text())
     assert written["features"] == "mean" and written["k"] == 5 and written["train_images"] == 80  # k from the run's config.yaml
     assert written["eval_images"] == 40 and 0 < written["top1"] <= 1
+
+
+def test_a_knn_pool_without_most_classes_is_scored_with_a_warning_giving_the_counts(tmp_path, make_shards):
+    from safetensors.torch import save_file
+
+    from mpp.model import VisionTransformer
+    from pipelines import knn
+
+    make_shards([40], size=32)  # 10 classes, 4 images each
+    write_two_class_shards(tmp_path / "two")
+    save_file(VisionTransformer(16, 4, 64, 2, 2).state_dict(), str(tmp_path / "backbone.safetensors"))
+    with pytest.warns(UserWarning) as warned:
+        result = knn.run(tiny(tmp_path, f"knn.shards={tmp_path / 'two'}", "knn.k=5"), ckpt=str(tmp_path / "backbone.safetensors"))
+    assert [str(w.message) for w in warned if w.category is UserWarning] == [
+        f"the kNN neighbour pool ({tmp_path / 'two'}, first 20 images) holds no image of 8 of the 10 classes of the "
+        f"evaluation images (class 2, 3, 4, 5, 6, ...); the 80% of them in those classes can never be classified right, "
+        f"so kNN top-1 is at most 20.0%; raise knn.train_images or use shards that mix classes (launch.py prepare "
+        f"shuffles them)"]
+    assert result["top1"] <= 0.2 and json.loads((tmp_path / "run" / "knn.json").read_text())["top1"] == result["top1"]
 
 
 def test_knn_command_over_two_processes_equals_one(tmp_path, make_shards):

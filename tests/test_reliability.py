@@ -292,6 +292,16 @@ def test_bad_invocations_fail_with_one_line(args, message, tmp_path):
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and message in result.stderr, result.stderr
 
 
+def test_an_output_dir_name_longer_than_the_file_system_allows_is_one_line(tmp_path, capsys):
+    out = tmp_path / ("x" * 300) / "run"
+    assert cli.main(["pretrain", f"output_dir={out}", *TINY]) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and error.strip() == (
+        f"error: output_dir {out} cannot be created: its name {'x' * 24}... has 300 bytes, more than the 255 its file "
+        f"system allows; set output_dir to a shorter path")
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
 def test_output_dir_of_another_run_is_refused(tmp_path, make_shards):
     make_shards([20], size=32)
     common = [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2",

@@ -1,6 +1,9 @@
+import errno
 import gzip
 import io
 import json
+import os
+import re
 import struct
 import tarfile
 from pathlib import Path
@@ -69,7 +72,8 @@ def test_folder_round_trip(tmp_path):
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary == {"samples": 5, "classes": 2, "labels": True, "shards": 3, "skipped": 1,
                        "bytes": sum(p.stat().st_size for p in out.glob("*.tar")),
-                       "source": f"folder {root}", "class_names": ["cat", "dog"]}
+                       "source": f"folder {root}", "class_names": ["cat", "dog"],
+                       "files": ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]}
     samples = read_shards(out)
     assert sorted(samples) == ["cat_a", "cat_b", "cat_c", "dog_d", "dog_e"]
     for name, (fmt, label) in files.items():
@@ -402,3 +406,86 @@ def test_a_registered_source_kind_is_read_by_prepare_with_no_other_edit(tmp_path
     summary = prepare.run("gray", str(tmp_path / "out"), count=6)
     assert (summary["samples"], summary["classes"], summary["class_names"]) == (6, 2, ["dark", "light"])
     assert prepare.run("synthetic", str(tmp_path / "synthetic"), count=4, size=16)["samples"] == 4  # the others still match
+
+
+def test_overwrite_replaces_only_the_shards_summary_json_lists(tmp_path):
+    out = tmp_path / "out"
+    assert prepare.run("synthetic", str(out), count=6, size=16, samples_per_shard=2)["files"] == [
+        "shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    (out / "backup.tar").write_bytes(b"the user's own archive")
+    with pytest.warns(UserWarning, match="keeping backup.tar in .*not written by prepare"):
+        summary = prepare.run("synthetic", str(out), count=4, size=16, samples_per_shard=4, overwrite=True)
+    assert summary["files"] == ["shard-000000.tar"]
+    assert sorted(p.name for p in out.iterdir()) == ["backup.tar", "shard-000000.tar", "summary.json"]
+    assert (out / "backup.tar").read_bytes() == b"the user's own archive"
+
+    # A summary of an older mpp lists no files: what prepare names shard-NNNNNN.tar is its own, the rest is not.
+    stored = json.loads((out / "summary.json").read_text())
+    del stored["files"]
+    (out / "summary.json").write_text(json.dumps(stored))
+    with pytest.warns(UserWarning, match="keeping backup.tar"):
+        prepare.run("synthetic", str(out), count=4, size=16, samples_per_shard=2, overwrite=True)
+    assert sorted(p.name for p in out.glob("*.tar")) == ["backup.tar", "shard-000000.tar", "shard-000001.tar"]
+
+    # A file named like a shard that the summary does not list is someone else's: refused, nothing touched.
+    (out / "shard-000007.tar").write_bytes(b"not ours")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SourceError, match="holds shard-000007.tar, named like the shards .* not listed in its summary.json"):
+        prepare.run("synthetic", str(out), count=4, size=16, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_folder_links_are_followed_once_and_never_in_a_loop(tmp_path):
+    root, elsewhere = tmp_path / "images", tmp_path / "elsewhere"
+    for i, name in enumerate(["cat/a.png", "dog/b.png", "../elsewhere/birds/c.png", "../elsewhere/d.png"]):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        synthetic_image(i, 16)[0].save(root / name)
+    (root / "cat" / "loop").symlink_to("..")  # root itself: would read everything again, forever
+    (root / "cat" / "dogs").symlink_to("../dog")  # a folder read anyway: its dogs would be labelled cat
+    (root / "cat" / "up").symlink_to(tmp_path)  # above root
+    (root / "bird").symlink_to(elsewhere / "birds")  # a class folder kept elsewhere: read, once
+    (root / "dog" / "birds-again").symlink_to(elsewhere / "birds")
+    (root / "cat" / "d.png").symlink_to(elsewhere / "d.png")  # a link to a file: read
+    (root / "dog" / "gone.png").symlink_to(tmp_path / "nothing.png")  # dangling: unreadable, skipped and counted
+
+    with pytest.warns(UserWarning) as warned:
+        summary = prepare.run(str(root), str(tmp_path / "shards"))
+    said = [str(w.message) for w in warned]
+    assert len(said) == 2 and re.search(r"not following 4 folder link\(s\) under .* \(first: cat/dogs\)", said[0])
+    assert said[1].startswith("skipping unreadable images")
+    labels = {key: label_of(sample) for key, sample in read_shards(tmp_path / "shards").items()}
+    assert labels == {"bird_c": 0, "cat_a": 1, "cat_d": 1, "dog_b": 2}  # classes bird, cat, dog
+    assert summary["samples"] == 4 and summary["skipped"] == 1
+
+
+def test_a_full_disk_leaves_the_output_directory_as_it_was(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    prepare.run("synthetic", str(out), count=6, size=16, samples_per_shard=2)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_addfile, added = tarfile.TarFile.addfile, []
+
+    def addfile_until_full(self, *args, **kwargs):  # the tar writer's write: the disk fills after 5 members
+        added.append(1)
+        if len(added) > 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_addfile(self, *args, **kwargs)
+
+    monkeypatch.setattr(tarfile.TarFile, "addfile", addfile_until_full)
+    capsys.readouterr()
+    assert launch.main(["prepare", "synthetic", "--out", str(out), "--count", "20", "--size", "16",
+                        "--samples-per-shard", "2", "--overwrite"]) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and [line for line in error.splitlines() if "error: " in line] == [
+        f"error: cannot write the shards in {out} (No space left on device); the partial shards were removed and "
+        f"{out} is as it was: free some space or choose another output directory (--out)"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old shard set, whole, and nothing else
+    added.clear()
+    assert launch.main(["prepare", "synthetic", "--out", str(tmp_path / "new"), "--count", "20", "--size", "16"]) == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_output_name_longer_than_the_file_system_allows_is_one_line(tmp_path, capsys):
+    assert launch.main(["prepare", "synthetic", "--out", str(tmp_path / ("x" * 300) / "shards")]) == 2
+    assert "error: output directory" in capsys.readouterr().err
+    with pytest.raises(SourceError, match=r"its name x{24}\.\.\. has 300 bytes, more than the 255 its file system allows"):
+        prepare.run("synthetic", str(tmp_path / ("x" * 300)))
