@@ -40,16 +40,22 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Marks a field that a resume may change (json_schema_extra=RESUMABLE): it applies from the resumed step on. Every
+# other field shapes the model, its optimiser state or the data stream the checkpoint continues, and a resume that
+# changes it is refused.
+RESUMABLE = {"resumable": True}
+
+
 class DataConfig(Section):
     shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
-    val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.")
+    val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.", json_schema_extra=RESUMABLE)
     synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated under data/synthetic on first use.")
     num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank that decode images.")
     shuffle_buffer: int = Field(2000, ge=0, description="Samples held in the shuffle buffer of each worker (0 disables shuffling).")
     resampled: bool = Field(True, description="Draw shards with replacement forever (no rank ever runs dry); false streams each pass over the shards exactly once per rank.")
     crop_scale: tuple[float, float] = Field((0.08, 1.0), description="Area fraction range of the random-resized crop.")
     hflip: bool = Field(True, description="Random horizontal flip during training.")
-    max_skip_fraction: float = Field(0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples read are unusable (corrupt, missing image, unreadable shard).")
+    max_skip_fraction: float = Field(0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples read are unusable (corrupt, missing image, unreadable shard).", json_schema_extra=RESUMABLE)
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -68,7 +74,7 @@ class ModelConfig(Section):
     heads: int | None = Field(None, gt=0, description="Override the variant's number of attention heads (must divide the width).")
     num_classes: int | None = Field(None, gt=0, description="Classes of the classification head (supervised pretraining, fine-tuning); null reads them from summary.json beside the training shards.")
     drop_path: float = Field(0.0, ge=0, lt=1, description="Stochastic depth: the rate at which the last block's residual branches are dropped per sample in training, rising linearly from 0 at the first block (off in eval).")
-    grad_checkpointing: bool = Field(False, description="Activation checkpointing: keep only each block's input and recompute its activations in the backward pass (about a third more compute for a fraction of the activation memory; for large models and batches).")
+    grad_checkpointing: bool = Field(False, description="Activation checkpointing: keep only each block's input and recompute its activations in the backward pass (about a third more compute for a fraction of the activation memory; for large models and batches).", json_schema_extra=RESUMABLE)
 
     @model_validator(mode="before")
     @classmethod
@@ -117,28 +123,28 @@ class MPPConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(1000, gt=0, description="Optimiser steps in the whole run.")
+    steps: int = Field(1000, gt=0, description="Optimiser steps in the whole run.", json_schema_extra=RESUMABLE)
     batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")
     global_batch_size: int | None = Field(None, gt=0, description="Images per optimiser step over all processes; when set, it replaces train.batch_size, which becomes global / (processes x grad_accum), or with train.micro_batch_size set, it fixes train.grad_accum instead; either must come out whole.")
     micro_batch_size: int | None = Field(None, gt=0, description="With train.global_batch_size: the images per process per forward pass (what must fit in memory); train.grad_accum becomes global / (processes x micro_batch_size), so the global batch holds on any number of GPUs. Null: train.grad_accum as given.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimiser step (derived when train.micro_batch_size is set).")
     optimizer: Literal["adam", "adamw", "sgd"] = Field("adamw", description="Optimiser: adam, adamw or sgd (with momentum).")
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate, reached after the warmup.")
-    weight_decay: float = Field(0.05, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd); not applied to biases, norms, tokens and position embeddings.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate, reached after the warmup.", json_schema_extra=RESUMABLE)
+    weight_decay: float = Field(0.05, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd); not applied to biases, norms, tokens and position embeddings.", json_schema_extra=RESUMABLE)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).", json_schema_extra=RESUMABLE)
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.", json_schema_extra=RESUMABLE)
     layer_decay: float = Field(1.0, gt=0, le=1, description="Layer-wise lr decay (BEiT/MAE): block i gets lr x decay^(depth - i), the embeddings decay^(depth + 1), the final norm and heads the full lr; 1 = off.")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing of the classification loss (supervised pretraining, fine-tuning); 0 = off.")
-    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.")
-    clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.", json_schema_extra=RESUMABLE)
+    clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).", json_schema_extra=RESUMABLE)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 where the hardware computes it (Ampere and newer GPUs, CPUs with AVX512-BF16 or AMX), fp16 with a loss scaler on older GPUs, fp32 on other CPUs.")
-    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model; auto: on GPUs that Triton supports (compute capability 7.0 and newer), where it pays for its compile time, never on a CPU.")
-    compile_backend: str = Field("inductor", description="torch.compile backend when compiling: inductor generates fused kernels; aot_eager traces without generating code (to tell a compile problem from a model one).")
-    cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU; auto: the CPUs this process may use divided by the processes on this machine.")
+    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model; auto: on GPUs that Triton supports (compute capability 7.0 and newer), where it pays for its compile time, never on a CPU.", json_schema_extra=RESUMABLE)
+    compile_backend: str = Field("inductor", description="torch.compile backend when compiling: inductor generates fused kernels; aot_eager traces without generating code (to tell a compile problem from a model one).", json_schema_extra=RESUMABLE)
+    cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU; auto: the CPUs this process may use divided by the processes on this machine.", json_schema_extra=RESUMABLE)
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
-    checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
-    keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.")
-    max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped; checked at each log line).")
+    checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).", json_schema_extra=RESUMABLE)
+    keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.", json_schema_extra=RESUMABLE)
+    max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped; checked at each log line).", json_schema_extra=RESUMABLE)
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -193,22 +199,22 @@ class TrainConfig(Section):
 
 
 class LogConfig(Section):
-    every: int = Field(10, gt=0, description="Log scalars to TensorBoard every N steps.")
-    images_every: int = Field(200, gt=0, description="Log the image panel (crops, corrupted view, true and predicted colours) every N steps.")
+    every: int = Field(10, gt=0, description="Log scalars to TensorBoard every N steps.", json_schema_extra=RESUMABLE)
+    images_every: int = Field(200, gt=0, description="Log the image panel (crops, corrupted view, true and predicted colours) every N steps.", json_schema_extra=RESUMABLE)
 
 
 class FewShotConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining, run the few-shot evaluation every N steps and at the end (0 = off).")
-    shots: list[int] = Field([1, 5, 10, 25], min_length=1, description="Labelled examples per class given to the linear classifier; one accuracy per entry.")
-    draws: int = Field(5, gt=0, description="Random draws of the examples per shot count; the accuracy is their mean.")
-    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
-    l2: float = Field(1.0, gt=0, description="Ridge penalty of the closed-form least squares (on standardised features).")
-    shards: str | None = Field(None, description="Labelled shards the examples are drawn from; defaults to data.shards.")
-    val_shards: str | None = Field(None, description="Labelled shards the classifiers are scored on; defaults to data.val_shards.")
-    train_images: int = Field(2000, gt=0, description="Images read from the front of the labelled shards to draw the examples from.")
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of fewshot.val_shards to score the classifiers on.")
-    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
-    seed: int = Field(0, description="Seed of the example draws (independent of train.seed and of the training run's RNG).")
+    every: int = Field(0, ge=0, description="During pretraining, run the few-shot evaluation every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
+    shots: list[int] = Field([1, 5, 10, 25], min_length=1, description="Labelled examples per class given to the linear classifier; one accuracy per entry.", json_schema_extra=RESUMABLE)
+    draws: int = Field(5, gt=0, description="Random draws of the examples per shot count; the accuracy is their mean.", json_schema_extra=RESUMABLE)
+    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).", json_schema_extra=RESUMABLE)
+    l2: float = Field(1.0, gt=0, description="Ridge penalty of the closed-form least squares (on standardised features).", json_schema_extra=RESUMABLE)
+    shards: str | None = Field(None, description="Labelled shards the examples are drawn from; defaults to data.shards.", json_schema_extra=RESUMABLE)
+    val_shards: str | None = Field(None, description="Labelled shards the classifiers are scored on; defaults to data.val_shards.", json_schema_extra=RESUMABLE)
+    train_images: int = Field(2000, gt=0, description="Images read from the front of the labelled shards to draw the examples from.", json_schema_extra=RESUMABLE)
+    eval_images: int = Field(2000, gt=0, description="Images read from the front of fewshot.val_shards to score the classifiers on.", json_schema_extra=RESUMABLE)
+    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.", json_schema_extra=RESUMABLE)
+    seed: int = Field(0, description="Seed of the example draws (independent of train.seed and of the training run's RNG).", json_schema_extra=RESUMABLE)
 
     @model_validator(mode="after")
     def _check(self) -> FewShotConfig:
@@ -218,7 +224,7 @@ class FewShotConfig(Section):
 
 
 class FinetuneConfig(Section):
-    eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).")
+    eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).", json_schema_extra=RESUMABLE)
     pool: Pooling = Field("cls", description="What the linear classifier reads: the [class] token's output (cls, the paper) or the mean of the patch outputs (mean, as BEiT, SimMIM and MAE fine-tune).")
 
 
@@ -243,7 +249,7 @@ class KnnConfig(Section):
 
 class Config(Section):
     objective: str = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
-    output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.")
+    output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.", json_schema_extra=RESUMABLE)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     mpp: MPPConfig = Field(default_factory=MPPConfig)
@@ -264,7 +270,7 @@ class Config(Section):
         if self.objective != "mpp":
             return self
         bits = self.mpp.color_bits
-        outputs = TARGETS[self.mpp.target](self.model.patch_size, bits).outputs  # raises for a patch size it cannot use
+        outputs = TARGETS[self.mpp.target].from_settings(self.model.patch_size, self.mpp).outputs  # raises for a patch size it cannot use
         width = self.model.variant.width
         head_bytes = 4 * (width + 1) * outputs  # fp32 weights and biases
         if head_bytes > MAX_HEAD_BYTES:
@@ -272,6 +278,25 @@ class Config(Section):
                              f"{head_bytes / 1e9:.1f} GB (width {width}); heads over {MAX_HEAD_BYTES / 1e9:.1f} GB are refused, "
                              f"lower mpp.color_bits (the paper uses 3)")
         return self
+
+
+def dotted(tree: dict, prefix: str = "") -> dict:
+    """{'train': {'lr': 0.1}} (or {'train.lr': 0.1}) -> {'train.lr': 0.1}: a nested config as dotted keys."""
+    flat = {}
+    for key, value in tree.items():
+        flat.update(dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def resumable_keys(section: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
+    """The dotted keys of the fields marked RESUMABLE."""
+    keys = set()
+    for name, field in (section or Config).model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys |= resumable_keys(field.annotation, f"{prefix}{name}.")
+        elif (field.json_schema_extra or {}).get("resumable"):
+            keys.add(f"{prefix}{name}")
+    return keys
 
 
 def _closest_key(section: type[BaseModel], prefix: str, key: str) -> str:

@@ -240,3 +240,9 @@ def build_vit(name: str, image_size: int, patch_size: int | None = None, *, widt
     """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden."""
     v = resolve_variant(name, patch_size, width=width, depth=depth, heads=heads)
     return VisionTransformer(image_size, v.patch_size, v.width, v.depth, v.heads, drop_path, grad_checkpointing)
+
+
+def build_backbone(model) -> VisionTransformer:
+    """A fresh backbone as a run's `model` config section (a ModelConfig) describes it."""
+    return build_vit(model.name, model.image_size, model.patch_size, width=model.width, depth=model.depth,
+                     heads=model.heads, drop_path=model.drop_path, grad_checkpointing=model.grad_checkpointing)

@@ -1,6 +1,7 @@
 """Training objectives over a ViT backbone. Each maps a uint8 batch to a loss and metrics; the loop is shared.
 
-The loop knows an objective only through `Objective`; OBJECTIVES maps the config's `objective` name to a builder.
+The loop knows an objective only through `Objective`; OBJECTIVES maps the config's `objective` name to its kind
+(its builder from the run's config, whether it reads labels, a short summary).
 """
 
 from __future__ import annotations
@@ -9,17 +10,14 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpp.metrics import Metric, split_metric
 from mpp.model import VisionTransformer, init_weights, normalize, patchify, pool, trunc_normal, unpatchify
-from mpp.targets import TARGETS
-
-if TYPE_CHECKING:
-    from mpp.config import Config  # the config imports OBJECTIVES to validate `objective`
+from mpp.targets import TARGETS, MeanColor, Target
 
 MASK, RANDOM, KEEP = 0, 1, 2
 
@@ -37,19 +35,25 @@ class Objective(nn.Module, ABC):
     - `backbone`: the VisionTransformer it trains (the evaluators score it, checkpoints name it `backbone.*`);
     - `forward(images, labels) -> StepOutput`: images (B, 3, H, W) uint8, labels (B,) or None on unlabelled
       shards -> the loss and the metrics logged as train/<name>;
+    - `metrics(split)`: the Metric of the loss and of every metric forward returns, on split "train" (train/<name>)
+      or "val" (the pretext validation's val/<name>): see mpp.metrics.split_metric;
+    - `description`: what it trains the backbone to do, one line for the model card and results.json;
     - `export_weights()`: what model.safetensors holds at the end of the run.
     and may override:
     - `no_weight_decay()`: add the names of its own input tokens (MPP's [mask]); they join the patch embedding at
       layer 0 of layer-wise lr decay (`layer_of`), its other parameters (heads) the top layer;
     - `panel(images)`: images for TensorBoard's panel (none by default);
     - `fixed_randomness(batch_size, generator, device)`: forward's random choices, fixed for the pretext validation
-      (none by default: a deterministic forward);
-    - `headline_charts()`: the TensorBoard charts to look at first (the loss by default).
-    Register it in OBJECTIVES (its builder, whether it reads labels, a description) to make it selectable with
-    `objective=<name>`.
+      (none by default: a deterministic forward).
+    Register it in OBJECTIVES (its builder, whether it reads labels, a summary) to make it selectable with
+    `objective=<name>`; its metrics then reach TensorBoard, the progress bar, results.json and the model card.
     """
 
     backbone: VisionTransformer
+    description: str
+
+    @abstractmethod
+    def metrics(self, split: str) -> list[Metric]: ...
 
     @abstractmethod
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None) -> StepOutput: ...
@@ -78,10 +82,6 @@ class Objective(nn.Module, ABC):
         (on the CPU) and moved to `device`. The pretext validation draws them once and reuses them, so each
         evaluation scores the same task."""
         return {}
-
-    def headline_charts(self) -> dict[str, list[str]]:
-        """Chart title -> regexes of the train/* tags it plots, first in TensorBoard's Custom Scalars tab."""
-        return {"loss": ["^train/loss$"]}
 
 
 # ---------------------------------------------------------------- corruption
@@ -188,11 +188,11 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: 
 class MaskedPatchPrediction(Objective):
     """Corrupt patch embeddings, encode, and predict each corrupted patch's target from its own output."""
 
-    def __init__(self, backbone: VisionTransformer, target: str = "color", corrupt_rate: float = 0.5,
-                 mask_prob: float = 0.8, random_prob: float = 0.1, color_bits: int = 3, masking: str = "random"):
+    def __init__(self, backbone: VisionTransformer, target: Target | None = None, corrupt_rate: float = 0.5,
+                 mask_prob: float = 0.8, random_prob: float = 0.1, masking: str = "random"):
         super().__init__()
         self.backbone = backbone
-        self.target = TARGETS[target](backbone.patch_size, color_bits)
+        self.target = target or MeanColor(backbone.patch_size)  # the paper's 3-bit mean colour
         self.corrupt_rate, self.mask_prob, self.random_prob = corrupt_rate, mask_prob, random_prob
         self.masking = masking
         self.mask_embedding = nn.Parameter(torch.zeros(backbone.width))
@@ -213,8 +213,15 @@ class MaskedPatchPrediction(Objective):
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"mask_embedding"}
 
-    def headline_charts(self) -> dict[str, list[str]]:
-        return self.target.headline_charts()
+    def metrics(self, split: str) -> list[Metric]:
+        return self.target.metrics(split)
+
+    @property
+    def description(self) -> str:
+        masking = "in rectangles of patches (blockwise)" if self.masking == "block" else "at random"
+        return (f"masked patch prediction (Dosovitskiy et al. 2021, section 4.6): {self.corrupt_rate:.0%} of the patch "
+                f"embeddings corrupted {masking} ({self.mask_prob:.0%} [mask], {self.random_prob:.0%} another patch's, the "
+                f"rest kept), each predicting {self.target.description}")
 
     def predict(self, images: torch.Tensor, corruption: Corruption | None = None) -> tuple[torch.Tensor, Corruption]:
         """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out); a fresh corruption
@@ -292,8 +299,16 @@ class Classification(Objective):
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         return StepOutput(loss, {"accuracy": (logits.argmax(-1) == labels).float().mean()})
 
-    def headline_charts(self) -> dict[str, list[str]]:
-        return {**super().headline_charts(), "accuracy on the training batches": ["^train/accuracy$"]}
+    def metrics(self, split: str) -> list[Metric]:
+        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
+                split_metric(split, "accuracy", "accuracy on the training batches" if split == "train" else "accuracy",
+                             headline=True, bar="acc", percent=True)]
+
+    @property
+    def description(self) -> str:
+        pooled = "the [class] token" if self.pool == "cls" else "the mean of the patch outputs"
+        return f"classification of the shards' labels from {pooled}" + ("" if self.export_head else
+                                                                         " (the paper's MLP pretraining head, not exported)")
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         weights = self.backbone.state_dict()
@@ -305,31 +320,29 @@ class Classification(Objective):
 # ---------------------------------------------------------------- the registry
 
 
-def masked_patch_prediction(backbone: VisionTransformer, cfg: Config, classes: int | None) -> MaskedPatchPrediction:
+def masked_patch_prediction(backbone: VisionTransformer, cfg, classes: int | None) -> MaskedPatchPrediction:
     m = cfg.mpp
-    return MaskedPatchPrediction(backbone, target=m.target, corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob,
-                                 random_prob=m.random_prob, color_bits=m.color_bits, masking=m.masking)
+    return MaskedPatchPrediction(backbone, target=TARGETS[m.target].from_settings(backbone.patch_size, m),
+                                 corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob, random_prob=m.random_prob,
+                                 masking=m.masking)
 
 
-def supervised(backbone: VisionTransformer, cfg: Config, classes: int | None) -> Classification:
+def supervised(backbone: VisionTransformer, cfg, classes: int | None) -> Classification:
     return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False,
                           label_smoothing=cfg.train.label_smoothing)
 
 
 @dataclass(frozen=True)
 class ObjectiveKind:
-    """What the pretraining stage needs to know of an objective before it exists."""
+    """What a stage needs to know of an objective before it exists."""
 
-    build: Callable[[VisionTransformer, Config, int | None], Objective]  # (fresh backbone, cfg, classes) -> objective
+    build: Callable[..., Objective]  # (fresh backbone, the run's Config, classes) -> the objective
     reads_labels: bool  # the stage reads the shards' labels and passes their class count to `build` (else None)
-    description: str  # one line for the exported model card
+    summary: str  # a few words for tables (compare's report)
 
 
 # The config's `objective` -> its kind.
 OBJECTIVES: dict[str, ObjectiveKind] = {
-    "mpp": ObjectiveKind(masked_patch_prediction, reads_labels=False,
-                         description="masked patch prediction (Dosovitskiy et al. 2021, section 4.6): predict the 3-bit "
-                                     "mean colour of corrupted patches"),
-    "supervised": ObjectiveKind(supervised, reads_labels=True,
-                                description="supervised classification of the shards' labels"),
+    "mpp": ObjectiveKind(masked_patch_prediction, reads_labels=False, summary="masked patch prediction"),
+    "supervised": ObjectiveKind(supervised, reads_labels=True, summary="supervised (upstream labels)"),
 }

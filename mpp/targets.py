@@ -1,8 +1,9 @@
 """What a corrupted patch predicts in masked patch prediction (`mpp.target`): one strategy object per target.
 
 A target owns everything that depends on what is predicted: the per-patch targets computed from the raw uint8
-pixels, the head's output size, the loss and its metrics, and how targets look in the TensorBoard panel.
-To add one, write a `Target` subclass and give it a name in TARGETS; `mpp.target=<name>` then selects it.
+pixels, the head's output size, the loss and the metrics it declares, how targets look in the TensorBoard panel,
+and how the model card describes it. To add one, write a `Target` subclass and give it a name in TARGETS;
+`mpp.target=<name>` then selects it, and its metrics reach TensorBoard, the progress bar and results.json.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from mpp.metrics import Metric, split_metric
 from mpp.model import PIXEL_MEAN, PIXEL_STD, normalize, patchify, unpatchify
 
 
@@ -57,18 +59,27 @@ class Target(ABC):
     - `outputs`: the head's outputs per patch;
     - `__call__(images)`: (B, 3, H, W) uint8 -> the targets of every patch, (B, N, ...);
     - `loss(predictions, targets)`: fp32 head outputs (B, K, outputs) at the K corrupted positions and their
-      targets (B, K, ...) -> (loss, metrics); each metric is logged as train/<name> and val/<name>;
+      targets (B, K, ...) -> (loss, {name: value}); each is logged as train/<name> (val/<name> in the pretext
+      validation) and must be declared by `metrics`;
+    - `metrics(split)`: the Metric of the loss and of each named value (split "train" or "val", see split_metric);
     - `decode(predictions)`: head outputs (B, K, outputs) -> the targets they predict (B, K, ...);
     - `render(targets)`: targets (B, K, ...) -> uint8 patches (B, K, P*P*3) in patchify's layout, for the panel;
-    and may override `headline_charts()`, the TensorBoard charts to look at first (the loss by default).
+    - `description`: what a corrupted patch predicts, for the model card ("its 3-bit mean colour (512 classes)").
 
-    The constructor raises ValueError, naming the config keys, for a patch size it cannot use.
+    A run builds it with `from_settings(patch_size, settings)`, `settings` being the run's `mpp` config section, of
+    which it reads the keys it uses (a hyperparameter of its own is a field there). It raises ValueError, naming the
+    config keys, for a patch size it cannot use.
     """
 
     outputs: int
+    description: str
 
-    def __init__(self, patch_size: int, color_bits: int):
-        self.patch_size, self.bits = patch_size, color_bits
+    def __init__(self, patch_size: int):
+        self.patch_size = patch_size
+
+    @classmethod
+    def from_settings(cls, patch_size: int, settings) -> Target:
+        return cls(patch_size)
 
     @abstractmethod
     def __call__(self, images: torch.Tensor) -> torch.Tensor: ...
@@ -82,17 +93,20 @@ class Target(ABC):
     @abstractmethod
     def render(self, targets: torch.Tensor) -> torch.Tensor: ...
 
-    def headline_charts(self) -> dict[str, list[str]]:
-        """Chart title -> regexes of the train/* tags it plots: the loss, and what it should beat."""
-        return {"loss": ["^train/loss$"]}
+    @abstractmethod
+    def metrics(self, split: str) -> list[Metric]: ...
 
 
 class ColorClasses(Target):
-    """Targets that are colour classes, `color_bits` per channel: cross-entropy, scored against the batch's prior."""
+    """Targets that are colour classes, `mpp.color_bits` per channel: cross-entropy, scored against the batch's prior."""
 
-    def __init__(self, patch_size: int, color_bits: int):
-        super().__init__(patch_size, color_bits)
-        self.num_colors = 1 << (3 * color_bits)
+    def __init__(self, patch_size: int, bits: int = 3):
+        super().__init__(patch_size)
+        self.bits, self.num_colors = bits, 1 << (3 * bits)
+
+    @classmethod
+    def from_settings(cls, patch_size: int, settings) -> ColorClasses:
+        return cls(patch_size, settings.color_bits)
 
     def loss(self, predictions: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = predictions.reshape(-1, self.num_colors)
@@ -107,17 +121,20 @@ class ColorClasses(Target):
     def decode(self, predictions: torch.Tensor) -> torch.Tensor:  # (B, K, cells * colours) -> (B, K[, cells])
         return predictions.unflatten(-1, (-1, self.num_colors)).argmax(-1).squeeze(-1)
 
-    def headline_charts(self) -> dict[str, list[str]]:
-        return {**super().headline_charts(),
-                "colour accuracy against the prior (always the batch's most frequent colour)": ["^train/color_acc"]}
+    def metrics(self, split: str) -> list[Metric]:
+        accuracy = "colour accuracy against the prior (always the batch's most frequent colour)"
+        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
+                split_metric(split, "color_acc", accuracy, headline=True, bar="color_acc", percent=True),
+                split_metric(split, "color_acc_prior", accuracy, percent=True)]
 
 
 class MeanColor(ColorClasses):
     """The paper's target: each patch's mean colour, one of 512 classes at 3 bits."""
 
-    def __init__(self, patch_size: int, color_bits: int):
-        super().__init__(patch_size, color_bits)
+    def __init__(self, patch_size: int, bits: int = 3):
+        super().__init__(patch_size, bits)
         self.outputs = self.num_colors
+        self.description = f"its {self.bits}-bit mean colour ({self.num_colors} classes)"
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:  # (B, N)
         return mean_color_targets(images, self.patch_size, self.bits)
@@ -130,12 +147,13 @@ class MeanColor(ColorClasses):
 class Color4x4(ColorClasses):
     """The paper's variant: each patch downsized to 4 x 4, a colour class per cell (16 predictions per patch)."""
 
-    def __init__(self, patch_size: int, color_bits: int):
+    def __init__(self, patch_size: int, bits: int = 3):
         if patch_size % 4:
             raise ValueError(f"mpp.target=color4x4 predicts a 4x4 downsized patch, so model.patch_size must be divisible by 4, "
                              f"got {patch_size}; pick such a patch size or mpp.target=color")
-        super().__init__(patch_size, color_bits)
+        super().__init__(patch_size, bits)
         self.outputs = 16 * self.num_colors
+        self.description = f"its 4x4-downsized {self.bits}-bit colours (16 x {self.num_colors} classes)"
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:  # (B, N, 16)
         return color4x4_targets(images, self.patch_size, self.bits)
@@ -150,8 +168,10 @@ class Color4x4(ColorClasses):
 class Pixels(Target):
     """The normalised pixels of each patch, regressed with an L2 loss and scored against the batch's mean patch."""
 
-    def __init__(self, patch_size: int, color_bits: int):
-        super().__init__(patch_size, color_bits)
+    description = "its normalised pixels (L2 regression)"
+
+    def __init__(self, patch_size: int):
+        super().__init__(patch_size)
         self.outputs = 3 * patch_size * patch_size
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:  # (B, N, P*P*3)
@@ -165,12 +185,13 @@ class Pixels(Target):
     def decode(self, predictions: torch.Tensor) -> torch.Tensor:
         return predictions
 
-    def headline_charts(self) -> dict[str, list[str]]:
-        return {"loss against the prior's (always predicting the batch's mean pixels)": ["^train/loss"]}
+    def metrics(self, split: str) -> list[Metric]:
+        chart = "loss against the prior's (always predicting the batch's mean pixels)"
+        return [split_metric(split, "loss", chart, headline=True, bar="loss"), split_metric(split, "loss_prior", chart)]
 
     def render(self, targets: torch.Tensor) -> torch.Tensor:
         return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)
 
 
-# mpp.target -> its class, built with (patch_size, color_bits).
+# mpp.target -> its class (built by from_settings).
 TARGETS: dict[str, type[Target]] = {"color": MeanColor, "color4x4": Color4x4, "pixels": Pixels}

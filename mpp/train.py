@@ -1,50 +1,44 @@
-"""The one training loop. Pretraining and fine-tuning differ only in the objective module and its evaluators."""
+"""The one training loop. Pretraining and fine-tuning differ only in the objective module and its evaluators.
+
+`train_step` is one optimiser step; `train` runs them, logs, draws the panel, checkpoints, evaluates and stops on a
+signal. What the loop measures is in mpp/meters.py, how a run uses the machine in mpp/runtime.py, its checkpoints in
+mpp/resume.py, signals in mpp/preemption.py, the image panel in mpp/panel.py.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import math
-import os
-import shutil
-import signal
-import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
-from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 from tqdm.auto import tqdm
 
 from mpp.checkpoint import save_weights
 from mpp.config import LogConfig, TrainConfig
-from mpp.data import Batch, DataError, StreamState
+from mpp.data import Batch, StreamState
 from mpp.errors import UserError
+from mpp.meters import LOOP_METRICS, LogWindow, ProgressBar
+from mpp.metrics import Metric
 from mpp.objectives import Objective, StepOutput
 from mpp.optim import LambdaLR, apply_hyperparameters, build_optimizer, build_schedule, head_lr, param_groups
-from mpp.rundir import WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
+from mpp.panel import log_panel
+from mpp.preemption import Preempted, SignalWhileWaiting, StopOnSignal, stopped_waiting
+from mpp.resume import load_checkpoint, save_checkpoint
+from mpp.rundir import WEIGHTS
 from mpp.runtime import Device, compiled, resolve_compile
-
-SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
-PANEL_IMAGES = 8
-PANEL_GAP = 4  # white pixels between the panel's cells
 
 
 @dataclass
 class Evaluator:
-    """What the loop evaluates: `run(module, step)` is called on every process every `every` steps and after the
-    last, with the unwrapped objective (its `backbone` is the encoder being trained), and returns the scalars to log
-    under their TensorBoard tags ({'fewshot/5shot': 0.41}); they also go into train's results.
+    """What the loop evaluates: `run(objective, step)` is called on every process every `every` steps and after the
+    last, with the bare objective (its `backbone` is the encoder being trained), and returns the scalars to log under
+    their tags ({'fewshot/5shot': 0.41}), each declared in `metrics`; they also go into train's results.
 
     An implementer returns the same tags on every process, leaves the training RNG and data stream alone (a
     private generator, its own loader: the run's weights do not change with it), and may leave the module in eval
@@ -53,6 +47,7 @@ class Evaluator:
 
     every: int
     run: Callable[[nn.Module, int], dict[str, float]]
+    metrics: tuple[Metric, ...] = ()
 
 
 @dataclass
@@ -60,7 +55,7 @@ class Progress:
     """Checkpointed with the model by the main process: the step counter and the last step whose evaluations ran.
 
     A step's checkpoint is written before its evaluations, so a resume from it runs them first. Each rank's data
-    stream position is its own and is saved by each rank beside it (save_checkpoint).
+    stream position is its own and is saved by each rank beside it (mpp.resume.save_checkpoint).
     """
 
     step: int = 0
@@ -116,277 +111,14 @@ def train_step(accelerator: Accelerator, model: nn.Module, forward: Callable[...
     return StepResult(outputs, grad_norm, stepped, nonfinite)
 
 
-# ---------------------------------------------------------------- checkpoints
-
-
-STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
-
-
-def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Path | None:
-    """The newest checkpoint that verifies, saying which newer ones were skipped and why; None when there is none yet.
-
-    The main process verifies (reading each file once) and tells the others; every rank then checks that it sees the
-    checkpoint's files too (ranks on other nodes see output_dir only on a filesystem all nodes share).
-    """
-    choice: list = [None, None, 0]  # path, the newest one's fault, candidates
-    if accelerator.is_main_process:
-        candidates = complete_checkpoints(output_dir)
-        choice[2] = len(candidates)
-        for candidate in reversed(candidates):
-            fault = checkpoint_fault(candidate, accelerator.num_processes)
-            if fault is None:
-                choice[0] = str(candidate)
-                break
-            choice[1] = choice[1] or f"{candidate.name}: {fault}"
-            print(f"skipping checkpoint {candidate}: {fault}", file=sys.stderr, flush=True)
-    broadcast_object_list(choice)
-    path, newest_fault, candidates = choice
-    if path is None and candidates:
-        raise UserError(f"none of the {candidates} checkpoint(s) in {checkpoint_root(output_dir)} verifies (newest, "
-                        f"{newest_fault}); move them aside to start afresh")
-    if path is None:
-        accelerator.print(f"resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
-        return None
-    check_seen_by_every_rank(accelerator, Path(path))
-    return Path(path)
-
-
-def check_seen_by_every_rank(accelerator: Accelerator, checkpoint: Path) -> None:
-    """Refuse, on every rank, a checkpoint that some rank cannot read its own stream state from."""
-    blind = [rank for rank, seen in enumerate(gather_object([stream_state_file(checkpoint, accelerator.process_index).is_file()]))
-             if not seen]
-    if blind:
-        raise UserError(f"checkpoint {checkpoint} is not visible to rank(s) {', '.join(map(str, blind))}: with several "
-                        f"nodes, output_dir must be on a filesystem every node shares (NFS, Lustre, a mounted bucket); "
-                        f"set output_dir to such a directory")
-
-
-def stream_state_file(checkpoint: Path, rank: int) -> Path:
-    return checkpoint / STREAM_STATE.format(rank=rank)
-
-
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int, stream: StreamState) -> Path:
-    """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete.
-
-    Accelerate saves the model, optimiser, scheduler, Progress and every rank's RNG; each rank adds its own `stream`
-    position (Accelerate saves registered objects from the main process only).
-    """
-    root = checkpoint_root(output_dir)
-    final, partial = checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step, partial=True)
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        root.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    stream_state_file(partial, accelerator.process_index).write_text(json.dumps(stream.state_dict()) + "\n")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_manifest(partial, accelerator.num_processes)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        for old in complete_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path, stream: StreamState) -> None:
-    """Restore what save_checkpoint wrote, this rank's own stream position included."""
-    accelerator.load_state(str(checkpoint))
-    stream.load_state_dict(json.loads(stream_state_file(checkpoint, accelerator.process_index).read_text()))
-
-
-# ---------------------------------------------------------------- logging helpers
-
-
-def for_display(images: torch.Tensor, min_size: int = 128) -> torch.Tensor:
-    """Small crops are upscaled (nearest) so patches stay visible in TensorBoard."""
-    scale = max(1, min_size // images.shape[-1])
-    return F.interpolate(images.float(), scale_factor=scale, mode="nearest").to(torch.uint8).cpu()
-
-
-class Meter:
-    """Sums per-step scalars on the device; syncs with the host only when a log line is written.
-
-    `keep` (a device bool) drops a step's values without a sync: skipped non-finite steps are not averaged in.
-    """
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, torch.Tensor] = {}
-
-    def add(self, values: dict[str, torch.Tensor], keep: torch.Tensor) -> None:
-        for name, value in values.items():
-            value = torch.where(keep, value.detach().float(), 0.0)
-            self.sums[name] = self.sums[name] + value if name in self.sums else value
-            self.counts[name] = self.counts[name] + keep.float() if name in self.counts else keep.float()
-
-    def means(self, accelerator: Accelerator) -> dict[str, float]:
-        """Means over the kept steps of every rank; a name with no kept step is left out."""
-        if not self.sums:
-            return {}
-        names = sorted(self.sums)
-        stacked = torch.stack([torch.stack([self.sums[n], self.counts[n]]) for n in names])  # (names, 2)
-        self.sums, self.counts = {}, {}
-        totals = accelerator.reduce(stacked, reduction="sum").tolist()
-        return {n: s / c for n, (s, c) in zip(names, totals) if c > 0}
-
-
-class LogWindow:
-    """The steps between two log lines: what they trained on, how long they waited for data, what they skipped.
-
-    The loop reports each batch read (`read`) and each optimiser step (`stepped`); `write` closes the window,
-    logging the line's scalars (train/* means of the kept steps, data/skipped_* and train/nonfinite_steps since the
-    start, train/lr, perf/*), and opens the next. It is also where the run stops on too many non-finite steps in a
-    row (counted on the device, so checked only here: the host never waits on the GPU for them; the skipped steps
-    in between left the weights untouched) or on too many unusable samples.
-    """
-
-    def __init__(self, accelerator: Accelerator, max_nonfinite_steps: int, max_skip_fraction: float) -> None:
-        self.accelerator, self.max_nonfinite_steps, self.max_skip_fraction = accelerator, max_nonfinite_steps, max_skip_fraction
-        self.meter, self.skipped = Meter(), Counter()
-        self.start, self.waited, self.images, self.images_total = time.perf_counter(), 0.0, 0, 0
-        self.nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
-
-    def read(self, batch: Batch, waited: float) -> None:
-        self.waited += waited
-        self.skipped.update(batch.skipped)
-        self.images += batch.images.shape[0]
-
-    def stepped(self, step: int, result: StepResult) -> None:
-        for out in result.outputs:
-            self.meter.add({"loss": out.loss, **out.metrics}, keep=result.stepped)
-        self.meter.add({"grad_norm": result.grad_norm}, keep=result.stepped)
-        self.nonfinite["total"] += result.nonfinite
-        self.nonfinite["run"] = torch.where(result.nonfinite, self.nonfinite["run"] + 1, 0)
-        reached = (self.nonfinite["run"] >= self.max_nonfinite_steps) & (self.nonfinite["diverged_at"] == 0)
-        self.nonfinite["diverged_at"] = torch.where(reached, step, self.nonfinite["diverged_at"])
-
-    def write(self, step: int, lr: float) -> dict[str, float]:
-        """Log the line's scalars at `step` and return them."""
-        accelerator = self.accelerator
-        diverged_at = int(self.nonfinite["diverged_at"])
-        if diverged_at:
-            raise TrainingDiverged(
-                f"{self.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
-                f"{diverged_at} (lr {lr:.3g}); lower train.lr, lengthen train.warmup_steps, "
-                f"keep train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
-        elapsed = time.perf_counter() - self.start
-        scalars = {f"train/{k}": v for k, v in self.meter.means(accelerator).items()}
-        self.images_total += self.images
-        totals = accelerator.reduce(torch.tensor([float(self.skipped[r]) for r in SKIP_REASONS] + [float(self.images_total)],
-                                                 device=accelerator.device), reduction="sum").tolist()
-        scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
-        scalars["train/nonfinite_steps"] = int(self.nonfinite["total"])
-        scalars["train/lr"] = lr
-        scalars["perf/images_per_sec"] = self.images * accelerator.num_processes / elapsed
-        scalars["perf/data_wait_fraction"] = self.waited / elapsed
-        accelerator.log(scalars, step=step)
-        self.start, self.waited, self.images = time.perf_counter(), 0.0, 0
-        check_skip_rate(sum(totals[:-1]), totals[-1], self.max_skip_fraction)
-        return scalars
-
-
-# ---------------------------------------------------------------- the loop
-
-
-def next_batch(batches: Iterator[Batch], device: torch.device, stop: StopOnSignal | None = None) -> Batch:
-    """The next batch on `device`; a signal while waiting for it raises SignalWhileWaiting (see StopOnSignal)."""
-    with stop.waiting_for_data() if stop else contextlib.nullcontext():
-        batch = next(batches)
-    return Batch(batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
-                 batch.skipped, batch.worker, batch.position)
-
-
-class Preempted(Exception):
-    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; the message says how to resume."""
-
-
-class TrainingDiverged(UserError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
-
-
-class SignalWhileWaiting(Exception):
-    """A stop signal arrived while the loop was blocked waiting for the data stream."""
-
-
-class StopOnSignal:
-    """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once.
-
-    A signal that arrives while the loop waits for data raises SignalWhileWaiting out of the wait: a stream that
-    never delivers (a `pipe:` command that hangs, a stalled network read) must not keep the process alive.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.waiting = False
-        self.previous: dict[int, object] = {}
-        self.pending: tuple | None = None  # the last step's all-reduce of the flag and its result (several processes)
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    @contextlib.contextmanager
-    def waiting_for_data(self) -> Iterator[None]:
-        self.waiting = True
-        try:
-            yield
-        finally:
-            self.waiting = False
-
-    def _handle(self, signum: int, frame) -> None:
-        self.requested = True
-        for sig in self.SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        if self.waiting:
-            self.waiting = False
-            print(f"\nreceived {signal.Signals(signum).name} while waiting for data: stopping", file=sys.stderr, flush=True)
-            raise SignalWhileWaiting(signal.Signals(signum).name)
-        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this step "
-              "(send it again to exit at once)", file=sys.stderr, flush=True)
-
-    def agreed(self, accelerator: Accelerator) -> bool:
-        """Every rank stops at the same step, even if only one of them got the signal.
-
-        With several processes the flag is summed over ranks every step by an asynchronous all-reduce of a host
-        tensor over a gloo group of its own, and read one step later: the device is never involved (no copy, no
-        sync), and the wait is for a reduction that finished during the step. The ranks stop one step after the signal.
-        """
-        if accelerator.num_processes == 1:
-            return self.requested
-        previous = self.pending
-        flag = torch.tensor([float(self.requested)])  # in host memory
-        self.pending = (torch.distributed.all_reduce(flag, group=host_group(), async_op=True), flag)
-        if previous is None:
-            return False
-        work, total = previous
-        work.wait()
-        return total.item() > 0
-
-
-@functools.cache
-def host_group():
-    """A gloo process group of every rank for small host-side agreements, made once per process (every rank makes
-    it at the same point: the first step of its first run)."""
-    return torch.distributed.new_group(backend="gloo")
-
-
 def train(accelerator: Accelerator, objective: Objective, make_batches: Callable[[StreamState], Iterable[Batch]],
           cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume_from: Path | None = None,
           evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0,
           resume_hint: str = "the same command with --resume") -> dict[str, float]:
     """Train `objective` (see the Objective contract) for cfg.steps optimiser steps.
 
-    `resume_from` (see resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup, steps,
-    weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
+    `resume_from` (see mpp.resume.resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup,
+    steps, weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
     its last checkpoint precedes.
 
     Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
@@ -397,85 +129,51 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     output_dir = Path(output_dir)
     model = accelerator.prepare(objective)  # on its device; DDP-wrapped under several processes
     optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
-    # Stepped once per optimiser step on every process; not prepared, so Accelerate does not re-scale it.
-    scheduler = build_schedule(optimizer, cfg)
+    scheduler = build_schedule(optimizer, cfg)  # not prepared: Accelerate would step it once per process
     forward = compiled(model, cfg.compile_backend) if resolve_compile(cfg.compile, Device.this_process()) else model
     progress, stream = Progress(), StreamState()
     accelerator.register_for_checkpointing(scheduler, progress)
-
+    evaluations = Evaluations(accelerator, objective, evaluators, cfg.steps, progress)
     results: dict[str, float] = {}
 
-    bar: tqdm | None = None
-
-    def evaluate(step: int) -> None:
-        if step == cfg.steps and evaluators and accelerator.is_main_process:
-            tqdm.write(f"step {step} of {cfg.steps}: running the final evaluation")
-        for evaluator in evaluators:
-            if step % evaluator.every == 0 or step == cfg.steps:
-                scores = evaluator.run(objective, step)
-                objective.train()
-                accelerator.log(scores, step=step)
-                results.update(scores)
-                if bar is not None:
-                    show_progress(bar, results)
-        progress.evaluated = step
-
     if resume_from is not None:
-        load_checkpoint(accelerator, resume_from, stream)
-        if progress.step > cfg.steps:
-            raise UserError(f"{resume_from} is at step {progress.step}, past train.steps={cfg.steps}; set train.steps to "
-                            f"at least {progress.step} to resume it, or finetune/fewshot from it with --ckpt")
-        apply_hyperparameters(optimizer, scheduler, cfg)
-        accelerator.print(f"resumed from {resume_from} at step {progress.step}"
-                          + (f": the run is finished (train.steps={cfg.steps}), nothing to train" if progress.step == cfg.steps else ""))
+        restore(accelerator, resume_from, stream, progress, optimizer, scheduler, cfg)
         if progress.evaluated < progress.step:
-            evaluate(progress.step)
+            results.update(evaluations.run(progress.step))
 
-    batches = iter(make_batches(stream))
-    bar = tqdm(total=cfg.steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
+    feed = Feed(accelerator, iter(make_batches(stream)), stream)
     window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction)
-    last: list[Batch] = []  # the step's last micro-batch, for the panel
-
-    def micro_batches(stop: StopOnSignal) -> Iterator[Batch]:
-        for index in range(cfg.grad_accum):
-            wait_start = time.perf_counter()
-            try:
-                batch = next_batch(batches, accelerator.device, stop)
-            except SignalWhileWaiting as signalled:
-                raise stopped_waiting(accelerator, output_dir, progress.step, cfg, str(signalled), resume_hint,
-                                      at_step_boundary=index == 0, stream=stream) from None
-            window.read(batch, time.perf_counter() - wait_start)
-            stream.advance(batch)
-            last[:] = [batch]
-            yield batch
-
+    bar = ProgressBar(accelerator, [*objective.metrics("train"), *LOOP_METRICS, *evaluations.metrics], cfg.steps, progress.step)
     objective.train()
     # The bar is closed before anything propagates, so an error's line does not share a line with it.
     with StopOnSignal() as stop, contextlib.closing(bar):
         while progress.step < cfg.steps:
-            result = train_step(accelerator, model, forward, optimizer, scheduler, micro_batches(stop), cfg.clip_grad_norm)
+            try:
+                result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),
+                                    cfg.clip_grad_norm)
+            except SignalWhileWaiting as signalled:
+                raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
             progress.step += 1
-            step = progress.step
-            bar.update(1)
+            step, last = progress.step, progress.step == cfg.steps
             window.stepped(step, result)
+            bar.step()
 
-            if step % log.every == 0 or step == cfg.steps:
-                scalars = window.write(step, head_lr(optimizer))
-                show_progress(bar, {**results, **scalars})
-                results.update(scalars)
-
-            if step % log.images_every == 0 or step == cfg.steps:
-                log_panel(accelerator, objective, last[0], step)
+            if step % log.every == 0 or last:
+                results.update(window.write(step, head_lr(optimizer)))
+                bar.update(results)
+            if step % log.images_every == 0 or last:
+                log_panel(accelerator, objective, feed.last, step)
 
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
+            if step % cfg.checkpoint_every == 0 or last or stopping:
                 saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)
-            if stopping and step < cfg.steps:
+            if stopping and not last:
                 accelerator.end_training()
                 raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "
                                 f"continue with {resume_hint}")
-            evaluate(step)
+            results.update(evaluations.run(step))
+            bar.update(results)
 
     if accelerator.is_main_process:
         save_weights(objective, output_dir / WEIGHTS)
@@ -483,69 +181,66 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     return results
 
 
-def show_progress(bar: tqdm, scalars: dict[str, float]) -> None:
-    """The loss, and what tells whether it is learning: colour or class accuracy, the last evaluation's top-1."""
-    shown = {"loss": ("train/loss", "{:.3f}"), "color_acc": ("train/color_acc", "{:.1%}"),
-             "acc": ("train/accuracy", "{:.1%}"), "top1": ("eval/top1", "{:.1%}")}
-    bar.set_postfix({label: fmt.format(scalars[tag]) for label, (tag, fmt) in shown.items() if tag in scalars}, refresh=False)
+def restore(accelerator: Accelerator, checkpoint: Path, stream: StreamState, progress: Progress, optimizer,
+            scheduler: LambdaLR, cfg: TrainConfig) -> None:
+    """Continue from `checkpoint` under `cfg`, whose schedule and optimiser hyperparameters apply from here on."""
+    load_checkpoint(accelerator, checkpoint, stream)
+    if progress.step > cfg.steps:
+        raise UserError(f"{checkpoint} is at step {progress.step}, past train.steps={cfg.steps}; set train.steps to "
+                        f"at least {progress.step} to resume it, or finetune/fewshot from it with --ckpt")
+    apply_hyperparameters(optimizer, scheduler, cfg)
+    finished = f": the run is finished (train.steps={cfg.steps}), nothing to train" if progress.step == cfg.steps else ""
+    accelerator.print(f"resumed from {checkpoint} at step {progress.step}{finished}")
 
 
-def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainConfig, signal_name: str,
-                    resume_hint: str, *, at_step_boundary: bool, stream: StreamState) -> Preempted:
-    """The stop for a signal that came while the loop waited for data, after saving what can be saved.
+class Evaluations:
+    """The run's evaluators, each at its period and all after the last step: scores logged, steps recorded in Progress."""
 
-    Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
-    end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
-    step: then the newest checkpoint is what a resume starts from.
-    """
-    newest = complete_checkpoints(output_dir)
-    if at_step_boundary and accelerator.num_processes == 1 and step > 0:
-        if not newest or newest[-1].name != checkpoint_dir(output_dir, step).name:
-            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)]
-        accelerator.end_training()
-        return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data; checkpoint "
-                         f"saved in {newest[-1]}; continue with {resume_hint}")
-    accelerator.end_training()
-    kept = f"the newest checkpoint is {newest[-1]}; continue with {resume_hint}" if newest else "no checkpoint was written yet"
-    return Preempted(f"stopped at step {step} of {cfg.steps} on {signal_name} while waiting for data, without saving "
-                     f"this step; {kept}")
+    def __init__(self, accelerator: Accelerator, objective: Objective, evaluators: tuple[Evaluator, ...], steps: int,
+                 progress: Progress):
+        self.accelerator, self.objective, self.evaluators, self.steps, self.progress = accelerator, objective, evaluators, steps, progress
+        self.metrics = [m for evaluator in evaluators for m in evaluator.metrics]
 
-
-def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
-    """Stop rather than train on a trickle: judged once a few hundred samples have been read."""
-    read = skipped + used
-    if read >= 200 and skipped / read > max_fraction:
-        raise DataError(f"{skipped:.0f} of {read:.0f} samples read ({skipped / read:.0%}) could not be used, over "
-                        f"data.max_skip_fraction={max_fraction}; check the shards (data/skipped_* in TensorBoard "
-                        f"says why) or raise the threshold")
+    def run(self, step: int) -> dict[str, float]:
+        due = [e for e in self.evaluators if step % e.every == 0 or step == self.steps]
+        if due and step == self.steps and self.accelerator.is_main_process:
+            tqdm.write(f"step {step} of {self.steps}: running the final evaluation")
+        scores: dict[str, float] = {}
+        for evaluator in due:
+            scores.update(evaluator.run(self.objective, step))
+            self.objective.train()
+        if scores:
+            self.accelerator.log(scores, step=step)
+        self.progress.evaluated = step
+        return scores
 
 
-def log_panel(accelerator: Accelerator, objective: Objective, batch: Batch, step: int) -> None:
-    """The panel of `objective` for this batch, if it draws one (see Objective.panel), from the main process."""
-    if not accelerator.is_main_process:
-        return
-    objective.eval()
-    with accelerator.autocast():
-        panel = objective.panel(batch.images[:PANEL_IMAGES])
-    objective.train()
-    if not panel:
-        return
-    tracker = accelerator.get_tracker("tensorboard", unwrap=True)
-    tracker.add_image("panel", panel_grid({name: for_display(images) for name, images in panel.items()}), global_step=step)
+class Feed:
+    """The data stream as steps consume it: each micro-batch moved to the device, its wait timed, the stream's position
+    advanced; the last one kept for the panel. A signal while waiting raises SignalWhileWaiting, marked with whether
+    the step it interrupted had consumed nothing yet (see preemption.stopped_waiting)."""
+
+    def __init__(self, accelerator: Accelerator, batches: Iterator[Batch], stream: StreamState):
+        self.device, self.batches, self.stream = accelerator.device, batches, stream
+        self.last: Batch | None = None
+
+    def micro_batches(self, count: int, window: LogWindow, stop: StopOnSignal) -> Iterator[Batch]:
+        for index in range(count):
+            started = time.perf_counter()
+            try:
+                batch = next_batch(self.batches, self.device, stop)
+            except SignalWhileWaiting as signalled:
+                signalled.at_step_boundary = index == 0
+                raise
+            window.read(batch, time.perf_counter() - started)
+            self.stream.advance(batch)
+            self.last = batch
+            yield batch
 
 
-def panel_grid(rows: dict[str, torch.Tensor], gap: int = PANEL_GAP) -> torch.Tensor:
-    """One image (3, H, W) uint8: a row per entry of `rows` (each (B, 3, h, w) uint8), labelled with its name on
-    the left, so column j of every row shows the same image (crop, corrupted view, true and predicted targets)."""
-    names, images = list(rows), list(rows.values())
-    b, _, h, w = images[0].shape
-    font = ImageFont.load_default(size=max(10, min(16, h // 3)))
-    label_width = gap + max(math.ceil(font.getlength(name)) for name in names) + gap
-    grid = Image.new("RGB", (label_width + b * (w + gap), gap + len(rows) * (h + gap)), "white")
-    draw = ImageDraw.Draw(grid)
-    for r, (name, row) in enumerate(zip(names, images)):
-        top = gap + r * (h + gap)
-        draw.text((gap, top + h / 2), name, fill="black", font=font, anchor="lm")
-        for c in range(b):
-            grid.paste(Image.fromarray(row[c].permute(1, 2, 0).numpy()), (label_width + c * (w + gap), top))
-    return torch.from_numpy(np.array(grid)).permute(2, 0, 1)
+def next_batch(batches: Iterator[Batch], device: torch.device, stop: StopOnSignal | None = None) -> Batch:
+    """The next batch on `device`; a signal while waiting for it raises SignalWhileWaiting (see StopOnSignal)."""
+    with stop.waiting_for_data() if stop else contextlib.nullcontext():
+        batch = next(batches)
+    return Batch(batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
+                 batch.skipped, batch.worker, batch.position)

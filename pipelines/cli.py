@@ -107,17 +107,17 @@ def main(argv: list[str] | None = None) -> int:
             finetune.run(load_config(args.config, args.overrides), ckpt=args.ckpt, resume=args.resume)
         elif args.stage == "fewshot":
             from pipelines import fewshot
-            from pipelines.common import checkpoint_config
+            from pipelines.start import checkpoint_config
 
             fewshot.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
         elif args.stage == "knn":
             from pipelines import knn
-            from pipelines.common import checkpoint_config
+            from pipelines.start import checkpoint_config
 
             knn.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
         elif args.stage == "export":
             from pipelines import export
-            from pipelines.common import checkpoint_config
+            from pipelines.start import checkpoint_config
 
             export.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
         elif args.stage == "compare":
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
                         quality=args.quality, classes=args.classes)
-        from pipelines.common import end_process
+        from pipelines.tracking import end_process
 
         end_process()
     except UserError as err:

@@ -11,7 +11,7 @@ the pick from earlier pretraining checkpoints: ft/<arm>/<pick>-p<step>[-s<seed>]
 -> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
 repeated; an interrupted training stage resumes from its newest checkpoint.
 
-The stages run one after another in this process, each started by common.start_run with its own Accelerator
+The stages run one after another in this process, each started by stage.start_run with its own Accelerator
 (trackers, project directory, accumulation). Accelerate keeps one state per process, which the first Accelerator
 sets and nothing public resets, so every stage of a plan must agree on train.mixed_precision: a plan that does not
 is refused when it is loaded. Each training stage compiles its own model from a clean dynamo state.
@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 from webdataset.tariterators import tarfile_samples
 
 from mpp.checkpoint import load_backbone
+from mpp.model import build_backbone
 from mpp.config import Config, ConfigError, Pooling, Section, validate_config
 from mpp.data import IMAGE_KEYS
 from mpp.errors import UserError
@@ -45,7 +46,9 @@ from mpp.rundir import RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, comple
 from mpp.shards import Sample, write_shards
 from mpp.runtime import Device, precision_label, process_state, resolve_precision
 from pipelines import finetune, pretrain
-from pipelines.common import RunInUse, build_backbone, num_classes, resolve_shards, start_run
+from pipelines.loaders import num_classes, resolve_shards
+from pipelines.run_policy import RunInUse
+from pipelines.start import start_run
 from pipelines.evaluators import Stage, TopK
 from pipelines.fewshot import FewShot
 from pipelines.knn import Knn
@@ -170,7 +173,7 @@ class CompareError(UserError):
 
 def wait_while_running_elsewhere(directory: Path, name: str) -> None:
     """Return once no other process runs the training stage in `directory` (holds its output_dir lock, see
-    common.OutputDirLock), so that several compare processes of one plan (one per core, say) share its stages: a
+    run_policy.OutputDirLock), so that several compare processes of one plan (one per core, say) share its stages: a
     stage another one is running is waited for and then reused, not run twice."""
     lock = directory / ".lock"
     if not lock.is_file():
@@ -374,8 +377,7 @@ def pretrain_stage(cfg: Config) -> dict:
     started = time.perf_counter()
     results = pretrain.run(cfg, resume=True)
     return {"objective": cfg.objective, "steps": cfg.train.steps, "images_seen": results["images_seen"],
-            "wall_time_s": time.perf_counter() - started,
-            "final": {k: v for k, v in results.items() if k.startswith("train/")}}
+            "wall_time_s": time.perf_counter() - started, "final": results["final"]}
 
 
 def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
@@ -440,7 +442,7 @@ def frozen_stage(cfg: Config, ckpt: str | None) -> dict:
     Neighbours and examples come from knn.shards / fewshot.shards (default: the downstream training shards), the
     images classified from their val_shards (default: the evaluation shards). -> {pooling: {knn, fewshot: {shots: acc}}}"""
     accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
-    backbone = (load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg)).to(accelerator.device)
+    backbone = (load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg.model)).to(accelerator.device)
     result = {}
     for pool in get_args(Pooling):
         pooled = cfg.model_copy(update={"knn": cfg.knn.model_copy(update={"features": pool}),

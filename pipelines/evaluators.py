@@ -2,16 +2,18 @@
 
 EVALUATORS names every evaluator once: the stages it runs in, how often, read from its own config section (0 turns
 it off), and its builder. A builder is called once, before training, as build(cfg, accelerator, stage) and returns
-the function the loop calls as run(module, step) -> {tag: value} (the contract: mpp.train.Evaluator). Evaluators
-read their images through pipelines.common.eval_batches; one that scores a fixed set reads it in its builder, so a
-bad evaluation set stops the run before its first step. Adding an evaluator is one class (its builder) and one
-line in EVALUATORS.
+what the loop calls as evaluate(objective, step) -> {tag: value} (the contract: mpp.train.Evaluator), with the
+Metric of every tag it returns in `evaluate.metrics`: they reach TensorBoard's charts, HParams, the progress bar,
+results.json and the model card from there. Evaluators read their images through pipelines.loaders.eval_batches;
+one that scores a fixed set reads it in its builder, so a bad evaluation set stops the run before its first step.
+Adding an evaluator is one class (its builder) and one line in EVALUATORS.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from accelerate import Accelerator
@@ -20,13 +22,21 @@ from torch import nn
 from mpp.config import Config
 from mpp.data import DataError
 from mpp.fewshot import LabelledImages
+from mpp.metrics import EVALUATION, TOP1, TOP5, Metric
+from mpp.objectives import Objective
 from mpp.train import Evaluator
 from mpp.validation import PretextValidation
-from pipelines.common import eval_batches, labelled
 from pipelines.fewshot import FewShot
 from pipelines.knn import Knn
+from pipelines.loaders import eval_batches, labelled
 
-Evaluate = Callable[[nn.Module, int], dict[str, float]]  # run(module, step) -> {tag: value}
+
+class Evaluate(Protocol):
+    """What a builder returns: evaluate(objective, step) -> {tag: value}, each tag declared in `metrics`."""
+
+    metrics: tuple[Metric, ...]
+
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class Stage:
 
     name: str  # "pretrain" or "finetune"
     classes: int | None = None  # the classes the objective is trained on; None: trained without labels
+    objective: Objective | None = None  # what it trains (the pretext validation scores its loss)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,9 @@ class TopK:
 
     def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
         self.cfg, self.accelerator, self.classes = cfg, accelerator, stage.classes
+        chart = "top-1 and top-5 on data.val_shards"
+        self.metrics = (Metric(TOP1, EVALUATION, chart, headline=True, bar="top1", percent=True),
+                        *([Metric(TOP5, EVALUATION, chart, headline=True, percent=True)] if self.classes > 5 else []))
 
     def __call__(self, classifier: nn.Module, step: int) -> dict[str, float]:
         return self.scores(classifier)
@@ -73,9 +87,9 @@ class TopK:
         top1, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
         if not total:
             raise DataError(f"data.val_shards ({cfg.data.val_shards}) holds no readable images; point it at labelled evaluation shards")
-        scores = {"eval/top1": top1 / total}
+        scores = {TOP1: top1 / total}
         if self.classes > 5:
-            scores["eval/top5"] = topk / total
+            scores[TOP5] = topk / total
         return scores
 
 
@@ -89,26 +103,22 @@ class Pretext:
         images = LabelledImages(accelerator, batches, cfg.eval.images, f"evaluation shards {cfg.data.val_shards}",
                                 need_labels=stage.classes is not None)
         self.validation = PretextValidation(accelerator, images, cfg.eval.batch_size, cfg.eval.seed)
+        self.metrics = tuple(stage.objective.metrics("val"))
 
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
         return self.validation.scores(objective)
 
 
-def of_backbone(probe: FewShot | Knn) -> Evaluate:
-    """A probe of frozen features (few-shot, kNN) scores the objective's backbone."""
-    return lambda objective, step: probe.scores(objective.backbone)
-
-
 EVALUATORS: dict[str, Registration] = {
     "top1": Registration(("finetune",), lambda cfg: cfg.finetune.eval_every, TopK),
-    "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every,
-                            lambda cfg, accelerator, stage: of_backbone(FewShot(cfg, accelerator))),
-    "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: of_backbone(Knn(cfg, accelerator))),
+    "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every, lambda cfg, accelerator, stage: FewShot(cfg, accelerator)),
+    "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: Knn(cfg, accelerator)),
     "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext),
 }
 
 
 def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tuple[Evaluator, ...]:
     """The evaluators of `stage` that `cfg` turns on, in EVALUATORS' order, each built (its images read) now."""
-    return tuple(Evaluator(every, registration.build(cfg, accelerator, stage)) for registration in EVALUATORS.values()
-                 if stage.name in registration.stages and (every := registration.every(cfg)))
+    built = [(every, registration.build(cfg, accelerator, stage)) for registration in EVALUATORS.values()
+             if stage.name in registration.stages and (every := registration.every(cfg))]
+    return tuple(Evaluator(every, evaluate, tuple(evaluate.metrics)) for every, evaluate in built)

@@ -15,10 +15,9 @@ from mpp.model import VisionTransformer
 from mpp.objectives import OBJECTIVES
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long
 from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
-from pipelines.common import command_line
+from pipelines.invocation import command_line
 
 FORMATS = ("hf",)
-CARD_METRICS = ("train/loss", "train/loss_prior", "train/color_acc", "train/color_acc_prior", "train/accuracy")
 
 
 def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
@@ -102,14 +101,13 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         else:
             start = record["ckpt"] or "a fresh backbone (training from scratch)"
         objective = f"fine-tuned as a classifier (linear head on the [class] token) from {start}"
-        metrics = {k: record[k] for k in ("top1", "top5") if k in record}
-        metrics_line = ", ".join(f"{k.replace('top', 'top-')} {100 * v:.2f}%" for k, v in metrics.items())
-        metrics_line += f" on `{cfg.data.val_shards}`" if metrics else ""
     else:
-        objective = OBJECTIVES[cfg.objective].description + " (pretraining; the pretraining head is not exported)"
-        final = record.get("final", {})
-        shown = [*CARD_METRICS, *sorted(k for k in final if k.startswith("fewshot/"))]
-        metrics_line = ", ".join(f"{name.removeprefix('train/')} {final[name]:.4g}" for name in shown if name in final)
+        described = record.get("description") or OBJECTIVES[cfg.objective].summary
+        objective = f"{described} (pretraining; the pretraining head is not exported)"
+    # Every model metric the run's objective and evaluators declared (results.json's final_shown, in their order).
+    metrics_line = ", ".join(f"{tag} {shown}" for tag, shown in record.get("final_shown", {}).items())
+    if fine_tuned and metrics_line:
+        metrics_line += f" (eval/*: on `{cfg.data.val_shards}`)"
     if step is not None and step != cfg.train.steps:
         metrics_line = f"not recorded for step {step} (the run's final metrics are for step {cfg.train.steps})"
     steps = f"{step if step is not None else cfg.train.steps} of {cfg.train.steps}"

@@ -7,22 +7,32 @@ import statistics
 from pathlib import Path
 
 from accelerate import Accelerator
+from torch import nn
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.fewshot import check_pool, few_shot_accuracy
+from mpp.metrics import FEWSHOT, Metric
 from mpp.model import VisionTransformer
-from pipelines.common import FrozenFeatureSets, start_run
+from pipelines.loaders import FrozenFeatureSets
+from pipelines.start import start_run
 
 
 class FewShot:
-    """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone."""
+    """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone, and
+    as an evaluator (pipelines.evaluators) the backbone of the objective in training."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator):
         self.cfg = cfg.fewshot
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.fewshot, "few-shot", "fewshot", "few-shot training shards")
+        self.metrics = tuple(Metric(f"fewshot/{n}shot", FEWSHOT, "few-shot accuracy by shots per class", percent=True)
+                             for n in self.cfg.shots)
         # Before any training: a pool that cannot give every class its shots stops a pretraining run at once.
         check_pool(self.sets.pool.all_labels(accelerator), self.sets.eval.all_labels(accelerator), cfg.fewshot.shots)
+
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
+        """As an evaluator during pretraining: the objective's backbone."""
+        return self.scores(objective.backbone)
 
     def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
         """{shots: [accuracy of each draw]}, identical on every process."""

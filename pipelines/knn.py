@@ -8,16 +8,20 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from torch import nn
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.knn import knn_accuracy, missing_classes
+from mpp.metrics import KNN, KNN_TOP1, Metric
 from mpp.model import VisionTransformer
-from pipelines.common import FrozenFeatureSets, start_run
+from pipelines.loaders import FrozenFeatureSets
+from pipelines.start import start_run
 
 
 class Knn:
-    """The labelled neighbour pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone.
+    """The labelled neighbour pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone, and
+    as an evaluator (pipelines.evaluators) the backbone of the objective in training.
 
     Features are gathered from every process before voting, so the accuracy is the same however many there are.
     """
@@ -25,6 +29,8 @@ class Knn:
     def __init__(self, cfg: Config, accelerator: Accelerator):
         self.cfg = cfg.knn
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.knn, "kNN", "knn", "kNN neighbour shards")
+        self.metrics = (Metric(KNN_TOP1, KNN, "kNN top-1 of frozen features", headline=True, percent=True),)
+
         # A pool short of a few classes of many is normal (5000 neighbours, 1000 classes) and top-1 still measures
         # something; one short of most only measures that, so the numbers are said, once, before any training.
         eval_y = self.sets.eval.all_labels(accelerator)
@@ -38,10 +44,14 @@ class Knn:
                           f"raise knn.train_images or use shards that mix classes (launch.py prepare shuffles them)",
                           stacklevel=2)
 
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
+        """As an evaluator during pretraining: the objective's backbone."""
+        return self.scores(objective.backbone)
+
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:
         c = self.cfg
         train_x, train_y, eval_x, eval_y = self.sets.features(backbone)
-        return {"knn/top1": knn_accuracy(train_x, train_y, eval_x, eval_y, k=c.k, temperature=c.temperature)}
+        return {KNN_TOP1: knn_accuracy(train_x, train_y, eval_x, eval_y, k=c.k, temperature=c.temperature)}
 
 
 def run(cfg: Config, *, ckpt: str) -> dict:
@@ -51,7 +61,7 @@ def run(cfg: Config, *, ckpt: str) -> dict:
     knn = Knn(cfg, accelerator)
     c = cfg.knn
     result = {"ckpt": str(ckpt), "features": c.features, "k": c.k, "temperature": c.temperature,
-              "train_images": knn.sets.pool.total, "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)["knn/top1"]}
+              "train_images": knn.sets.pool.total, "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)[KNN_TOP1]}
     if accelerator.is_main_process:
         out = Path(cfg.output_dir) / "knn.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
 import io
+import json
 import os
 import subprocess
 import sys
@@ -68,3 +69,27 @@ def read_only(directory):
     if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
         pytest.skip("running as root without the right to make a directory immutable: no read-only directory to test")
     return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def where_metrics_show(run_dir: Path, stage: str) -> dict:
+    """Where a finished run's metrics reach the user: the tags of its TensorBoard Custom Scalars charts (by
+    category), its HParams metric columns, and results.json's final metrics."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(run_dir / "tensorboard" / stage), size_guidance={"tensors": 0}).Reload()
+    layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        events.SummaryMetadata("_hparams_/experiment").plugin_data.content).experiment
+    return {"charts": {c.title: [t.strip("^$") for chart in c.chart for t in chart.multiline.tag] for c in layout.category},
+            "hparams": [m.name.tag for m in experiment.metric_infos],
+            "results": json.loads((run_dir / "results.json").read_text())}
+
+
+def exported_card(run_dir: Path, out: Path) -> str:
+    """The model card `export --to hf` writes for run_dir."""
+    import launch
+
+    assert launch.main(["export", "--ckpt", str(run_dir), "--to", "hf", str(out)]) == 0
+    return (out / "README.md").read_text()

@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 
 from mpp.config import load_config  # noqa: E402
 from mpp.data import Batch, StreamPosition  # noqa: E402
+from mpp.metrics import split_metric  # noqa: E402
 from mpp.model import build_vit  # noqa: E402
 from mpp.objectives import Objective, StepOutput  # noqa: E402
 from mpp.runtime import make_accelerator  # noqa: E402
@@ -27,6 +28,8 @@ STEPS, CLASSES = 4, 4
 class LabelPrediction(Objective):
     """A deterministic objective (MPP draws corruptions per rank), so every layout must take the same steps."""
 
+    description = "label prediction from the [class] token"
+
     def __init__(self, backbone: nn.Module):
         super().__init__()
         self.backbone = backbone
@@ -34,6 +37,9 @@ class LabelPrediction(Objective):
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
         return StepOutput(F.cross_entropy(self.head(self.backbone(images.float() / 255)[:, 0]), labels))
+
+    def metrics(self, split: str) -> list:
+        return [split_metric(split, "loss", "loss")]
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.state_dict()

@@ -3,6 +3,7 @@ import torch
 from mpp.model import build_vit
 from mpp.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, corrupt_patches, normalize, num_corrupted,
                             random_rectangles)
+from mpp.targets import TARGETS
 
 
 def test_fractions_match_the_paper_split():
@@ -55,7 +56,7 @@ def test_random_sources_cover_other_images():
 
 
 def tiny_objective(target="color"):
-    return MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), target=target)
+    return MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), target=TARGETS[target](4))
 
 
 def test_mask_embedding_is_learned():

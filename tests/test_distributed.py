@@ -13,7 +13,7 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from mpp.train import complete_checkpoints
+from mpp.rundir import complete_checkpoints
 
 from conftest import ROOT, TINY, write_test_shards
 from test_compare import TINY_RUNS

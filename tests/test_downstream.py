@@ -20,9 +20,10 @@ from mpp.data import EvalTransform, make_loader
 from mpp.errors import UserError
 from mpp.model import VisionTransformer, build_vit, resize_pos_embed
 from mpp.objectives import Classification, finetuning_head
-from mpp.train import complete_checkpoints
+from mpp.rundir import complete_checkpoints
 from pipelines import finetune, pretrain
-from pipelines.common import build_backbone, resume_command
+from mpp.model import build_backbone
+from pipelines.invocation import resume_command
 
 from conftest import ROOT, TINY, reset_accelerator, write_test_shards
 
@@ -106,7 +107,7 @@ def test_pretrained_backbone_round_trips_into_finetuning(tmp_path, labelled_data
 def test_scratch_and_checkpoint_runs_share_one_code_path(tmp_path, labelled_data):
     cfg = finetune_config(tmp_path, out="scratch")
     set_seed(cfg.train.seed)  # what run() does before building the backbone
-    save_file(build_backbone(cfg).state_dict(), str(tmp_path / "init.safetensors"))
+    save_file(build_backbone(cfg.model).state_dict(), str(tmp_path / "init.safetensors"))
     scratch = finetune.run(cfg, ckpt=None)
     reset_accelerator()
     loaded = finetune.run(finetune_config(tmp_path, out="loaded"), ckpt=str(tmp_path / "init.safetensors"))
@@ -232,7 +233,7 @@ def test_supervised_pretraining_lowers_its_loss(tmp_path):
     acc = EventAccumulator(str(events.parent)).Reload()
     losses = [e.value for e in acc.Scalars("train/loss")]
     assert losses[-1] < losses[0] / 2, losses
-    assert [e.value for e in acc.Scalars("train/accuracy")][-1] > 0.9 and results["train/accuracy"] > 0.9
+    assert [e.value for e in acc.Scalars("train/accuracy")][-1] > 0.9 and results["final"]["train/accuracy"] > 0.9
     weights = load_file(tmp_path / "pre" / "model.safetensors")
     assert weights.keys() == build_vit("vit_ti", 16, 4, width=64, depth=2, heads=2).state_dict().keys()
 
@@ -314,7 +315,7 @@ def test_resume_command_puts_resume_after_the_stage(monkeypatch):
 
 def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_shards):
     from mpp.shards import synthetic_samples, write_shards
-    from pipelines.common import num_classes
+    from pipelines.loaders import num_classes
 
     write_shards(synthetic_samples(20, 16), tmp_path / "syn")
     urls = [str(p) for p in sorted((tmp_path / "syn").glob("*.tar"))]

@@ -3,17 +3,20 @@
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import load_config
+from mpp.metrics import EVALUATION, Metric
 from pipelines import evaluators, pretrain
 from pipelines.evaluators import EVALUATORS, Registration, Stage, build_evaluators
 
+from conftest import exported_card, where_metrics_show
 from test_fewshot import tiny
 
 
 class Probe:
-    """A test-local evaluator: records what it was built for and the steps it ran at."""
+    """A test-local evaluator: records what it was built for and the steps it ran at, and declares what it scores."""
 
     built: list[Stage] = []
     steps: list[int] = []
+    metrics = (Metric("probe/width", EVALUATION, "width of the backbone", headline=True),)
 
     def __init__(self, cfg, accelerator, stage):
         Probe.built.append(stage)
@@ -23,22 +26,26 @@ class Probe:
         return {"probe/width": float(objective.backbone.width)}
 
 
-def test_a_registered_evaluator_runs_during_pretraining_with_no_other_edit(tmp_path, make_shards, monkeypatch):
+def test_a_registered_evaluator_runs_during_pretraining_and_shows_everywhere(tmp_path, make_shards, monkeypatch):
+    # One class and one EVALUATORS line: run at its period, charted, an HParams column, in results.json and the card.
     monkeypatch.setitem(EVALUATORS, "probe", Registration(("pretrain",), lambda cfg: cfg.train.steps // 3, Probe))
     monkeypatch.setattr(Probe, "built", [])
     monkeypatch.setattr(Probe, "steps", [])
     make_shards([40] * 2, size=32)
-    results = pretrain.run(tiny(tmp_path, "eval.every=0"))
-    assert Probe.built == [Stage("pretrain", None)] and Probe.steps == [2, 4, 6]
-    assert results["probe/width"] == 64
+    pretrain.run(tiny(tmp_path, "eval.every=0"))
+    assert [(s.name, s.classes) for s in Probe.built] == [("pretrain", None)] and Probe.steps == [2, 4, 6]
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     assert [e.step for e in EventAccumulator(str(events.parent)).Reload().Scalars("probe/width")] == [2, 4, 6]
+    shows = where_metrics_show(tmp_path / "run", "pretrain")
+    assert shows["charts"]["evaluation"] == ["probe/width"] and "probe/width" in shows["hparams"]
+    assert shows["results"]["final"]["probe/width"] == 64
+    assert "probe/width 64" in exported_card(tmp_path / "run", tmp_path / "hf")
 
 
 def test_only_the_stages_evaluators_that_its_config_turns_on_are_built(monkeypatch):
     built = []
     monkeypatch.setattr(evaluators, "EVALUATORS", {
-        name: Registration(stages, every, lambda cfg, accelerator, stage, name=name: built.append(name) or (lambda m, s: {}))
+        name: Registration(stages, every, lambda cfg, accelerator, stage, name=name: built.append(name) or Probe)
         for name, stages, every in [("a", ("pretrain",), lambda cfg: cfg.fewshot.every),
                                     ("b", ("finetune",), lambda cfg: 7),
                                     ("c", ("pretrain", "finetune"), lambda cfg: 5)]})

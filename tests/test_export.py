@@ -117,7 +117,7 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
 
     card = (tmp_path / "hf" / "README.md").read_text()
     for fact in ("fine-tuned as a classifier", f"`{tmp_path / 'shards'}` (60 images, 10 classes)", "**Steps**: 3 of 3",
-                 "16 x 16 px; **patch size** 4", "[class] token", "**Final metrics**: top-1 ", "top-5 ",
+                 "16 x 16 px; **patch size** 4", "[class] token", "**Final metrics**: eval/top1 ", "eval/top5 ",
                  "pipeline('image-classification'"):
         assert fact in card, fact
     theirs.eval()
@@ -152,6 +152,6 @@ def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path
     assert complaints == []
     card = (tmp_path / "hf" / "README.md").read_text()
     for fact in ("masked patch prediction", "64 wide, 2 blocks, 2 heads, patch 4, 16 px",
-                 "**Steps**: 2 of 2", "**Final metrics**: loss ", "color_acc ", "color_acc_prior ",
+                 "**Steps**: 2 of 2", "**Final metrics**: train/loss ", "train/color_acc ", "train/color_acc_prior ",
                  "**Produced by**: `python launch.py pretrain train.steps=2`", "randomly initialised 2-class head"):
         assert fact in card, fact

@@ -102,7 +102,7 @@ def test_evaluator_runs_inside_pretraining_logs_and_leaves_training_unchanged(tm
     evaluated = load_file(tmp_path / "run" / "model.safetensors")
     # Same weights: the evaluator drew nothing from the training RNG and read nothing of the training stream.
     assert all(torch.equal(plain[k], evaluated[k]) for k in plain)
-    assert 0 <= results["fewshot/1shot"] <= 1 and 0 <= results["fewshot/2shot"] <= 1
+    assert 0 <= results["final"]["fewshot/1shot"] <= 1 and 0 <= results["final"]["fewshot/2shot"] <= 1
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     acc = EventAccumulator(str(events.parent)).Reload()
     assert [e.step for e in acc.Scalars("fewshot/2shot")] == [3, 6]

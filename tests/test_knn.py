@@ -46,7 +46,7 @@ def test_weighted_vote_on_hand_made_neighbours_gives_the_known_accuracy():
 def test_knn_runs_inside_pretraining_and_as_a_command(tmp_path, make_shards, capsys):
     make_shards([40] * 3, size=32)
     results = pretrain.run(tiny(tmp_path, "knn.every=3", "knn.train_images=80", "knn.eval_images=40", "knn.k=5"))
-    assert 0 <= results["knn/top1"] <= 1
+    assert 0 <= results["final"]["knn/top1"] <= 1
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     assert [e.step for e in EventAccumulator(str(events.parent)).Reload().Scalars("knn/top1")] == [3, 6]
     reset_accelerator()
@@ -101,7 +101,7 @@ def test_pretext_validation_is_deterministic_and_leaves_the_training_rng_alone(t
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     objective = MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), masking="block")
-    from pipelines.common import eval_batches
+    from pipelines.loaders import eval_batches
     images = LabelledImages(accelerator, eval_batches(str(tmp_path / "shards"), cfg, accelerator, 8), 20, "test shards",
                             need_labels=False)
     validation = PretextValidation(accelerator, images, batch_size=8, seed=0)
@@ -119,7 +119,7 @@ def test_pretext_validation_is_deterministic_and_leaves_the_training_rng_alone(t
 def test_pretext_validation_is_logged_during_pretraining(tmp_path, make_shards):
     make_shards([40] * 2, size=32, labels=False)  # pretext validation needs no labels
     results = pretrain.run(tiny(tmp_path, "eval.every=3", "eval.images=24", "eval.batch_size=16"))
-    assert results["val/loss"] > 0 and 0 <= results["val/color_acc"] <= 1
+    assert results["final"]["val/loss"] > 0 and 0 <= results["final"]["val/color_acc"] <= 1
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     acc = EventAccumulator(str(events.parent)).Reload()
     assert [e.step for e in acc.Scalars("val/loss")] == [3, 6] and [e.step for e in acc.Scalars("val/color_acc")] == [3, 6]
@@ -144,13 +144,13 @@ def test_knn_classifies_its_own_val_shards_not_the_pretext_validation_images(tmp
     pool = make_shards([40], size=32)
     results = pretrain.run(tiny(tmp_path, "data.val_shards=null", "knn.every=6", f"knn.shards={pool[0]}",
                                 f"knn.val_shards={pool[0]}", "knn.k=1", "knn.train_images=40", "knn.eval_images=40"))
-    assert results["knn/top1"] == 1.0
+    assert results["final"]["knn/top1"] == 1.0
 
 
 def test_supervised_pretraining_validates_its_own_loss_and_accuracy(tmp_path, make_shards):
     make_shards([40], size=32)
     results = pretrain.run(tiny(tmp_path, "objective=supervised", "model.num_classes=10", "eval.every=3", "eval.images=16"))
-    assert results["val/loss"] > 0 and 0 <= results["val/accuracy"] <= 1
+    assert results["final"]["val/loss"] > 0 and 0 <= results["final"]["val/accuracy"] <= 1
     reset_accelerator()
     from mpp.data import DataError
 

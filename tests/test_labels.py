@@ -10,7 +10,7 @@ from mpp.config import DataConfig, load_config
 from mpp.data import DataError, EvalTransform, label_space, make_loader
 from mpp.synthetic import synthetic_image
 from pipelines import pretrain
-from pipelines.common import num_classes
+from pipelines.loaders import num_classes
 
 from conftest import TINY, reset_accelerator
 
@@ -95,7 +95,7 @@ def test_mpp_pretraining_never_reads_labels(tmp_path):
     cfg = load_config(None, [f"data.shards={tmp_path / 's'}", f"output_dir={tmp_path / 'run'}", *TINY,
                              "train.steps=2", "train.warmup_steps=1", "train.batch_size=4"])
     results = pretrain.run(cfg)
-    assert results["data/skipped_bad_label"] == 0 and (tmp_path / "run" / "model.safetensors").is_file()
+    assert results["skipped"] == {} and (tmp_path / "run" / "model.safetensors").is_file()
 
 
 def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path):
@@ -104,7 +104,7 @@ def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path)
               "train.warmup_steps=1", "train.batch_size=8", "log.every=1"]
     tolerant = load_config(None, [*common, f"output_dir={tmp_path / 'a'}", "train.steps=3", "data.max_skip_fraction=0.5"])
     with pytest.warns(UserWarning, match="bad_label"):
-        assert pretrain.run(tolerant)["data/skipped_bad_label"] > 0
+        assert pretrain.run(tolerant)["skipped"]["bad_label"] > 0
     reset_accelerator()
     strict = load_config(None, [*common, f"output_dir={tmp_path / 'b'}", "train.steps=60"])
     with pytest.warns(UserWarning, match="bad_label"), pytest.raises(DataError, match="could not be used, over data.max_skip_fraction"):
@@ -113,7 +113,7 @@ def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path)
 
 def test_training_and_evaluation_shards_share_one_name_map(tmp_path):
     """Without summaries, ids come from the names of both sets: an evaluation set that lacks a class keeps the ids."""
-    from pipelines.common import class_names
+    from pipelines.loaders import class_names
 
     write_labelled(tmp_path / "train", ["zebra", "ant", "mole", "ant"], "txt")
     val = write_labelled(tmp_path / "val", ["zebra", "mole"], "txt")

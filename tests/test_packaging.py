@@ -56,7 +56,7 @@ def test_non_editable_install_ships_the_mpp_command_and_its_default_configs(tmp_
 
 
 def test_the_installed_command_is_what_resume_and_model_cards_repeat(monkeypatch):
-    from pipelines.common import command_line, resume_command
+    from pipelines.invocation import command_line, resume_command
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     monkeypatch.setattr(sys, "argv", ["/venv/bin/mpp", "pretrain", "train.steps=9"])

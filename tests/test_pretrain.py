@@ -11,13 +11,14 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import ConfigError, load_config
+from mpp.metrics import split_metric
 from mpp.model import normalize
 from mpp.objectives import OBJECTIVES, Objective, ObjectiveKind, StepOutput
 from mpp.runtime import Device, resolve_precision
-from mpp.train import complete_checkpoints
+from mpp.rundir import complete_checkpoints
 from pipelines import pretrain
 
-from conftest import ROOT, TINY, reset_accelerator
+from conftest import ROOT, TINY, exported_card, reset_accelerator, where_metrics_show
 
 
 def config(tmp_path, shards, *overrides):
@@ -34,7 +35,8 @@ def test_short_pretrain_learns_and_beats_the_colour_prior(tmp_path, make_shards)
     acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0}).Reload()
     losses = [e.value for e in acc.Scalars("train/loss")]
     assert losses[-1] < losses[0] - 0.5, losses  # the first value already averages 10 steps of learning
-    assert results["train/color_acc"] > 2 * results["train/color_acc_prior"], results
+    final = results["final"]
+    assert final["train/color_acc"] > 2 * final["train/color_acc_prior"], results
     for tag in ("train/lr", "train/grad_norm", "perf/images_per_sec", "perf/data_wait_fraction"):
         assert tag in acc.Tags()["scalars"]
     assert acc.Tags()["images"] == ["panel"]  # crops, corrupted, target and predicted rows in one grid
@@ -46,6 +48,8 @@ def test_short_pretrain_learns_and_beats_the_colour_prior(tmp_path, make_shards)
 class MeanBrightness(Objective):
     """A test-local objective: regress each image's mean brightness from its [class] token (no panel, no own tokens)."""
 
+    description = "regression of each image's mean brightness"
+
     def __init__(self, backbone):
         super().__init__()
         self.backbone = backbone
@@ -56,26 +60,36 @@ class MeanBrightness(Objective):
         predicted = self.head(self.backbone(x)[:, 0]).squeeze(-1).float()
         return StepOutput(F.mse_loss(predicted, x.mean(dim=(1, 2, 3))))
 
+    def metrics(self, split):
+        return [split_metric(split, "loss", "brightness error", headline=True, bar="loss")]
+
     def export_weights(self):
         return self.backbone.state_dict()
 
 
-def test_a_registered_objective_is_chosen_by_the_config_and_trained_by_the_loop(tmp_path, make_shards, monkeypatch):
+def test_a_registered_objective_is_chosen_by_the_config_and_shows_everywhere(tmp_path, make_shards, monkeypatch):
+    # One class and one OBJECTIVES line: selectable, trained by the loop, its metric charted, in HParams, the progress
+    # bar, results.json and the model card, validated by the pretext validation.
     monkeypatch.setitem(OBJECTIVES, "brightness", ObjectiveKind(lambda backbone, cfg, classes: MeanBrightness(backbone),
-                                                         reads_labels=False, description="mean brightness"))
+                                                                reads_labels=False, summary="mean brightness"))
     with pytest.raises(ConfigError, match="Input should be 'mpp', 'supervised' or 'brightness' \\(got 'brightnes'\\)"):
         load_config(None, ["objective=brightnes"])
     make_shards([20] * 2, size=32)
     cfg = config(tmp_path, tmp_path / "shards", "objective=brightness", "train.steps=4", "train.warmup_steps=1",
                  "train.batch_size=4", "log.every=2", "log.images_every=2", f"data.val_shards={tmp_path / 'shards'}",
                  "eval.every=2", "eval.images=8", "eval.batch_size=4")
-    results = pretrain.run(cfg)
-    assert {"train/loss", "val/loss"} <= set(results)
+    pretrain.run(cfg)
+    shows = where_metrics_show(tmp_path / "run", "pretrain")
+    assert shows["charts"]["training"] == ["train/loss"] and shows["charts"]["pretext validation"] == ["val/loss"]
+    assert {"train/loss", "val/loss"} <= set(shows["hparams"]) and {"train/loss", "val/loss"} <= set(shows["results"]["final"])
+    assert shows["results"]["description"] == MeanBrightness.description
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     acc = EventAccumulator(str(events.parent), size_guidance={"images": 0}).Reload()
-    assert "train/loss" in acc.Tags()["scalars"] and not acc.Tags()["images"]  # no panel: the default draws none
+    assert not acc.Tags()["images"]  # no panel: the default draws none
     weights = load_file(tmp_path / "run" / "model.safetensors")
     assert "pos_embed" in weights and not any(k.startswith("head") for k in weights)
+    card = exported_card(tmp_path / "run", tmp_path / "hf")
+    assert f"**Objective**: {MeanBrightness.description} (pretraining" in card and "train/loss " in card
 
 
 def test_resume_continues_to_the_same_weights(tmp_path, make_shards):

@@ -22,9 +22,14 @@ from mpp.data import EvalTransform, expand_shards, make_loader
 from mpp.objectives import MaskedPatchPrediction
 from mpp.runtime import make_accelerator
 from mpp.errors import UserError
-from mpp.train import TrainingDiverged, check_seen_by_every_rank, complete_checkpoints, train
+from mpp.meters import TrainingDiverged
+from mpp.resume import check_seen_by_every_rank
+from mpp.rundir import complete_checkpoints
+from mpp.train import train
 from pipelines import cli, pretrain
-from pipelines.common import build_backbone, start_tracking, train_loader
+from mpp.model import build_backbone
+from pipelines.loaders import train_loader
+from pipelines.tracking import start_tracking
 
 from conftest import ROOT, TINY
 
@@ -125,7 +130,7 @@ def test_sigterm_saves_and_resume_replays_the_same_losses(tmp_path, make_shards)
 
 SECOND_SIGNAL = """
 import os, signal, sys
-from mpp.train import StopOnSignal
+from mpp.preemption import StopOnSignal
 with StopOnSignal() as stop:
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop.requested, "the first signal did not ask for a stop"
@@ -250,8 +255,8 @@ def tiny_run(tmp_path, make_shards, objective_calls, steps, max_nonfinite=3):
                              f"train.steps={steps}", "train.warmup_steps=1", "train.batch_size=8",
                              f"train.max_nonfinite_steps={max_nonfinite}", "log.every=1"])
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    objective = NaNOnCalls(build_backbone(cfg), objective_calls)
-    start_tracking(accelerator, cfg, "pretrain", objective.headline_charts())
+    objective = NaNOnCalls(build_backbone(cfg.model), objective_calls)
+    start_tracking(accelerator, cfg, "pretrain", objective.metrics("train"))
     urls = expand_shards(cfg.data.shards)
 
     def batches(state):

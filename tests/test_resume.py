@@ -19,9 +19,12 @@ from mpp.data import DataError
 from mpp.errors import UserError
 from mpp.optim import warmup_cosine
 from mpp.runtime import make_accelerator
-from mpp.train import Evaluator, complete_checkpoints, train
+from mpp.rundir import complete_checkpoints
+from mpp.train import Evaluator, train
 from pipelines import finetune, pretrain
-from pipelines.common import build_backbone, start_tracking, train_loader
+from mpp.model import build_backbone
+from pipelines.loaders import train_loader
+from pipelines.tracking import start_tracking
 from mpp.objectives import MaskedPatchPrediction
 
 from conftest import ROOT, TINY, read_only, reset_accelerator, write_test_shards
@@ -242,8 +245,8 @@ def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, m
     make_shards([40], size=32)
     cfg = pretrain_config(tmp_path, "train.checkpoint_every=3", "train.steps=6")
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    objective = MaskedPatchPrediction(build_backbone(cfg))
-    start_tracking(accelerator, cfg, "pretrain", objective.headline_charts())
+    objective = MaskedPatchPrediction(build_backbone(cfg.model))
+    start_tracking(accelerator, cfg, "pretrain", objective.metrics("train"))
 
     def broken(module, step):
         raise DataError("the evaluation shards went away")

@@ -4,7 +4,7 @@ import pytest
 
 from mpp.config import ConfigError, load_config
 from pipelines import compare, fewshot, knn
-from pipelines.common import Run, start_run
+from pipelines.start import Run, start_run
 
 from conftest import TINY
 

@@ -381,12 +381,12 @@ def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, c
     from conftest import reset_accelerator
     from mpp.config import load_config
     from mpp.runtime import make_accelerator
-    from pipelines import common
+    from pipelines import loaders
 
-    monkeypatch.setattr(common, "SYNTHETIC_ROOT", tmp_path / "data")
+    monkeypatch.setattr(loaders, "SYNTHETIC_ROOT", tmp_path / "data")
     cfg = load_config(None, ["data.synthetic_size=30", f"output_dir={tmp_path / 'run'}"])
     try:
-        urls = common.resolve_shards("synthetic", cfg, make_accelerator(cfg.train, cfg.output_dir))
+        urls = loaders.resolve_shards("synthetic", cfg, make_accelerator(cfg.train, cfg.output_dir))
     finally:
         reset_accelerator()
     bar = capsys.readouterr().err

@@ -23,7 +23,8 @@ from mpp.model import Attention, build_vit
 from mpp.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
 from mpp.optim import build_optimizer, build_schedule, param_groups
 from mpp.runtime import CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile, resolve_precision
-from mpp.train import LogWindow, train_step
+from mpp.meters import LogWindow
+from mpp.train import train_step
 from pipelines import prepare
 
 from conftest import ROOT

@@ -17,8 +17,10 @@ from mpp.data import Batch, DataError, EvalTransform, StreamPosition, TrainTrans
 from mpp.objectives import MaskedPatchPrediction
 import mpp.train
 from mpp.runtime import make_accelerator
-from mpp.train import Preempted, complete_checkpoints, next_batch, train
-from pipelines.common import build_backbone
+from mpp.preemption import Preempted
+from mpp.rundir import complete_checkpoints
+from mpp.train import next_batch, train
+from mpp.model import build_backbone
 
 from conftest import ROOT, TINY
 
@@ -159,6 +161,6 @@ def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch):
     threading.Thread(target=signal_when_blocked, daemon=True).start()
     batches = lambda state: DataLoader(StallsAfter(3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
-        train(accelerator, MaskedPatchPrediction(build_backbone(cfg)), batches, cfg.train, cfg.log, cfg.output_dir)
+        train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, cfg.output_dir)
     assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000003"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the loop's handler is gone again

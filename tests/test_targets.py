@@ -4,11 +4,12 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from mpp.config import ConfigError, load_config
+from mpp.metrics import split_metric
 from mpp.model import normalize
 from mpp.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
 from pipelines import pretrain
 
-from conftest import TINY
+from conftest import TINY, exported_card, where_metrics_show
 
 
 def solid_patches(colors, patch):
@@ -79,8 +80,10 @@ def test_class_to_rgb_returns_bin_centres():
 class MeanGray(Target):
     """A test-local target: each patch's mean grey level in [-1, 1], regressed."""
 
-    def __init__(self, patch_size, color_bits):
-        super().__init__(patch_size, color_bits)
+    description = "its mean grey level (L1-scored regression)"
+
+    def __init__(self, patch_size):
+        super().__init__(patch_size)
         self.outputs = 1
 
     def __call__(self, images):  # (B, N, 1)
@@ -88,6 +91,10 @@ class MeanGray(Target):
 
     def loss(self, predictions, targets):
         return F.mse_loss(predictions, targets), {"gray_error": (predictions - targets).abs().mean()}
+
+    def metrics(self, split):
+        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
+                split_metric(split, "gray_error", "mean absolute grey error", headline=True, bar="gray")]
 
     def decode(self, predictions):
         return predictions
@@ -111,6 +118,22 @@ def test_a_registered_target_is_chosen_by_the_config_and_brings_its_head_loss_me
     assert set(panel) == {"crops", "corrupted", "target", "predicted"}
     assert all(v.shape == (2, 3, 16, 16) and v.dtype == torch.uint8 for v in panel.values())
     assert torch.all(panel["target"][:, 0] == panel["target"][:, 2])  # grey: the target row has R = B
+
+
+def test_a_registered_target_shows_everywhere(tmp_path, make_shards, monkeypatch, capsys):
+    # One class and one TARGETS line: its metrics charted, HParams columns, in the progress bar and results.json, its
+    # description on the model card.
+    monkeypatch.setitem(TARGETS, "gray", MeanGray)
+    make_shards([40], size=32)
+    pretrain.run(load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                                    "mpp.target=gray", "train.steps=4", "train.warmup_steps=1", "train.batch_size=8",
+                                    "log.every=2"]))
+    shows = where_metrics_show(tmp_path / "run", "pretrain")
+    assert shows["charts"]["training"] == ["train/loss", "train/gray_error"]
+    assert {"train/loss", "train/gray_error"} <= set(shows["hparams"]) and "train/gray_error" in shows["results"]["final"]
+    assert "gray=" in capsys.readouterr().err  # the progress bar
+    card = exported_card(tmp_path / "run", tmp_path / "hf")
+    assert MeanGray.description in card and "train/gray_error " in card
 
 
 def test_each_target_keeps_its_head_size_and_metrics():

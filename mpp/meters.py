@@ -1,0 +1,147 @@
+"""What the loop measures between two log lines, and the progress bar.
+
+The loop declares its own metrics here (LOOP_METRICS: the learning rate, the gradient norm, speed, skipped samples);
+an objective's and an evaluator's come from them (mpp.metrics).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from mpp.data import Batch, DataError
+from mpp.errors import UserError
+from mpp.metrics import DATA, LR, OPTIMISATION, SPEED, Metric
+
+SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
+GRAD_NORM, NONFINITE_STEPS = "train/grad_norm", "train/nonfinite_steps"
+IMAGES_PER_SEC, DATA_WAIT = "perf/images_per_sec", "perf/data_wait_fraction"
+
+LOOP_METRICS = (
+    Metric(LR, OPTIMISATION, "learning rate (of the top layer)"),
+    Metric(GRAD_NORM, OPTIMISATION, "gradient norm (before clipping)"),
+    Metric(NONFINITE_STEPS, OPTIMISATION, "skipped non-finite steps"),
+    Metric(IMAGES_PER_SEC, SPEED, "images per second"),
+    Metric(DATA_WAIT, SPEED, "share of time waiting for data"),
+    *(Metric(f"data/skipped_{reason}", DATA, "skipped samples by reason") for reason in SKIP_REASONS),
+)
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class Meter:
+    """Sums per-step scalars on the device; syncs with the host only when a log line is written.
+
+    `keep` (a device bool) drops a step's values without a sync: skipped non-finite steps are not averaged in.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def add(self, values: dict[str, torch.Tensor], keep: torch.Tensor) -> None:
+        for name, value in values.items():
+            value = torch.where(keep, value.detach().float(), 0.0)
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+            self.counts[name] = self.counts[name] + keep.float() if name in self.counts else keep.float()
+
+    def means(self, accelerator: Accelerator) -> dict[str, float]:
+        """Means over the kept steps of every rank; a name with no kept step is left out."""
+        if not self.sums:
+            return {}
+        names = sorted(self.sums)
+        stacked = torch.stack([torch.stack([self.sums[n], self.counts[n]]) for n in names])  # (names, 2)
+        self.sums, self.counts = {}, {}
+        totals = accelerator.reduce(stacked, reduction="sum").tolist()
+        return {n: s / c for n, (s, c) in zip(names, totals) if c > 0}
+
+
+class LogWindow:
+    """The steps between two log lines: what they trained on, how long they waited for data, what they skipped.
+
+    The loop reports each batch read (`read`) and each optimiser step (`stepped`); `write` closes the window,
+    logging the line's scalars (train/* means of the kept steps, data/skipped_* and train/nonfinite_steps since the
+    start, train/lr, perf/*), and opens the next. It is also where the run stops on too many non-finite steps in a
+    row (counted on the device, so checked only here: the host never waits on the GPU for them; the skipped steps
+    in between left the weights untouched) or on too many unusable samples.
+    """
+
+    def __init__(self, accelerator: Accelerator, max_nonfinite_steps: int, max_skip_fraction: float) -> None:
+        self.accelerator, self.max_nonfinite_steps, self.max_skip_fraction = accelerator, max_nonfinite_steps, max_skip_fraction
+        self.meter, self.skipped = Meter(), Counter()
+        self.start, self.waited, self.images, self.images_total = time.perf_counter(), 0.0, 0, 0
+        self.nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
+
+    def read(self, batch: Batch, waited: float) -> None:
+        self.waited += waited
+        self.skipped.update(batch.skipped)
+        self.images += batch.images.shape[0]
+
+    def stepped(self, step: int, result) -> None:
+        """Count the optimiser step `result` (a train.StepResult) took at `step`; no host sync."""
+        for out in result.outputs:
+            self.meter.add({"loss": out.loss, **out.metrics}, keep=result.stepped)
+        self.meter.add({"grad_norm": result.grad_norm}, keep=result.stepped)
+        self.nonfinite["total"] += result.nonfinite
+        self.nonfinite["run"] = torch.where(result.nonfinite, self.nonfinite["run"] + 1, 0)
+        reached = (self.nonfinite["run"] >= self.max_nonfinite_steps) & (self.nonfinite["diverged_at"] == 0)
+        self.nonfinite["diverged_at"] = torch.where(reached, step, self.nonfinite["diverged_at"])
+
+    def write(self, step: int, lr: float) -> dict[str, float]:
+        """Log the line's scalars at `step` and return them."""
+        accelerator = self.accelerator
+        diverged_at = int(self.nonfinite["diverged_at"])
+        if diverged_at:
+            raise TrainingDiverged(
+                f"{self.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
+                f"{diverged_at} (lr {lr:.3g}); lower train.lr, lengthen train.warmup_steps, "
+                f"keep train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
+        elapsed = time.perf_counter() - self.start
+        scalars = {f"train/{k}": v for k, v in self.meter.means(accelerator).items()}
+        self.images_total += self.images
+        totals = accelerator.reduce(torch.tensor([float(self.skipped[r]) for r in SKIP_REASONS] + [float(self.images_total)],
+                                                 device=accelerator.device), reduction="sum").tolist()
+        scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
+        scalars[NONFINITE_STEPS] = int(self.nonfinite["total"])
+        scalars[LR] = lr
+        scalars[IMAGES_PER_SEC] = self.images * accelerator.num_processes / elapsed
+        scalars[DATA_WAIT] = self.waited / elapsed
+        accelerator.log(scalars, step=step)
+        self.start, self.waited, self.images = time.perf_counter(), 0.0, 0
+        check_skip_rate(sum(totals[:-1]), totals[-1], self.max_skip_fraction)
+        return scalars
+
+
+def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
+    """Stop rather than train on a trickle: judged once a few hundred samples have been read."""
+    read = skipped + used
+    if read >= 200 and skipped / read > max_fraction:
+        raise DataError(f"{skipped:.0f} of {read:.0f} samples read ({skipped / read:.0%}) could not be used, over "
+                        f"data.max_skip_fraction={max_fraction}; check the shards (data/skipped_* in TensorBoard "
+                        f"says why) or raise the threshold")
+
+
+
+class ProgressBar:
+    """tqdm over the run's steps, showing the metrics declared with a `bar` label (the loss, and what tells whether
+    it learns: colour or class accuracy, the last evaluation's top-1), on the main process only."""
+
+    def __init__(self, accelerator: Accelerator, metrics: Iterable[Metric], total: int, initial: int):
+        self.shown = [m for m in metrics if m.bar]
+        self.bar = tqdm(total=total, initial=initial, disable=not accelerator.is_main_process, desc="train", dynamic_ncols=True)
+
+    def update(self, values: dict[str, float]) -> None:
+        self.bar.set_postfix({m.bar: m.show(values[m.tag]) for m in self.shown if m.tag in values}, refresh=False)
+
+    def step(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

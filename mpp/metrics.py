@@ -1,0 +1,73 @@
+"""What a run logs: every scalar is declared once, as a Metric, by the part that computes it.
+
+The loop declares its own (LOOP_METRICS in mpp/meters.py), an objective those of its loss (through its target, for
+MPP), an evaluator those it scores. TensorBoard's Custom Scalars layout, HParams' metric columns, the progress bar,
+results.json and the model card are all built from these declarations: a part that declares a metric shows up in
+each of them, and no other module spells its tag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Custom Scalars categories, in the order TensorBoard shows them: how the model does first, how the run runs last.
+TRAINING, VALIDATION, EVALUATION, KNN, FEWSHOT = "training", "pretext validation", "evaluation", "kNN evaluation", "few-shot evaluation"
+OPTIMISATION, SPEED, DATA = "optimisation", "speed", "data"
+CATEGORIES = (TRAINING, VALIDATION, EVALUATION, KNN, FEWSHOT, OPTIMISATION, SPEED, DATA)
+MODEL_CATEGORIES = CATEGORIES[:5]  # what measures the model (results.json's final metrics), not the run
+HELD_OUT_FIRST = (EVALUATION, VALIDATION, KNN, FEWSHOT, TRAINING)  # the order a model card lists them in
+
+# Tags that more than one module reads (the loop writes them, the report or a test reads them back).
+LOSS = "train/loss"
+LR = "train/lr"
+TOP1, TOP5 = "eval/top1", "eval/top5"
+VAL_LOSS = "val/loss"
+KNN_TOP1 = "knn/top1"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One logged scalar and where it shows."""
+
+    tag: str  # the TensorBoard tag, e.g. "train/loss"
+    category: str  # its Custom Scalars category, one of CATEGORIES
+    chart: str  # the chart's title within the category; metrics with one title are drawn on one chart
+    headline: bool = False  # one of the few numbers that tell runs apart: an HParams metric column
+    bar: str | None = None  # its label in the progress bar, if it is shown there
+    percent: bool = False  # a fraction, shown as a percentage
+
+    def show(self, value: float) -> str:
+        return f"{value:.1%}" if self.percent else f"{value:.3f}"
+
+
+def split_metric(split: str, name: str, chart: str, **options) -> Metric:
+    """The metric `name` of an objective's loss on the `split` it is computed on: train (the training batches, as
+    train/<name> in the training category) or val (the pretext validation, val/<name>, never in the bar)."""
+    if split == "train":
+        return Metric(f"train/{name}", TRAINING, chart, **options)
+    return Metric(f"val/{name}", VALIDATION, f"{chart} (held-out images, fixed corruption)",
+                  **{**options, "bar": None})
+
+
+def layout(metrics: Iterable[Metric]) -> dict[str, dict[str, list[str]]]:
+    """{category: {chart title: [tag regexes]}} in CATEGORIES' order, each chart's tags in declaration order."""
+    charts: dict[str, dict[str, list[str]]] = {category: {} for category in CATEGORIES}
+    for metric in metrics:
+        charts[metric.category].setdefault(metric.chart, []).append(f"^{metric.tag}$")
+    return {category: group for category, group in charts.items() if group}
+
+
+def model_metrics(metrics: Iterable[Metric], values: dict[str, float]) -> dict[str, float]:
+    """The values of the metrics that measure the model (not the run's speed or data): held-out scores first, then
+    the training ones, each group in declaration order."""
+    held_out_first = sorted((m for m in metrics if m.category in MODEL_CATEGORIES), key=lambda m: HELD_OUT_FIRST.index(m.category))
+    return {m.tag: values[m.tag] for m in held_out_first if m.tag in values}
+
+
+def unique(metrics: Iterable[Metric]) -> list[Metric]:
+    """Metrics by tag, first declaration kept."""
+    seen: dict[str, Metric] = {}
+    for metric in metrics:
+        seen.setdefault(metric.tag, metric)
+    return list(seen.values())

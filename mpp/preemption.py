@@ -1,0 +1,122 @@
+"""Stopping on a signal (SIGTERM, SIGINT): at a step boundary, every rank at the same step, with a checkpoint.
+
+A preemptible job gets SIGTERM some time before it is killed; the loop saves and exits 0, naming the command that
+continues the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from mpp.data import StreamState
+from mpp.resume import save_checkpoint
+from mpp.rundir import checkpoint_dir, complete_checkpoints
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; the message says how to resume."""
+
+
+class SignalWhileWaiting(Exception):
+    """A stop signal arrived while the loop was blocked waiting for the data stream; its text is the signal's name."""
+
+    at_step_boundary = True  # whether the step it interrupted had consumed no micro-batch yet (set by the loop's feed)
+
+
+class StopOnSignal:
+    """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once.
+
+    A signal that arrives while the loop waits for data raises SignalWhileWaiting out of the wait: a stream that
+    never delivers (a `pipe:` command that hangs, a stalled network read) must not keep the process alive.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.waiting = False
+        self.previous: dict[int, object] = {}
+        self.pending: tuple | None = None  # the last step's all-reduce of the flag and its result (several processes)
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
+
+    def _handle(self, signum: int, frame) -> None:
+        self.requested = True
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        if self.waiting:
+            self.waiting = False
+            print(f"\nreceived {signal.Signals(signum).name} while waiting for data: stopping", file=sys.stderr, flush=True)
+            raise SignalWhileWaiting(signal.Signals(signum).name)
+        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this step "
+              "(send it again to exit at once)", file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator: Accelerator) -> bool:
+        """Every rank stops at the same step, even if only one of them got the signal.
+
+        With several processes the flag is summed over ranks every step by an asynchronous all-reduce of a host
+        tensor over a gloo group of its own, and read one step later: the device is never involved (no copy, no
+        sync), and the wait is for a reduction that finished during the step. The ranks stop one step after the signal.
+        """
+        if accelerator.num_processes == 1:
+            return self.requested
+        previous = self.pending
+        flag = torch.tensor([float(self.requested)])  # in host memory
+        self.pending = (torch.distributed.all_reduce(flag, group=host_group(), async_op=True), flag)
+        if previous is None:
+            return False
+        work, total = previous
+        work.wait()
+        return total.item() > 0
+
+
+@functools.cache
+def host_group():
+    """A gloo process group of every rank for small host-side agreements, made once per process (every rank makes
+    it at the same point: the first step of its first run)."""
+    return torch.distributed.new_group(backend="gloo")
+
+
+def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg, signalled: SignalWhileWaiting,
+                    resume_hint: str, stream: StreamState) -> Preempted:
+    """The stop for a signal that came while the loop waited for data, after saving what can be saved.
+
+    Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
+    end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
+    step: then the newest checkpoint is what a resume starts from.
+    """
+    newest = complete_checkpoints(output_dir)
+    if signalled.at_step_boundary and accelerator.num_processes == 1 and step > 0:
+        if not newest or newest[-1].name != checkpoint_dir(output_dir, step).name:
+            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)]
+        accelerator.end_training()
+        return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data; checkpoint "
+                         f"saved in {newest[-1]}; continue with {resume_hint}")
+    accelerator.end_training()
+    kept = f"the newest checkpoint is {newest[-1]}; continue with {resume_hint}" if newest else "no checkpoint was written yet"
+    return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data, without saving "
+                     f"this step; {kept}")

@@ -1,0 +1,105 @@
+"""What a stage may do with its output_dir: write there, continue a run there, change which settings on a resume.
+
+A run holds an exclusive lock on its output_dir; a resume may change only the config fields marked resumable
+(mpp.config.RESUMABLE), each applied from the resumed step on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from omegaconf import OmegaConf
+
+from mpp.config import Config, dotted, resumable_keys
+from mpp.errors import UserError
+from mpp.resume import resumable_checkpoint
+from mpp.rundir import CONFIG, complete_checkpoints, too_long
+
+
+def check_output_dir(cfg: Config, resume: bool) -> list[str]:
+    """Refuse an output_dir that cannot be written, that holds another run's checkpoints, or whose run a resume
+    would change in a way it cannot apply; returns what the resume changes, as `key before -> after`."""
+    out = Path(cfg.output_dir)
+    if (reason := too_long(out)) is not None:
+        raise UserError(f"output_dir {out} cannot be created: {reason}; set output_dir to a shorter path")
+    nearest = next(p for p in (out, *out.absolute().parents) if p.exists())  # created later, under the run's lock
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as exc:
+        raise UserError(f"output_dir {out} cannot be written ({exc.strerror}); set output_dir to a writable directory") from None
+    if not complete_checkpoints(out):
+        return []
+    if not resume:
+        raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
+    saved = out / CONFIG
+    if not saved.is_file():
+        return []
+    before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
+    changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
+               # config.yaml holds the per-process batch (and accumulation) derived from train.global_batch_size;
+               # the checkpoint's process count is checked on its own
+               and not (key in ("train.batch_size", "train.grad_accum") and now.get("train.global_batch_size") is not None)]
+    resumable = resumable_keys()
+    refused = [key for key in changed if key not in resumable]
+    if refused:
+        key = refused[0]
+        raise UserError(f"output_dir {out} holds a run with a different '{key.split('.')[0]}' config ({key}: {before.get(key)} "
+                        f"in its config.yaml, {now.get(key)} now); a resume may change only train.steps, the learning-rate "
+                        f"schedule, the optimiser's hyperparameters and how the run logs, evaluates and saves; resume with the "
+                        f"saved value or set output_dir to a new directory")
+    return [f"{key} {before.get(key)} -> {now.get(key)}" for key in changed if key != "output_dir"]
+
+
+class RunInUse(UserError):
+    """output_dir is locked by another run (its process is alive)."""
+
+
+class OutputDirLock:
+    """An exclusive flock on output_dir/.lock holding the owner's pid, for the life of a run.
+
+    The kernel drops the lock when its process dies, so a crashed run's lock file never blocks the next run.
+    """
+
+    def __init__(self, accelerator: Accelerator, output_dir: str | Path):
+        self.accelerator, self.path, self.file = accelerator, Path(output_dir) / ".lock", None
+
+    def __enter__(self) -> OutputDirLock:
+        holder = [None]
+        if self.accelerator.is_main_process:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("a+")
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.file.seek(0)
+                holder[0] = self.file.read().strip() or "unknown"
+                self.file.close()
+            else:
+                self.file.truncate(0)
+                self.file.write(f"{os.getpid()}\n")
+                self.file.flush()
+        broadcast_object_list(holder)
+        if holder[0] is not None:
+            raise RunInUse(f"output_dir {self.path.parent} is in use by another run (pid {holder[0]}); wait for it to end, "
+                            f"stop it, or set output_dir to another directory")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()  # releases the lock
+
+
+def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: list[str]) -> Path | None:
+    """The checkpoint to continue from (None: a fresh start), saying what the resume changes."""
+    if not resume:
+        return None
+    latest = resumable_checkpoint(accelerator, cfg.output_dir)
+    if latest is not None and changes:
+        accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
+    return latest
