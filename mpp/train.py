@@ -306,8 +306,12 @@ class TrainingDiverged(UserError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
-class SignalWhileWaiting(Exception):
-    """A stop signal arrived while the loop was blocked waiting for the data stream."""
+class SignalWhileWaiting(BaseException):
+    """A stop signal arrived while the loop was blocked waiting for the data stream.
+
+    A BaseException, as KeyboardInterrupt is: raised wherever the wait happens to be (reading a shard, decoding an
+    image), it must not be caught as one more unreadable shard or undecodable image by code that catches Exception.
+    """
 
 
 class StopOnSignal:
