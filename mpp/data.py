@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import math
 import os
@@ -167,6 +168,10 @@ class EvalTransform:
 # ---------------------------------------------------------------- labels
 
 LABEL_KEYS = ("cls", "json", "txt")  # where WebDataset corpora keep a label, in the order they are looked up
+LARGEST_ID = 2**63 - 1  # labels travel as int64
+# A largest id over this many times the distinct ids (and over SPARSE_FLOOR) is taken for a stray label, not a
+# class count: one stray 1000000000 among ids 0 to 9 would otherwise size the head for a billion classes.
+SPARSE_FACTOR, SPARSE_FLOOR = 10, 1000
 
 
 class BadLabel(ValueError):
@@ -183,7 +188,9 @@ def raw_label(sample: dict) -> int | str | None:
         except ValueError as exc:
             raise BadLabel(f"json that does not parse ({exc})") from None
         value = next((record[k] for k in ("label", "cls") if k in record), None) if isinstance(record, dict) else None
-        if value is None or isinstance(value, (int, str)) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _class_id(value)
+        if value is None or isinstance(value, str):
             return value.strip() if isinstance(value, str) else value
         raise BadLabel(f"json label {value!r}, neither an integer nor a class name")
     if "txt" in sample:
@@ -196,7 +203,13 @@ def _label_text(data: bytes) -> int | str:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise BadLabel("label bytes that are not UTF-8 text") from None
-    return int(text) if re.fullmatch(r"[+-]?\d+", text) else text
+    return _class_id(int(text)) if re.fullmatch(r"[+-]?\d+", text) else text
+
+
+def _class_id(value: int) -> int:
+    if value > LARGEST_ID:
+        raise BadLabel(f"label {value}, larger than any class id can be")
+    return value
 
 
 @dataclass(frozen=True)
@@ -217,7 +230,9 @@ class LabelReader:
             return self.class_names.index(value)
         if not self.class_names:
             raise BadLabel(f"class name {value!r} and no class names to map it to an id (summary.json's class_names)")
-        raise BadLabel(f"class name {value!r}, not one of the {len(self.class_names)} class names of the shard set")
+        alike = next((name for name in self.class_names if name.casefold() == value.casefold()), None)
+        hint = f" ({alike!r} is: names are matched exactly, case included)" if alike else ""
+        raise BadLabel(f"class name {value!r}, not one of the {len(self.class_names)} class names of the shard set{hint}")
 
 
 class ShardSummary(BaseModel):
@@ -263,7 +278,9 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     """The summary.json that `launch.py prepare` writes beside the shards, else a scan of the shards' label fields.
 
     The scan (local shards only) reads tar headers and the small label members, not the images; the class names
-    it finds are sorted, so every process and every run over the same shards maps a name to the same id.
+    it finds are sorted, so every process and every run over the same shards maps a name to the same id. Integer
+    ids give the count as the largest id + 1, unless that is far more than the ids found (SPARSE_FACTOR): then the
+    count is unknown and the source names the largest label and where it is.
     """
     summary = shard_summary(urls)
     if summary is not None:
@@ -274,11 +291,14 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     if remote:
         return LabelSpace(None, (), f"no summary.json beside {remote[0]}, and remote shards are not scanned")
     ids, names = set(), set()
+    largest, where = -1, ""
     for url in urls:
         for sample in label_members(url):
             value = _raw_or_none(sample)  # a bad label is the stream's to count
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
+                if value > largest:
+                    largest, where = value, f"sample {sample['__key__']} of {url}"
             elif isinstance(value, str):
                 names.add(value)
     if ids and names:  # names cannot be given ids that do not collide with the ids in use
@@ -288,7 +308,12 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     source = f"a scan of {len(urls)} shard(s) (no summary.json)"
     if names:
         return LabelSpace(len(names), tuple(sorted(names)), source)
-    return LabelSpace(max(ids) + 1 if ids else 0, (), source)
+    if largest + 1 > max(SPARSE_FACTOR * len(ids), SPARSE_FLOOR):
+        below = f", the next largest being {sorted(ids)[-2]}" if len(ids) > 1 else ""
+        return LabelSpace(None, (), f"its largest label, {largest} ({where}), would size the head for {largest + 1} "
+                                    f"classes although only {len(ids)} distinct labels occur{below}, so it looks like a "
+                                    f"stray label to correct")
+    return LabelSpace(largest + 1 if ids else 0, (), source)
 
 
 def is_remote(url: str) -> bool:
@@ -303,6 +328,27 @@ def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
         return label_space(urls).class_names
     named = any(isinstance(_raw_or_none(sample), str) for sample in label_members(first))
     return label_space(urls).class_names if named else ()
+
+
+def shared_label_names(sets: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The class names every loader of a run maps labels through: `label_names` of its shard sets together (`sets`:
+    each set's spec -> its shards, the training set first).
+
+    Names that differ only in case between two sets are refused: matched exactly, 'cat' in the training shards and
+    'Cat' in the evaluation shards would be two classes, each never seen by the other set.
+    """
+    names = label_names(tuple(url for urls in sets.values() for url in urls))
+    if len({name.casefold() for name in names}) == len(names):
+        return names
+    held = {spec: set(label_space(urls).class_names) for spec, urls in sets.items()}
+    for (spec, mine), (other_spec, other) in itertools.combinations(held.items(), 2):
+        pairs = sorted((a, b) for a in mine - other for b in other - mine if a.casefold() == b.casefold())
+        if pairs:
+            shown = ", ".join(f"{a!r} and {b!r}" for a, b in pairs[:3]) + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+            raise DataError(f"class names differ only in case between {spec} and {other_spec} ({shown}); names are "
+                            f"matched exactly, so each spelling would be a class of its own that the other set never "
+                            f"shows, whatever model.num_classes says; spell the names of one set as the other does")
+    return names
 
 
 def _raw_or_none(sample: dict) -> int | str | None:

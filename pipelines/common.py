@@ -20,7 +20,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, config_to_yaml, load_config
-from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
+from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
 from mpp.errors import UserError
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer, build_vit
@@ -146,8 +146,7 @@ def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tu
     """The class names every loader of a run maps named labels through (id = position): the class_names of the
     summary.json beside the first shard set, else the sorted names found in all of them, so that training and
     evaluation shards agree on each name's id even when one of them lacks a class."""
-    urls = [url for spec in specs if spec for url in resolve_shards(spec, cfg, accelerator)]
-    return label_names(tuple(urls))
+    return shared_label_names({spec: tuple(resolve_shards(spec, cfg, accelerator)) for spec in specs if spec})
 
 
 def num_classes(cfg: Config, urls: list[str]) -> int:
