@@ -255,18 +255,17 @@ class CommandOutput:
 
 def end_commands_on_sigterm(worker_id: int) -> None:
     """A dataloader worker's init: on SIGTERM, what the loader sends a worker that does not stop when asked (one
-    blocked on a stalled `pipe:` command does not), the worker ends its commands' process groups, then dies of the
-    signal as it would have (the loader takes that death for the stop it asked for). Otherwise the commands would go
-    on running without a parent."""
+    blocked on a stalled `pipe:` command does not) and what ends the workers at exit, the worker ends its commands'
+    process groups, which would otherwise go on running without a parent, then exits 0, as torch's own handler (which
+    this one replaces) exits on its parent's SIGTERM: the loader takes any other end for a worker that failed."""
     CommandOutput.running.clear()  # a forked worker's copy of its parent's commands, which are not its own
-    signal.signal(signal.SIGTERM, _end_commands_and_die)
+    signal.signal(signal.SIGTERM, _end_commands_and_exit)
 
 
-def _end_commands_and_die(signum: int, frame) -> None:
+def _end_commands_and_exit(signum: int, frame) -> None:
     for command in list(CommandOutput.running):
         command.signal(signum)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- what a damaged shard lost
