@@ -55,7 +55,7 @@ class DataConfig(Section):
     resampled: bool = Field(True, description="Draw shards with replacement forever (no rank ever runs dry); false streams each pass over the shards exactly once per rank.")
     crop_scale: tuple[float, float] = Field((0.08, 1.0), description="Area fraction range of the random-resized crop.")
     hflip: bool = Field(True, description="Random horizontal flip during training.")
-    max_skip_fraction: float = Field(0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples read are unusable (corrupt, missing image, unreadable shard).", json_schema_extra=RESUMABLE)
+    max_skip_fraction: float = Field(0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples read are unusable (corrupt, missing image, bad label) or lost in shards that could not be read to their end.", json_schema_extra=RESUMABLE)
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import math
 import os
@@ -20,23 +21,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import webdataset as wds
-from webdataset.tariterators import tarfile_samples
 from braceexpand import braceexpand
 from einops import rearrange
 from PIL import Image, ImageOps
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.tariterators import base_plus_ext
 
 from mpp.config import DataConfig
-from mpp.errors import UserError
+from mpp.errors import DataError
+from mpp.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # webdataset reads gzipped tars as they are
 ORIENTATION_TAG = 0x0112  # EXIF
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
-
-
-class DataError(UserError):
-    """A user-facing problem with the shard set; the message names it and the fix."""
 
 
 def expand_shards(spec: str) -> list[str]:
@@ -169,6 +168,10 @@ class EvalTransform:
 # ---------------------------------------------------------------- labels
 
 LABEL_KEYS = ("cls", "json", "txt")  # where WebDataset corpora keep a label, in the order they are looked up
+LARGEST_ID = 2**63 - 1  # labels travel as int64
+# A largest id over this many times the distinct ids (and over SPARSE_FLOOR) is taken for a stray label, not a
+# class count: one stray 1000000000 among ids 0 to 9 would otherwise size the head for a billion classes.
+SPARSE_FACTOR, SPARSE_FLOOR = 10, 1000
 
 
 class BadLabel(ValueError):
@@ -185,7 +188,9 @@ def raw_label(sample: dict) -> int | str | None:
         except ValueError as exc:
             raise BadLabel(f"json that does not parse ({exc})") from None
         value = next((record[k] for k in ("label", "cls") if k in record), None) if isinstance(record, dict) else None
-        if value is None or isinstance(value, (int, str)) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _class_id(value)
+        if value is None or isinstance(value, str):
             return value.strip() if isinstance(value, str) else value
         raise BadLabel(f"json label {value!r}, neither an integer nor a class name")
     if "txt" in sample:
@@ -198,7 +203,13 @@ def _label_text(data: bytes) -> int | str:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise BadLabel("label bytes that are not UTF-8 text") from None
-    return int(text) if re.fullmatch(r"[+-]?\d+", text) else text
+    return _class_id(int(text)) if re.fullmatch(r"[+-]?\d+", text) else text
+
+
+def _class_id(value: int) -> int:
+    if value > LARGEST_ID:
+        raise BadLabel(f"label {value}, larger than any class id can be")
+    return value
 
 
 @dataclass(frozen=True)
@@ -219,7 +230,38 @@ class LabelReader:
             return self.class_names.index(value)
         if not self.class_names:
             raise BadLabel(f"class name {value!r} and no class names to map it to an id (summary.json's class_names)")
-        raise BadLabel(f"class name {value!r}, not one of the {len(self.class_names)} class names of the shard set")
+        alike = next((name for name in self.class_names if name.casefold() == value.casefold()), None)
+        hint = f" ({alike!r} is: names are matched exactly, case included)" if alike else ""
+        raise BadLabel(f"class name {value!r}, not one of the {len(self.class_names)} class names of the shard set{hint}")
+
+
+class ShardSummary(BaseModel):
+    """What reading shards takes from the summary.json that `launch.py prepare` writes beside them (other fields are
+    left alone); strict, so that `"class_names": "abc"` is refused rather than read as three names."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    samples: int | None = Field(None, ge=0, description="Samples in the shard set.")
+    shards: int | None = Field(None, ge=0, description="Shard files in the set.")
+    labels: bool = Field(False, description="Whether the samples carry labels.")
+    classes: int = Field(0, ge=0, description="Distinct labels.")
+    class_names: list[str] | None = Field(None, description="Class names; a named label's id is its position.")
+
+
+def shard_summary(urls: Sequence[str]) -> ShardSummary | None:
+    """The summary.json beside the first shard, checked; None where there is none."""
+    path = os.path.join(os.path.dirname(urls[0]), "summary.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as file:
+            return ShardSummary.model_validate_json(file.read())
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        what = (f"it is not JSON ({error['msg']})" if error["type"] == "json_invalid"
+                else f"{'.'.join(map(str, error['loc'])) or 'the whole file'}: {error['msg'].lower()}")
+        raise DataError(f"{path} cannot be read: {what}; correct it, or delete it to have the shards' labels scanned "
+                        f"instead (`launch.py prepare` writes it)") from None
 
 
 @dataclass(frozen=True)
@@ -236,24 +278,27 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     """The summary.json that `launch.py prepare` writes beside the shards, else a scan of the shards' label fields.
 
     The scan (local shards only) reads tar headers and the small label members, not the images; the class names
-    it finds are sorted, so every process and every run over the same shards maps a name to the same id.
+    it finds are sorted, so every process and every run over the same shards maps a name to the same id. Integer
+    ids give the count as the largest id + 1, unless that is far more than the ids found (SPARSE_FACTOR): then the
+    count is unknown and the source names the largest label and where it is.
     """
-    summary_path = os.path.join(os.path.dirname(urls[0]), "summary.json")
-    if os.path.isfile(summary_path):
-        with open(summary_path) as file:
-            summary = json.load(file)
-        names = tuple(summary.get("class_names") or ())
-        count = len(names) or int(summary.get("classes", 0)) if summary.get("labels") else 0
-        return LabelSpace(count, names, summary_path)
-    remote = [u for u in urls if u.startswith("pipe:") or "://" in u]
+    summary = shard_summary(urls)
+    if summary is not None:
+        names = tuple(summary.class_names or ())
+        count = len(names) or summary.classes if summary.labels else 0
+        return LabelSpace(count, names, os.path.join(os.path.dirname(urls[0]), "summary.json"))
+    remote = [u for u in urls if is_remote(u)]
     if remote:
         return LabelSpace(None, (), f"no summary.json beside {remote[0]}, and remote shards are not scanned")
     ids, names = set(), set()
+    largest, where = -1, ""
     for url in urls:
         for sample in label_members(url):
             value = _raw_or_none(sample)  # a bad label is the stream's to count
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
+                if value > largest:
+                    largest, where = value, f"sample {sample['__key__']} of {url}"
             elif isinstance(value, str):
                 names.add(value)
     if ids and names:  # names cannot be given ids that do not collide with the ids in use
@@ -263,17 +308,47 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     source = f"a scan of {len(urls)} shard(s) (no summary.json)"
     if names:
         return LabelSpace(len(names), tuple(sorted(names)), source)
-    return LabelSpace(max(ids) + 1 if ids else 0, (), source)
+    if largest + 1 > max(SPARSE_FACTOR * len(ids), SPARSE_FLOOR):
+        below = f", the next largest being {sorted(ids)[-2]}" if len(ids) > 1 else ""
+        return LabelSpace(None, (), f"its largest label, {largest} ({where}), would size the head for {largest + 1} "
+                                    f"classes although only {len(ids)} distinct labels occur{below}, so it looks like a "
+                                    f"stray label to correct")
+    return LabelSpace(largest + 1 if ids else 0, (), source)
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith("pipe:") or "://" in url
 
 
 def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
     """The names that class-name labels map through (id = position), without a full scan where none is needed:
     summary.json's class_names, else, if the first shard labels samples by name, the names of `label_space`."""
     first = urls[0]
-    if os.path.isfile(os.path.join(os.path.dirname(first), "summary.json")) or first.startswith("pipe:") or "://" in first:
+    if os.path.isfile(os.path.join(os.path.dirname(first), "summary.json")) or is_remote(first):
         return label_space(urls).class_names
     named = any(isinstance(_raw_or_none(sample), str) for sample in label_members(first))
     return label_space(urls).class_names if named else ()
+
+
+def shared_label_names(sets: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The class names every loader of a run maps labels through: `label_names` of its shard sets together (`sets`:
+    each set's spec -> its shards, the training set first).
+
+    Names that differ only in case between two sets are refused: matched exactly, 'cat' in the training shards and
+    'Cat' in the evaluation shards would be two classes, each never seen by the other set.
+    """
+    names = label_names(tuple(url for urls in sets.values() for url in urls))
+    if len({name.casefold() for name in names}) == len(names):
+        return names
+    held = {spec: set(label_space(urls).class_names) for spec, urls in sets.items()}
+    for (spec, mine), (other_spec, other) in itertools.combinations(held.items(), 2):
+        pairs = sorted((a, b) for a in mine - other for b in other - mine if a.casefold() == b.casefold())
+        if pairs:
+            shown = ", ".join(f"{a!r} and {b!r}" for a, b in pairs[:3]) + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+            raise DataError(f"class names differ only in case between {spec} and {other_spec} ({shown}); names are "
+                            f"matched exactly, so each spelling would be a class of its own that the other set never "
+                            f"shows, whatever model.num_classes says; spell the names of one set as the other does")
+    return names
 
 
 def _raw_or_none(sample: dict) -> int | str | None:
@@ -284,24 +359,48 @@ def _raw_or_none(sample: dict) -> int | str | None:
 
 
 def label_members(url: str) -> Iterator[dict]:
-    """{"cls"|"json"|"txt": bytes} per sample of a local tar, skipping over the image members."""
-    sample, key = {}, None
+    """{"__key__": key, "cls"|"json"|"txt": bytes} per labelled sample of a local tar, skipping over the image members."""
+    sample: dict = {"__key__": None}
     try:
         with tarfile.open(url) as tar:
             for member in tar:
-                folder, name = os.path.split(member.name)
-                stem, _, ext = name.partition(".")  # as webdataset splits it: the key ends at the first dot
-                stem = os.path.join(folder, stem)
-                if stem != key:
-                    if sample:
+                key, ext = base_plus_ext(member.name)  # as webdataset splits it: the key ends at the first dot
+                if key != sample["__key__"]:
+                    if len(sample) > 1:
                         yield sample
-                    sample, key = {}, stem
-                if member.isreg() and ext.lower() in LABEL_KEYS:
+                    sample = {"__key__": key}
+                if member.isreg() and ext and ext.lower() in LABEL_KEYS:
                     sample[ext.lower()] = tar.extractfile(member).read()
-    except (OSError, tarfile.TarError, EOFError):
+    except READ_ERRORS:
         pass  # an unreadable shard is the stream's to count
-    if sample:
+    if len(sample) > 1:
         yield sample
+
+
+@functools.lru_cache(maxsize=16)
+def labelled_keys(url: str) -> frozenset[str]:
+    """The keys of a local shard's members that hold a label, from the tar headers alone."""
+    keys = set()
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                key, ext = base_plus_ext(member.name)
+                if key is not None and ext.lower() in LABEL_KEYS:
+                    keys.add(key)
+    except READ_ERRORS:
+        pass  # an unreadable shard is the stream's to count
+    return frozenset(keys)
+
+
+def misplaced_label(url: str, key: str, neighbours: Sequence[str]) -> str | None:
+    """Why sample `key` of shard `url`, an image without a label, has none, where its label is in the wrong place:
+    a member of the same shard not next to the image, or of a `neighbours` shard (local shards only); else None."""
+    if is_remote(url):
+        return None
+    if key in labelled_keys(url):
+        return members_apart(url, key, "its label is not next to its image")
+    holder = next((other for other in neighbours if not is_remote(other) and key in labelled_keys(other)), None)
+    return members_apart(url, key, f"its image is here and its label in {holder}") if holder else None
 
 
 # ---------------------------------------------------------------- streaming
@@ -351,7 +450,13 @@ class ShardStream(IterableDataset):
     decoding, the samples of the current group already consumed. `worker_offset` rotates which logical worker
     a DataLoader worker plays, so a resumed DataLoader (which always starts at worker 0) keeps the batch order.
 
-    labels: reads each sample's class id (a bad one is a skipped sample); None leaves labels unread (-1).
+    labels: reads each sample's class id (a bad one is a skipped sample); None leaves labels unread (-1). An image
+    without a label whose label lies elsewhere (a member of its shard not next to it, or of the shard before or
+    after it) raises DataError saying how to write the tar.
+
+    A shard that cannot be read, whole or from a damage on (see mpp.tars), is named in a warning and counts as the
+    samples it lost (`LossEstimate`, with `samples_per_shard` from summary.json) under unreadable_shard, so that
+    data.max_skip_fraction judges shards by what they held.
     A worker whose pass (or BARREN_GROUPS resampled groups in a row) yields no usable image raises DataError
     naming the shards and the counts by reason: otherwise it would loop over them forever and the loader, which
     waits for every worker in turn, would never deliver another batch.
@@ -360,35 +465,49 @@ class ShardStream(IterableDataset):
     def __init__(self, urls: list[str], transform: Callable, batch_size: int, *, rank: int = 0, world: int = 1,
                  seed: int = 0, resampled: bool = True, shuffle_buffer: int = 0, loop: bool = True,
                  start: dict[int, StreamPosition] | None = None, worker_offset: int = 0,
-                 labels: Callable[[dict], int] | None = None):
+                 labels: Callable[[dict], int] | None = None, samples_per_shard: float | None = None):
         super().__init__()
         self.urls, self.transform, self.batch_size = urls, transform, batch_size
         self.rank, self.world, self.seed = rank, world, seed
         self.resampled, self.shuffle_buffer, self.loop = resampled, shuffle_buffer, loop
         self.start, self.worker_offset, self.labels = start or {}, worker_offset, labels
+        self.samples_per_shard = samples_per_shard
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         workers = info.num_workers if info else 1
         worker = ((info.id if info else 0) + self.worker_offset) % workers
         start = self.start.get(worker, StreamPosition())
-        skipped: Counter = Counter()  # since the last batch
+        skipped: Counter = Counter()  # samples since the last batch, by reason
         barren = Barren()  # since the last usable image
-        warned: set[str] = set()
+        warned: set[str] = set()  # reasons and shards
+        losses = LossEstimate(self.samples_per_shard)
+        place = {url: i for i, url in enumerate(self.urls)} if self.labels else {}
+        resume_at = pulled = 0  # of the current group: samples read past on a resume, samples pulled so far
+
+        def count(reason: str, detail: str, samples: int = 1) -> str:
+            detail = " ".join(detail.split())[:200]  # one line: it ends up in an error message
+            skipped[reason] += samples
+            barren.reasons[reason] += 1  # events: samples, or shards for unreadable_shard
+            barren.first.setdefault(reason, detail)
+            return detail
 
         def skip(reason: str, detail: str) -> None:
-            detail = " ".join(detail.split())[:200]  # one line: it ends up in an error message
-            skipped[reason] += 1
-            barren.reasons[reason] += 1
-            barren.first.setdefault(reason, detail)
+            detail = count(reason, detail)
             if reason not in warned:
                 warned.add(reason)
                 warnings.warn(f"skipping samples with {reason} (first: {detail}); counts are logged as data/skipped_*", stacklevel=2)
 
-        def on_tar_error(exc: Exception) -> bool:
-            words = [str(a) for a in exc.args if isinstance(a, (str, int))]  # webdataset appends the url to the args
-            skip("unreadable_shard", f"{words[-1]}: {' '.join(words[:-1])}" if len(words) > 1 else str(exc))
-            return True
+        def shard_ended(end: ShardEnd) -> None:
+            if end.damage is not None and pulled >= resume_at:  # a shard read past on a resume was counted before
+                lost = losses.lost(end)
+                count("unreadable_shard", f"{end.url}: {end.damage}", lost)
+                if end.url not in warned:
+                    warned.add(end.url)
+                    read = f"read to its end ({end.damage}) after {end.samples} samples" if end.samples else f"read ({end.damage})"
+                    warnings.warn(f"shard {end.url} could not be {read}: an estimated {lost} sample(s) lost, counted as "
+                                  f"data/skipped_unreadable_shard, which data.max_skip_fraction judges", stacklevel=2)
+            losses.record(end)
 
         images, labels = [], []
         last_group = 10**12 if self.loop or self.resampled else 1
@@ -399,11 +518,12 @@ class ShardStream(IterableDataset):
                 return
             barren.shards.update(shards)
             got_image = False
-            samples = tarfile_samples(({"url": url} for url in shards), handler=on_tar_error)
+            samples = shard_samples(shards, on_end=shard_ended)
             if self.shuffle_buffer:
                 samples = wds.shuffle(self.shuffle_buffer, min(self.shuffle_buffer, 100), rng=random.Random(key))(samples)
-            resume_at = start.consumed if group == start.group else 0
+            resume_at, pulled = (start.consumed if group == start.group else 0), 0
             for index, sample in enumerate(samples, start=1):
+                pulled = index
                 if index <= resume_at:
                     continue
                 barren.read += 1
@@ -421,6 +541,12 @@ class ShardStream(IterableDataset):
                 except Exception as exc:
                     skip("undecodable_image", f"{name}: {exc}")
                     continue
+                if label < 0 and self.labels:
+                    url = sample["__url__"]
+                    at = place[url]
+                    misplaced = misplaced_label(url, name, self.urls[max(at - 1, 0):at] + self.urls[at + 1:at + 2])
+                    if misplaced:
+                        raise DataError(misplaced)
                 got_image = True
                 images.append(image)
                 labels.append(label)
@@ -488,11 +614,14 @@ def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_si
     state = state or StreamState()
     if labels:
         reader = LabelReader(tuple(label_names(tuple(urls)) if class_names is None else class_names))
+    summary = shard_summary(urls)
+    per_shard = summary.samples / summary.shards if summary and summary.samples and summary.shards else None
     stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,
                          resampled=resampled, shuffle_buffer=data.shuffle_buffer, loop=loop, start=state.positions,
-                         worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None)
+                         worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None,
+                         samples_per_shard=per_shard)
     # Its own generator: starting workers must not draw from the global RNG that drives corruption,
     # or a resumed run (which starts its loader after restoring RNG state) would diverge.
     return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                       persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers else None,
-                      generator=torch.Generator())
+                      generator=torch.Generator(), worker_init_fn=end_commands_on_sigterm)

@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """A mistake in a config, a path or the data; the message names the thing and the fix."""
+
+
+class DataError(UserError):
+    """A user-facing problem with the shard set; the message names it and the fix."""

@@ -26,8 +26,12 @@ class Preempted(Exception):
     """Training stopped on SIGTERM/SIGINT after saving a checkpoint; the message says how to resume."""
 
 
-class SignalWhileWaiting(Exception):
-    """A stop signal arrived while the loop was blocked waiting for the data stream; its text is the signal's name."""
+class SignalWhileWaiting(BaseException):
+    """A stop signal arrived while the loop was blocked waiting for the data stream; its text is the signal's name.
+
+    A BaseException, as KeyboardInterrupt is: raised wherever the wait happens to be (reading a shard, decoding an
+    image), it must not be caught as one more unreadable shard or undecodable image by code that catches Exception.
+    """
 
     at_step_boundary = True  # whether the step it interrupted had consumed no micro-batch yet (set by the loop's feed)
 

@@ -9,7 +9,7 @@ import torch
 from accelerate import Accelerator
 
 from mpp.config import Config
-from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_names, label_space, make_loader
+from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer
 from mpp.shards import synthetic_samples, write_shards
@@ -86,8 +86,7 @@ def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tu
     """The class names every loader of a run maps named labels through (id = position): the class_names of the
     summary.json beside the first shard set, else the sorted names found in all of them, so that training and
     evaluation shards agree on each name's id even when one of them lacks a class."""
-    urls = [url for spec in specs if spec for url in resolve_shards(spec, cfg, accelerator)]
-    return label_names(tuple(urls))
+    return shared_label_names({spec: tuple(resolve_shards(spec, cfg, accelerator)) for spec in specs if spec})
 
 
 def num_classes(cfg: Config, urls: list[str]) -> int:

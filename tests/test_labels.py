@@ -2,6 +2,9 @@
 
 import io
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import webdataset as wds
@@ -12,7 +15,7 @@ from mpp.synthetic import synthetic_image
 from pipelines import pretrain
 from pipelines.loaders import num_classes
 
-from conftest import TINY, reset_accelerator
+from conftest import ROOT, TINY, reset_accelerator
 
 
 @pytest.fixture(autouse=True)
@@ -129,3 +132,69 @@ def test_integer_labels_need_no_scan_of_every_shard(tmp_path):
     urls = write_labelled(tmp_path / "a", [1, 2, 0, 1]) + write_labelled(tmp_path / "b", [3, 0])
     assert mpp.data.label_names(tuple(urls)) == ()
     assert mpp.data.label_space.cache_info().currsize == 0  # the full scan never ran
+
+
+# ---------------------------------------------------------------- labels and summaries that used to end in a traceback
+
+
+def test_a_label_too_large_for_an_id_is_a_counted_bad_label(tmp_path):
+    """A 20-digit label overflowed int64: a traceback at the scan (the head's size) and in the stream (the batch)."""
+    urls = write_labelled(tmp_path / "s", [0, 1, 12345678901234567890, 2] * 2, "cls")
+    assert num_classes(load_config(None, ["data.shards=x"]), urls) == 3  # the scan leaves it to the stream
+    with pytest.warns(UserWarning, match=r"bad_label \(first: k0002: label 12345678901234567890, larger than any class id"):
+        labels, skipped = stream_labels(urls)
+    assert labels == [0, 1, 2] * 2 and skipped["bad_label"] == 2
+
+
+def test_a_stray_huge_label_is_named_not_taken_for_the_class_count(tmp_path):
+    """One label 1000000000 among 0 to 2 sized the head for a billion classes: 'out of memory ... reduce batch size'."""
+    urls = write_labelled(tmp_path / "s", [0, 1, 1000000000, 2] * 2, "cls")
+    with pytest.raises(DataError, match=rf"largest label, 1000000000 \(sample k0002 of {urls[0]}\), would size the head "
+                                        r"for 1000000001 classes although only 4 distinct labels occur, the next largest "
+                                        r"being 2, so it looks like a stray label to correct\); set model.num_classes"):
+        num_classes(load_config(None, ["data.shards=x"]), urls)
+
+
+@pytest.mark.parametrize("summary, complaint", [
+    ("{not json", "it is not JSON"),
+    ('{"labels": true, "classes": "three"}', "classes: input should be a valid integer"),
+    ('{"labels": true, "classes": 3, "class_names": "abc"}', "class_names: input should be a valid array"),
+    ('{"labels": "yes", "classes": 3}', "labels: input should be a valid boolean"),
+    ("[1, 2]", "the whole file: input should be an object"),
+], ids=["not-json", "classes-text", "class-names-string", "labels-text", "a-list"])
+def test_a_malformed_summary_is_named_with_what_is_wrong(tmp_path, summary, complaint):
+    urls = write_labelled(tmp_path / "s", [0, 1, 2, 1], "cls")
+    (tmp_path / "s" / "summary.json").write_text(summary)
+    with pytest.raises(DataError, match=rf"{tmp_path / 's' / 'summary.json'} cannot be read: {re.escape(complaint)}.*"
+                                        r"correct it, or delete it"):
+        num_classes(load_config(None, ["data.shards=x"]), urls)
+    with pytest.raises(DataError, match="summary.json cannot be read"):  # the stream reads it too (samples per shard)
+        stream_labels(urls, labels=False)
+
+
+def test_class_names_that_differ_in_case_between_sets_are_named(tmp_path):
+    """Training 'cat'/'dog', evaluation 'Cat'/'Dog': the error said to set model.num_classes, which trained to 0%."""
+    from pipelines.loaders import class_names
+
+    write_labelled(tmp_path / "train", ["cat", "dog", "cat", "dog"], "txt")
+    write_labelled(tmp_path / "val", ["Cat", "Dog"], "txt")
+    cfg = load_config(None, [f"data.shards={tmp_path / 'train'}", f"data.val_shards={tmp_path / 'val'}"])
+    with pytest.raises(DataError, match=rf"class names differ only in case between {tmp_path / 'train'} and "
+                                        rf"{tmp_path / 'val'} \('cat' and 'Cat', 'dog' and 'Dog'\).*whatever "
+                                        r"model.num_classes says"):
+        class_names(cfg, None, cfg.data.shards, cfg.data.val_shards)
+    # with a summary's names, each evaluation sample is a bad label whose message shows the other spelling
+    labelled = write_labelled(tmp_path / "named", ["Cat"], "cls", class_names=["cat", "dog"])
+    with pytest.raises(DataError, match=r"class name 'Cat', not one of the 2 class names of the shard set \('cat' is: "
+                                        r"names are matched exactly, case included\)"):
+        stream_labels(labelled)
+
+
+def test_cli_names_a_stray_label_instead_of_running_out_of_memory(tmp_path):
+    write_labelled(tmp_path / "s", [0, 1, 1000000000, 2] * 2, "cls")
+    proc = subprocess.run([sys.executable, "launch.py", "pretrain", "objective=supervised", f"data.shards={tmp_path / 's'}",
+                           f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2", "train.warmup_steps=1",
+                           "train.batch_size=4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: cannot tell how many classes") and "1000000000 (sample k0002" in proc.stderr
+    assert not (tmp_path / "run").exists()
