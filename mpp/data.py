@@ -24,16 +24,14 @@ import webdataset as wds
 from braceexpand import braceexpand
 from einops import rearrange
 from PIL import Image, ImageOps
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import base_plus_ext
 
 from mpp.config import DataConfig
 from mpp.errors import DataError
+from mpp.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary, summary_beside
 from mpp.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
 
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
-SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # webdataset reads gzipped tars as they are
 ORIENTATION_TAG = 0x0112  # EXIF
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
 
@@ -50,7 +48,7 @@ def expand_shards(spec: str) -> list[str]:
     shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
     if not shards:
         raise DataError(f"shard spec '{spec}' names no shards; pass a directory, a brace pattern or URLs")
-    check_local_shards([s for s in shards if not s.startswith("pipe:") and "://" not in s])
+    check_local_shards([s for s in shards if not is_remote(s)])
     return shards
 
 
@@ -167,7 +165,6 @@ class EvalTransform:
 
 # ---------------------------------------------------------------- labels
 
-LABEL_KEYS = ("cls", "json", "txt")  # where WebDataset corpora keep a label, in the order they are looked up
 LARGEST_ID = 2**63 - 1  # labels travel as int64
 # A largest id over this many times the distinct ids (and over SPARSE_FLOOR) is taken for a stray label, not a
 # class count: one stray 1000000000 among ids 0 to 9 would otherwise size the head for a billion classes.
@@ -235,35 +232,6 @@ class LabelReader:
         raise BadLabel(f"class name {value!r}, not one of the {len(self.class_names)} class names of the shard set{hint}")
 
 
-class ShardSummary(BaseModel):
-    """What reading shards takes from the summary.json that `launch.py prepare` writes beside them (other fields are
-    left alone); strict, so that `"class_names": "abc"` is refused rather than read as three names."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    samples: int | None = Field(None, ge=0, description="Samples in the shard set.")
-    shards: int | None = Field(None, ge=0, description="Shard files in the set.")
-    labels: bool = Field(False, description="Whether the samples carry labels.")
-    classes: int = Field(0, ge=0, description="Distinct labels.")
-    class_names: list[str] | None = Field(None, description="Class names; a named label's id is its position.")
-
-
-def shard_summary(urls: Sequence[str]) -> ShardSummary | None:
-    """The summary.json beside the first shard, checked; None where there is none."""
-    path = os.path.join(os.path.dirname(urls[0]), "summary.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as file:
-            return ShardSummary.model_validate_json(file.read())
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        what = (f"it is not JSON ({error['msg']})" if error["type"] == "json_invalid"
-                else f"{'.'.join(map(str, error['loc'])) or 'the whole file'}: {error['msg'].lower()}")
-        raise DataError(f"{path} cannot be read: {what}; correct it, or delete it to have the shards' labels scanned "
-                        f"instead (`launch.py prepare` writes it)") from None
-
-
 @dataclass(frozen=True)
 class LabelSpace:
     """What a shard set's labels are: class names (id = position) and the class count (0: no labels, None: unknown)."""
@@ -286,7 +254,7 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     if summary is not None:
         names = tuple(summary.class_names or ())
         count = len(names) or summary.classes if summary.labels else 0
-        return LabelSpace(count, names, os.path.join(os.path.dirname(urls[0]), "summary.json"))
+        return LabelSpace(count, names, summary_beside(urls[0]))
     remote = [u for u in urls if is_remote(u)]
     if remote:
         return LabelSpace(None, (), f"no summary.json beside {remote[0]}, and remote shards are not scanned")
@@ -316,15 +284,11 @@ def label_space(urls: tuple[str, ...]) -> LabelSpace:
     return LabelSpace(largest + 1 if ids else 0, (), source)
 
 
-def is_remote(url: str) -> bool:
-    return url.startswith("pipe:") or "://" in url
-
-
 def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
     """The names that class-name labels map through (id = position), without a full scan where none is needed:
     summary.json's class_names, else, if the first shard labels samples by name, the names of `label_space`."""
     first = urls[0]
-    if os.path.isfile(os.path.join(os.path.dirname(first), "summary.json")) or is_remote(first):
+    if os.path.isfile(summary_beside(first)) or is_remote(first):
         return label_space(urls).class_names
     named = any(isinstance(_raw_or_none(sample), str) for sample in label_members(first))
     return label_space(urls).class_names if named else ()

@@ -32,10 +32,10 @@ from tqdm import tqdm
 
 from mpp.data import SIXTEEN_BIT_MODES, upright
 from mpp.errors import UserError
+from mpp.shardformat import IMAGE_EXTS, SUMMARY
 from mpp.rundir import too_long
 from mpp.synthetic import CLASS_NAMES, synthetic_image
 
-IMAGE_EXTS = ("jpg", "png", "webp")  # what the shards hold; the reader converts every image to RGB
 _FORMAT_EXTS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _IMAGE_SUFFIXES = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm"}
 _ORDER_SEED = 0  # fixed, so preparing the same source twice gives identical shards
@@ -128,7 +128,7 @@ def write_shards(
         }
         if isinstance(samples, Source) and samples.class_names is not None:
             summary["class_names"] = samples.class_names
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     except BaseException as exc:
         bar.close()  # ends its line, so an error message gets one of its own
         if staging is not None:
@@ -144,7 +144,7 @@ def write_shards(
     # a directory caught half way must not look complete.
     for path in stale:
         path.unlink(missing_ok=True)
-    for file in [*files, "summary.json"]:
+    for file in [*files, SUMMARY]:
         os.replace(staging / file, out / file)
     staging.rmdir()
     return summary
@@ -193,7 +193,7 @@ def _stale_outputs(out: Path, prefix: str, overwrite: bool) -> list[Path]:
     tars = sorted(out.glob("*.tar"))
     if tars and not overwrite:
         raise SourceError(f"{out} already holds {len(tars)} .tar files; choose an empty output directory or pass overwrite (--overwrite) to replace them")
-    summary = out / "summary.json"
+    summary = out / SUMMARY
     try:
         listed = json.loads(summary.read_text()).get("files") if summary.is_file() else None
     except (ValueError, AttributeError):  # not JSON, or not an object: no record of what was written

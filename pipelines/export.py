@@ -10,6 +10,7 @@ from pathlib import Path
 from mpp.checkpoint import classifier_head, load_backbone, resolve_checkpoint, run_files_in
 from mpp.config import Config
 from mpp.data import DataError, expand_shards
+from mpp.shardformat import ShardSummary, shard_summary
 from mpp.hf import ExportError, export_hf
 from mpp.model import VisionTransformer
 from mpp.objectives import OBJECTIVES
@@ -71,16 +72,15 @@ def class_names(cfg: Config) -> dict[int, str] | None:
     if cfg.data.shards == "synthetic":
         return dict(enumerate(SYNTHETIC_CLASS_NAMES))
     summary = shards_summary(cfg)
-    return dict(enumerate(summary["class_names"])) if summary.get("class_names") else None
+    return dict(enumerate(summary.class_names)) if summary and summary.class_names else None
 
 
-def shards_summary(cfg: Config) -> dict:
-    """The summary.json beside the training shards; {} for shards without one or not present here."""
+def shards_summary(cfg: Config) -> ShardSummary | None:
+    """The summary.json beside the training shards, checked; None for shards without one or not present here."""
     try:
-        path = Path(expand_shards(cfg.data.shards)[0]).parent / "summary.json"
+        return shard_summary(expand_shards(cfg.data.shards))
     except DataError:
-        return {}
-    return json.loads(path.read_text()) if path.is_file() else {}
+        return None
 
 
 def run_record(weights_file: Path) -> tuple[dict, int | None]:
@@ -94,7 +94,7 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
     record, step = run_record(weights_file)
     fine_tuned = kind == "ViTForImageClassification"
     summary = shards_summary(cfg)
-    data = f"`{cfg.data.shards}`" + (f" ({summary['samples']:,} images, {summary['classes']} classes)" if summary else "")
+    data = f"`{cfg.data.shards}`" + (f" ({summary.samples:,} images, {summary.classes} classes)" if summary and summary.samples is not None else "")
     if fine_tuned:
         if "ckpt" not in record:  # a fine-tuning not finished, or its results.json lost
             start = "a starting point not recorded (no results.json beside the weights)"

@@ -9,6 +9,7 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
 from mpp.data import BadLabel, DataError, LabelReader, label_members
 from mpp.metrics import TOP1, TOP5
+from mpp.shardformat import is_remote
 from mpp.model import build_backbone
 from mpp.objectives import Classification, finetuning_head
 from mpp.train import Evaluator
@@ -54,7 +55,7 @@ def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tup
     so a label the head cannot score stops the run now rather than at its first evaluation."""
     reader = LabelReader(names)
     for url in urls:
-        if url.startswith("pipe:") or "://" in url:
+        if is_remote(url):
             continue  # streamed: checked batch by batch at evaluation
         for sample in label_members(url):
             try:

@@ -12,6 +12,7 @@ from mpp.config import Config
 from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer
+from mpp.shardformat import SUMMARY
 from mpp.shards import synthetic_samples, write_shards
 
 SYNTHETIC_ROOT = Path("data")
@@ -22,7 +23,7 @@ def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str
     if spec == "synthetic":
         out = SYNTHETIC_ROOT / f"synthetic-{cfg.data.synthetic_size}"
         with accelerator.main_process_first():
-            if accelerator.is_main_process and not (out / "summary.json").is_file():
+            if accelerator.is_main_process and not (out / SUMMARY).is_file():
                 accelerator.print(f"generating the embedded synthetic corpus ({cfg.data.synthetic_size} images) in {out}")
                 write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True, progress=True)
         spec = str(out)
