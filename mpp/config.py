@@ -330,34 +330,40 @@ def _explain(err: ValidationError) -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file <- `a.b=value` overrides, validated into a Config."""
+    return validate_config(read_layers(path, overrides))
+
+
+def read_layers(path: str | Path | None, overrides: list[str], what: str = "config file",
+                example: str = "(train:, model:, ...) as in configs/pretrain/default.yaml") -> dict:
+    """A YAML file (a mapping; none: {}) with dotted `key=value` overrides merged over it, as plain data. `what` and
+    `example` name the kind of file in the one-line errors (a run config, a comparison plan)."""
     layers = []
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
-        not_yaml = f"config file {path} is not valid YAML ({{}}); fix its syntax"
+            raise ConfigError(f"{what} {path} does not exist; pass an existing YAML file to --config")
+        not_yaml = f"{what} {path} is not valid YAML ({{}}); fix its syntax"
         try:
             top = yaml.safe_load(path.read_text())  # plainly first: OmegaConf takes a top-level scalar for a file name
         except Exception as exc:
             raise ConfigError(not_yaml.format(exc.__class__.__name__)) from None
         if top is not None and not isinstance(top, dict):
             held = "a list" if isinstance(top, list) else f"the single value {top!r}"
-            raise ConfigError(f"config file {path} holds {held} at its top level; it must be a mapping of sections "
-                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
+            raise ConfigError(f"{what} {path} holds {held} at its top level; it must be a mapping of sections {example}")
         try:
-            layer = OmegaConf.load(path)
+            layers.append(OmegaConf.load(path))
         except Exception as exc:
             raise ConfigError(not_yaml.format(exc.__class__.__name__)) from None
-        layers.append(layer)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=1000)")
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot merge config overrides: {exc}") from None
-    return validate_config(merged or {})
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read the overrides given ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+                          f"write each as key=value, YAML flow values with a space after ':' (grid=[{{train.lr: 0.1}}])") from None
+    return merged or {}
 
 
 def validate_config(raw: dict) -> Config:

@@ -73,9 +73,10 @@ class Batch:
     skipped: Counter = field(default_factory=Counter)  # samples dropped since the previous batch, by reason
     worker: int = 0  # the logical worker that produced it
     position: StreamPosition | None = None  # that worker's stream position after this batch
+    keys: tuple[str, ...] = ()  # each image's sample, as "<shard file name>/<key>": unique in a shard set
 
     def pin_memory(self) -> Batch:
-        return Batch(self.images.pin_memory(), self.labels.pin_memory(), self.skipped, self.worker, self.position)
+        return Batch(self.images.pin_memory(), self.labels.pin_memory(), self.skipped, self.worker, self.position, self.keys)
 
 
 # ---------------------------------------------------------------- decoding and augmentation
@@ -473,7 +474,7 @@ class ShardStream(IterableDataset):
                                   f"data/skipped_unreadable_shard, which data.max_skip_fraction judges", stacklevel=2)
             losses.record(end)
 
-        images, labels = [], []
+        images, labels, keys = [], [], []
         last_group = 10**12 if self.loop or self.resampled else 1
         for group in range(start.group, last_group):
             key = f"{self.seed}-{self.rank}-{worker}-{group}"
@@ -514,9 +515,11 @@ class ShardStream(IterableDataset):
                 got_image = True
                 images.append(image)
                 labels.append(label)
+                keys.append(f"{os.path.basename(sample['__url__'])}/{name}")
                 if len(images) == self.batch_size:
-                    yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(group, index))
-                    images, labels = [], []
+                    yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(group, index),
+                                tuple(keys))
+                    images, labels, keys = [], [], []
                     skipped.clear()
             if got_image or resume_at:  # a group read past on a resume may have held images: judge the next ones
                 barren = Barren()
@@ -525,7 +528,8 @@ class ShardStream(IterableDataset):
             if barren.groups >= (BARREN_GROUPS if self.resampled else 1):
                 raise DataError(barren.message(worker, self.rank, self.resampled))
         if images:
-            yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(last_group, 0))
+            yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(last_group, 0),
+                        tuple(keys))
 
     def _group_shards(self, worker: int, workers: int, rng: random.Random) -> list[str]:
         if self.resampled:

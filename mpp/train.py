@@ -243,4 +243,4 @@ def next_batch(batches: Iterator[Batch], device: torch.device, stop: StopOnSigna
     with stop.waiting_for_data() if stop else contextlib.nullcontext():
         batch = next(batches)
     return Batch(batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
-                 batch.skipped, batch.worker, batch.position)
+                 batch.skipped, batch.worker, batch.position, batch.keys)

@@ -1,20 +1,27 @@
-"""Comparison stage: MPP pretraining vs supervised pretraining vs training from scratch, each at its best recipe.
+"""Comparison stage: every arm of a plan (pipelines/plan.py) fine-tuned at its best recipe and compared, paired.
 
-Stages, each in its own directory under output_dir (so `tensorboard --logdir output_dir` shows every run, under
-short names): [split: a dev split held out of the downstream training shards, first, so a split too small to
-rank the grid is refused before any pretraining] -> pre/mpp, pre/supervised ->
-ft/<arm>/<recipe> for every arm and fine-tuning recipe of the grid -> ft/<arm>/<recipe>-x<multiple> for the pick
-fine-tuned longer (`lengths`) until dev top-1 falls below its best -> ft/<arm>/<pick>-s<seed> for the other seeds
-of each arm's dev-picked recipe (of every recipe, for the arms in `ablate`) -> [test/<arm>/<run>: each of those runs
-on the evaluation shards] -> frozen/<arm> (kNN and few-shot of the frozen backbone) -> [for the arms in `ablate`,
-the pick from earlier pretraining checkpoints: ft/<arm>/<pick>-p<step>[-s<seed>], test/..., frozen/<arm>-p<step>]
--> report.md, results.json, comparison.png. A finished stage leaves stage.json and is skipped when the command is
-repeated; an interrupted training stage resumes from its newest checkpoint.
+`run` is plan -> execute -> collect. The plan is the loaded CompareConfig. Executing it runs, for each arm, stages
+that each live in their own directory under output_dir (so `tensorboard --logdir output_dir` shows every run):
 
-The stages run one after another in this process, each started by stage.start_run with its own Accelerator
-(trackers, project directory, accumulation). Accelerate keeps one state per process, which the first Accelerator
-sets and nothing public resets, so every stage of a plan must agree on train.mixed_precision: a plan that does not
-is refused when it is loaded. Each training stage compiles its own model from a clean dynamo state.
+    split/ (or split/fold<i>/)    the dev split(s) held out of the downstream training shards, first, so a split too
+                                  small to rank the grid is refused before any pretraining
+    pre/<arm>                     the arm's pretraining (none for scratch)
+    ft/<arm>/<recipe>[-f<i>]      every grid recipe fine-tuned and scored on the dev split (or each fold)
+    ft/<arm>/<pick>-x<m>[-f<i>]   the pick fine-tuned longer (`lengths`) while dev top-1 does not fall
+    ft/<arm>/<kept>-s<seed>       the kept recipe and length at the other seeds (every seed under cross-validation,
+                                  on all labelled images); every recipe for the arms in `ablate`
+    test/<arm>/<run>              each of those runs scored on the evaluation shards, image by image
+    frozen/<arm>                  kNN and few-shot accuracy of the frozen backbone
+    ft/<arm>/<kept>-p<step>...    for ablated arms, the pick from earlier pretraining checkpoints (`checkpoints`)
+
+Collecting writes results.json, report.md (every gap with its paired 95% interval) and comparison.png/svg. A
+finished stage leaves stage.json and is skipped when the command is repeated; an interrupted training stage resumes
+from its newest checkpoint.
+
+The stages run one after another in this process, each started by start.start_run with its own Accelerator.
+Accelerate keeps one state per process, which the first Accelerator sets and nothing public resets, so every stage of
+a plan must agree on train.mixed_precision: a plan that does not is refused when it is loaded. Each training stage
+compiles its own model from a clean dynamo state.
 """
 
 from __future__ import annotations
@@ -27,148 +34,56 @@ import statistics
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import get_args
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-from pydantic import Field, ValidationError
 from safetensors.torch import load_file
-from webdataset.tariterators import tarfile_samples
 
 from mpp.checkpoint import load_backbone
-from mpp.model import build_backbone
-from mpp.config import Config, ConfigError, Pooling, Section, validate_config
-from mpp.data import IMAGE_KEYS
+from mpp.config import Config, Pooling
+from mpp.data import BadLabel, LabelReader, open_image
 from mpp.errors import UserError
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
-from mpp.shards import Sample, write_shards
-from mpp.runtime import Device, precision_label, process_state, resolve_precision
+from mpp.model import build_backbone
+from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
+from mpp.runtime import process_state
+from mpp.shardformat import IMAGE_KEYS
+from mpp.shards import Sample, Source, write_shards
+from mpp.stats import Candidate, dev_resolution, mcnemar, paired_bootstrap_gap, pick_recipe, stratified_folds
+from mpp.tars import ShardEnd, shard_samples
 from pipelines import finetune, pretrain
-from pipelines.loaders import num_classes, resolve_shards
-from pipelines.run_policy import RunInUse
-from pipelines.start import start_run
 from pipelines.evaluators import Stage, TopK
 from pipelines.fewshot import FewShot
 from pipelines.knn import Knn
-from pipelines.report import PRETRAIN_CURVES, line_chart, report_markdown, scalar_history, val_shards_name
+from pipelines.loaders import class_names, num_classes, resolve_shards
+from pipelines.plan import Arm, CompareConfig, load_compare_config, pretrain_config, recipes, stage_config  # noqa: F401 (cli reads load_compare_config here)
+from pipelines.plots import comparison_figure
+from pipelines.report import PRETRAIN_CURVES, report_markdown, scalar_history
+from pipelines.run_policy import RunInUse
+from pipelines.start import start_run
 
-ARMS = ("mpp", "supervised", "scratch")
 STAGE_DONE = "stage.json"
-OBJECTIVE = {"mpp": "masked patch prediction", "supervised": "supervised (upstream labels)", "scratch": "none (random init)"}
-# Fewer dev images of a class than this and the learning-rate pick is noise: one image moves that class's accuracy by
-# over 10 points, and with 10 classes (100 images) top-1's binomial standard error is still up to 5 points.
+# Fewer dev images of a class than this and the pick is noise: one image moves that class's accuracy by over 10
+# points, and with 10 classes (100 images) top-1's binomial standard error is still up to 5 points.
 DEV_MIN_PER_CLASS = 10
 WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
 
 
-class CompareConfig(Section):
-    output_dir: str = Field("runs/compare", description="Where every stage's run directory, report.md, results.json and comparison.png go.")
-    arms: list[Literal["mpp", "supervised", "scratch"]] = Field(list(ARMS), min_length=1, description="Which starting points to fine-tune: MPP-pretrained, supervised-pretrained, fresh.")
-    common: dict[str, Any] = Field({}, description="Run-config keys shared by every stage (model.*, fewshot.*, data.num_workers, ...).")
-    pretrain: dict[str, Any] = Field({}, description="Run-config keys of both pretraining runs: data.shards (upstream; labelled for supervised), train.*, mpp.*.")
-    finetune: dict[str, Any] = Field({}, description="Run-config keys of every fine-tuning run: data.shards (downstream training), data.val_shards (evaluation), train.*, finetune.eval_every.")
-    lrs: list[float] = Field([], description="Fine-tuning learning rates tried per arm, the best picked on the dev split; empty: finetune's train.lr alone, no dev split.")
-    grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best per arm is picked on the dev split.")
-    seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and whether each gap exceeds that spread. Empty: finetune's train.seed alone.")
-    dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's learning rate.")
-    lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's dev-picked recipe, stopping at the first whose dev top-1 falls below the best so far (a tie goes on), so every arm fine-tunes until its dev accuracy stops rising; the shortest with the best dev top-1 is kept; [1]: the plan's length only.")
-    checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
-    ablate: list[Literal["mpp", "supervised", "scratch"]] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation (test top-1 mean +- std per recipe); arms not in `arms` are not run, so arms=[scratch] runs a plan with ablate=[mpp] unchanged.")
-
-
-def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareConfig:
-    """The comparison YAML <- `key=value` overrides (e.g. pretrain.train.steps=2000); every stage's config is validated now."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"comparison config {path} does not exist; pass one of configs/compare/*.yaml to --config")
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. pretrain.train.steps=1000)")
-    try:
-        raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))), resolve=True)
-    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read {path} with the overrides given ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
-    try:
-        cc = CompareConfig.model_validate(raw or {})
-    except ValidationError as err:
-        first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"comparison config key '{key}': {first['msg']}; see configs/compare/tiny.yaml") from None
-    if cc.lengths[0] != 1 or any(b <= a for a, b in zip(cc.lengths, cc.lengths[1:])):
-        raise ConfigError(f"lengths must start at 1 (the plan's train.steps) and increase, got {cc.lengths}; e.g. [1, 2, 4]")
-    steps = stage_config(cc, "pretrain", objective="mpp").train.steps
-    if any(not 0 < step < steps for step in cc.checkpoints):
-        raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
-    if cc.grid and cc.lrs:
-        raise ConfigError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
-    stages = {f"{arm} pretraining": stage_config(cc, "pretrain", objective=arm) for arm in ("mpp", "supervised")}
-    stages["fine-tuning and few-shot evaluation"] = stage_config(cc, "finetune")
-    stages.update({f"fine-tuning recipe {name}": stage_config(cc, "finetune", **recipe) for name, recipe in recipes(cc).items()})
-    check_one_process(stages)
-    return cc
-
-
-def check_one_process(stages: dict[str, Config]) -> None:
-    """Refuse a plan whose stages need different mixed precision (see the module's docstring)."""
-    device = Device.this_process()
-    (first, cfg), *others = stages.items()
-    precision = resolve_precision(cfg.train.mixed_precision, device)
-    for name, other in others:
-        other_precision = resolve_precision(other.train.mixed_precision, device)
-        if other_precision != precision:
-            raise ConfigError(f"the comparison's {first} runs with train.mixed_precision {precision_label(precision)}, its "
-                              f"{name} with {precision_label(other_precision)}; compare runs every stage in one process, "
-                              f"which keeps the first stage's precision: set it once, in the plan's common section")
-
-
-def dotted(keys: dict, prefix: str = "") -> dict[str, Any]:
-    """{'train': {'lr': 0.1}} or {'train.lr': 0.1} -> {'train.lr': 0.1}."""
-    flat = {}
-    for key, value in keys.items():
-        if isinstance(value, dict):
-            flat.update(dotted(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-SHORT = {"train.optimizer": "", "train.lr": "", "finetune.pool": "", "train.layer_decay": "ld", "model.drop_path": "dp",
-         "train.label_smoothing": "ls", "train.weight_decay": "wd", "train.steps": "st"}
-
-
-def recipes(cc: CompareConfig) -> dict[str, dict[str, Any]]:
-    """The fine-tuning grid as {short name: dotted keys}: a recipe's own `name`, else its values (sgd-0.03,
-    adamw-0.001-ld0.75), else r<index> when that is long; short so TensorBoard's run list shows them whole
-    (report.md's legend gives every recipe's keys)."""
-    grid = [dotted(r) for r in cc.grid] or [{"train.lr": lr} for lr in cc.lrs] or [{}]
-    named: dict[str, dict[str, Any]] = {}
-    for i, recipe in enumerate(grid):
-        given = recipe.pop("name", None)
-        parts = [f"{SHORT.get(k, k.split('.')[-1][:4])}{v:g}" if isinstance(v, float) else f"{SHORT.get(k, k.split('.')[-1][:4])}{v}"
-                 for k, v in recipe.items()]
-        name = str(given) if given is not None else "-".join(parts) or "base"
-        if given is not None and (name in named or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()):
-            raise ConfigError(f"grid recipe name '{name}' is taken or not a plain name; give each recipe a distinct name of letters, digits, '-', '_' or '.'")
-        if given is None and (len(name) > 24 or name in named or "/" in name):
-            name = f"r{i}"
-        named[name] = recipe
-    return named
-
-
-def stage_config(cc: CompareConfig, section: str, **keys) -> Config:
-    """common <- the section <- `keys` (dotted), validated as a run config."""
-    dotted = OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items()])
-    merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(cc.common), OmegaConf.create(getattr(cc, section)), dotted))
-    try:
-        return validate_config(merged)
-    except ConfigError as err:
-        raise ConfigError(f"in the comparison's '{section}' runs (common + {section}): {err}") from None
-
-
 class CompareError(UserError):
-    """A comparison directory that holds stages finished with other settings."""
+    """A comparison directory that holds stages finished with other settings, or a plan its data cannot serve."""
+
+
+def run(cc: CompareConfig) -> dict:
+    """Run the plan `cc` (resuming what an earlier invocation left) and write its report; returns results.json."""
+    out = Path(cc.output_dir)
+    base = stage_config(cc, "finetune")
+    grid = recipes(cc)
+    selection = Selection.of(cc, base, out, select=len(grid) > 1)  # first: a useless split costs no pretraining
+    arms = {arm.name: ArmRun(cc, arm, base, grid, selection).run() for arm in cc.arms}
+    return collect(cc, base, grid, selection, arms)
+
+
+# ---------------------------------------------------------------- stages
 
 
 def wait_while_running_elsewhere(directory: Path, name: str) -> None:
@@ -226,141 +141,6 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
     return info
 
 
-def run(cc: CompareConfig) -> dict:
-    out = Path(cc.output_dir)
-    report: dict[str, Any] = {"arms": {}, "config": cc.model_dump()}
-
-    # The split first: a dev split too small to rank the grid is refused before hours of pretraining.
-    base = stage_config(cc, "finetune")
-    grid = recipes(cc)
-    select_on_dev = len(grid) > 1
-    seeds = cc.seeds or [base.train.seed]
-    train_shards, val_shards = base.data.shards, base.data.val_shards
-    if select_on_dev:
-        split = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
-                      {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
-                      lambda: split_stage(base, out / "split", cc.dev_fraction))
-        train_shards, val_shards = split["train"], split["dev"]
-
-    pretrained: dict[str, dict] = {}
-    for arm in ("mpp", "supervised"):
-        if arm in cc.arms:
-            cfg = stage_config(cc, "pretrain", objective=arm, output_dir=out / "pre" / arm)
-            pretrained[arm] = stage(out / "pre" / arm, f"{arm} pretraining", settings(cfg),
-                                  lambda cfg=cfg: pretrain_stage(cfg))
-
-    def fine_tune(arm: str, ckpt: str | None, run_name: str, recipe: dict, seed: int) -> tuple[Path, dict]:
-        directory = out / "ft" / arm / run_name
-        cfg = stage_config(cc, "finetune", output_dir=directory, **{**recipe, "train.seed": seed,
-                                                                   "data.shards": train_shards, "data.val_shards": val_shards})
-        return directory, stage(directory, f"{arm} fine-tuning {run_name}", {**settings(cfg), "ckpt": ckpt},
-                                lambda: finetune_stage(cfg, ckpt))
-
-    for arm in cc.arms:
-        ckpt = str(out / "pre" / arm) if arm in pretrained else None
-        runs = {name: fine_tune(arm, ckpt, name, recipe, base.train.seed) for name, recipe in grid.items()}
-        best = max(grid, key=lambda name: runs[name][1]["top1"])
-        recipes_run, lengths = dict(grid), {}
-        pick, kept = best, 1.0
-        if select_on_dev:  # longer, until dev top-1 falls below its best so far
-            steps = stage_config(cc, "finetune", **grid[best]).train.steps
-            lengths = {1.0: runs[best][1]["top1"]}
-            for multiple in cc.lengths[1:]:
-                name = f"{best}-x{multiple:g}"
-                recipes_run[name] = {**grid[best], "train.steps": round(steps * multiple)}
-                runs[name] = fine_tune(arm, ckpt, name, recipes_run[name], base.train.seed)
-                lengths[multiple] = top1 = runs[name][1]["top1"]
-                if top1 < runs[pick][1]["top1"]:
-                    break
-                if top1 > runs[pick][1]["top1"]:  # a dev tie is no sign of a flat curve: go on, but keep the shorter
-                    pick, kept = name, multiple
-
-        def tested(name: str, start: str | None = ckpt) -> dict[int, dict]:
-            """Recipe `name` fine-tuned from `start` at every seed (the grid's seed reuses its run), scored on the evaluation shards."""
-            seeded = {seed: runs[name] if seed == base.train.seed else fine_tune(arm, start, f"{name}-s{seed}", recipes_run[name], seed)
-                      for seed in seeds}
-            if not select_on_dev:
-                return {seed: result for seed, (_, result) in seeded.items()}
-            test_cfgs = {seed: stage_config(cc, "finetune", output_dir=out / "test" / arm / directory.name,
-                                            **{**recipes_run[name], "train.seed": seed}) for seed, (directory, _) in seeded.items()}
-            return {seed: stage(out / "test" / arm / directory.name, f"{arm}: {directory.name} on {val_shards_name(base)}",
-                                {**settings(test_cfgs[seed]), "run": directory},
-                                lambda cfg=test_cfgs[seed], directory=directory: test_stage(cfg, directory))
-                    for seed, (directory, _) in seeded.items()}
-
-        # The pick first, so the headline is on disk before an ablation's extra runs.
-        scores = {name: tested(name) for name in ([pick] + [n for n in grid if n != pick] if arm in cc.ablate else [pick])}
-        entry = {"objective": OBJECTIVE[arm], "recipe": pick, "grid_pick": best, "settings": recipes_run[pick],
-                 "lr": stage_config(cc, "finetune", **recipes_run[pick]).train.lr,
-                 "grid": {name: runs[name][1]["top1"] for name in grid}, "lengths": {f"{m:g}": top1 for m, top1 in lengths.items()}, "length": f"{kept:g}",
-                 "run": str(runs[pick][0]), "finetune": runs[pick][1], "pretrain": pretrained.get(arm),
-                 "test": over_seeds(scores[pick], seeds)}
-        if arm in cc.ablate:
-            entry["ablation"] = {name: over_seeds(result, seeds) for name, result in scores.items()}
-        if select_on_dev:
-            entry["dev_top1"] = runs[pick][1]["top1"]
-        if arm in pretrained:
-            entry["pretrain_curves"] = scalar_history(out / "pre" / arm, PRETRAIN_CURVES)
-
-        def frozen(name: str, ckpt: str | None) -> dict:
-            cfg = stage_config(cc, "finetune", output_dir=out / "frozen" / name)
-            return stage(out / "frozen" / name, f"{name} frozen features (kNN, few-shot)", {**settings(cfg), "ckpt": ckpt},
-                         lambda: frozen_stage(cfg, ckpt))
-
-        entry["frozen"] = frozen(arm, ckpt)
-        if arm in cc.ablate and arm in pretrained:
-            entry["checkpoints"] = {}
-            for step in cc.checkpoints:  # the pick from earlier in the same pretraining
-                earlier = checkpoint_dir(out / "pre" / arm, step)
-                if not earlier.is_dir():
-                    kept = ", ".join(str(checkpoint_step(c)) for c in complete_checkpoints(out / "pre" / arm)) or "none"
-                    raise CompareError(f"{out / 'pre' / arm} keeps no checkpoint at step {step} (kept: {kept}); raise "
-                                       f"pretrain.train.keep_checkpoints, make the step a multiple of checkpoint_every, "
-                                       f"and pretrain again in a new output_dir")
-                runs[f"{pick}-p{step}"] = fine_tune(arm, str(earlier), f"{pick}-p{step}", recipes_run[pick], base.train.seed)
-                recipes_run[f"{pick}-p{step}"] = recipes_run[pick]
-                entry["checkpoints"][str(step)] = {"test": over_seeds(tested(f"{pick}-p{step}", str(earlier)), seeds),
-                                                   "frozen": frozen(f"{arm}-p{step}", str(earlier))}
-        report["arms"][arm] = entry
-
-    report["select_on_dev"] = select_on_dev
-    report["seeds"] = seeds
-    report["recipes"] = grid
-    report["gaps"] = gaps(report["arms"])
-    if process_state().is_main_process:
-        (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        (out / "report.md").write_text(report_markdown(report, cc, base))
-        curves = {arm: e["finetune"]["history"] for arm, e in report["arms"].items()}
-        ylabel = "dev top-1" if select_on_dev else "validation top-1"
-        line_chart(curves, out / "comparison.png", f"fine-tuning {ylabel} vs step", "fine-tuning step", ylabel)
-        print(f"[compare] report in {out / 'report.md'}, plot in {out / 'comparison.png'}, "
-              f"all runs in TensorBoard: tensorboard --logdir {out}")
-    return report
-
-
-def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
-    """Test top-1 (and top-5) of one recipe at every seed -> mean, std and each seed's."""
-    top1 = [tests[seed]["top1"] for seed in seeds]
-    return {"top1": statistics.fmean(top1), "top1_std": statistics.stdev(top1) if len(top1) > 1 else None,
-            "top1_seeds": {str(seed): t for seed, t in zip(seeds, top1)},
-            **({"top5": statistics.fmean(tests[s]["top5"] for s in seeds)} if "top5" in tests[seeds[0]] else {})}
-
-
-def gaps(arms: dict[str, dict]) -> list[dict]:
-    """Every pair of arms: the difference of mean test top-1 and whether it exceeds the seeds' spread (the sum of
-    the two standard deviations); with one seed there is no spread to judge by (exceeds_spread None)."""
-    names = list(arms)
-    result = []
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            ta, tb = arms[a]["test"], arms[b]["test"]
-            spread = None if ta["top1_std"] is None or tb["top1_std"] is None else ta["top1_std"] + tb["top1_std"]
-            gap = ta["top1"] - tb["top1"]
-            result.append({"arms": [a, b], "gap": gap, "spread": spread,
-                           "exceeds_spread": None if spread is None else abs(gap) > spread})
-    return result
-
-
 def settings(cfg: Config) -> dict:
     """What a stage's result depends on: its run config, less the directory it writes to, how often it logs and the
     CPU threads it computes with (so arms run side by side on a small machine, one thread each, are the stages a
@@ -370,70 +150,35 @@ def settings(cfg: Config) -> dict:
     return values
 
 
-# ---------------------------------------------------------------- the stages
+def resuming(cfg: Config) -> bool:
+    """A stage's run continues from a checkpoint an interrupted invocation left, or starts (without a word about
+    resuming: a fresh stage has nothing to resume)."""
+    return bool(complete_checkpoints(cfg.output_dir))
 
 
 def pretrain_stage(cfg: Config) -> dict:
-    started = time.perf_counter()
-    results = pretrain.run(cfg, resume=True)
-    return {"objective": cfg.objective, "steps": cfg.train.steps, "images_seen": results["images_seen"],
-            "wall_time_s": time.perf_counter() - started, "final": results["final"]}
+    results = pretrain.run(cfg, resume=resuming(cfg))
+    return {key: results[key] for key in ("objective", "description", "steps", "images_seen", "wall_time_s", "final")}
 
 
 def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
-    finetune.run(cfg, ckpt=ckpt, resume=True)
-    process_state().wait_for_everyone()  # the main process writes results.json
-    return json.loads((Path(cfg.output_dir) / RESULTS).read_text())
-
-
-def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
-    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev, stratified: each class gives
-    round(dev_fraction x its images) to dev, chosen by a hash of the key (the same split on every run and machine).
-
-    Refuses a dev split with fewer than DEV_MIN_PER_CLASS images of some class: it could not rank the grid.
-    """
-    urls = resolve_shards(cfg.data.shards, cfg, process_state())  # 'synthetic' is generated here if needed
-
-    def labelled_samples() -> Iterator[tuple[str, dict]]:
-        for sample in tarfile_samples({"url": url} for url in urls):
-            if "cls" in sample and any(k in sample for k in IMAGE_KEYS):
-                yield f"{sample['__url__']}/{sample['__key__']}", sample
-
-    by_class: dict[int, list[str]] = {}
-    for ident, sample in labelled_samples():
-        by_class.setdefault(int(sample["cls"]), []).append(ident)
-    dev_counts = {label: math.floor(dev_fraction * len(idents) + 0.5) for label, idents in by_class.items()}
-    if not by_class or min(dev_counts.values()) < DEV_MIN_PER_CLASS:
-        fewest = min(by_class, key=lambda label: len(by_class[label])) if by_class else None
-        have = f"class {fewest} has {len(by_class[fewest])} images, so {dev_counts[fewest]} in dev" if by_class else "no labelled images"
-        raise CompareError(f"the dev split ({dev_fraction:g} of {cfg.data.shards}) is too small to pick learning rates: "
-                           f"it needs at least {DEV_MIN_PER_CLASS} images of every class ({have}); raise dev_fraction "
-                           f"or use more training images")
-    dev = {ident for label, idents in by_class.items()
-           for ident in sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i))[:dev_counts[label]]}
-
-    def part(in_dev: bool) -> Iterator[Sample]:
-        for ident, sample in labelled_samples():
-            if (ident in dev) == in_dev:
-                ext = next(k for k in IMAGE_KEYS if k in sample)
-                key = sample["__key__"].replace(".", "_")
-                yield Sample(key, sample[ext], "jpg" if ext == "jpeg" else ext, int(sample["cls"]))
-
-    summaries = {name: write_shards(part(name == "dev"), out / name, overwrite=True) for name in ("train", "dev")}
-    return {"train": str(out / "train"), "dev": str(out / "dev"), "train_images": summaries["train"]["samples"],
-            "dev_images": summaries["dev"]["samples"], "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
+    finetune.run(cfg, ckpt=ckpt, resume=resuming(cfg))
+    process_state().wait_for_everyone()  # the main process writes results.json and predictions.json
+    directory = Path(cfg.output_dir)
+    return {**json.loads((directory / RESULTS).read_text()), "correct": json.loads((directory / PREDICTIONS).read_text())}
 
 
 def test_stage(cfg: Config, run_dir: Path) -> dict:
-    """The fine-tuned classifier in run_dir scored on the evaluation shards, with the fine-tuning stage's own metric."""
+    """The fine-tuned classifier in run_dir scored on cfg.data.val_shards, image by image."""
     accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
-    urls = resolve_shards(cfg.data.shards, cfg, accelerator)
-    classes = num_classes(cfg, urls)
+    classes = num_classes(cfg, resolve_shards(cfg.data.shards, cfg, accelerator))
     classifier = finetune.build_classifier(cfg, str(run_dir), classes)
     weights = load_file(str(run_dir / WEIGHTS))
     classifier.head.load_state_dict({"weight": weights["head.weight"], "bias": weights["head.bias"]})
-    scores = TopK(cfg, accelerator, Stage("finetune", classes)).scores(classifier.to(accelerator.device))
-    return {"run": str(run_dir), "top1": scores["eval/top1"], **({"top5": scores["eval/top5"]} if "eval/top5" in scores else {})}
+    top = TopK(cfg, accelerator, Stage("finetune", classes))
+    scores = top.scores(classifier.to(accelerator.device))
+    return {"run": str(run_dir), "top1": scores["eval/top1"], **({"top5": scores["eval/top5"]} if "eval/top5" in scores else {}),
+            "correct": {key: int(hit) for key, hit in sorted(top.predictions.items())}}
 
 
 def frozen_stage(cfg: Config, ckpt: str | None) -> dict:
@@ -450,3 +195,322 @@ def frozen_stage(cfg: Config, ckpt: str | None) -> dict:
         result[pool] = {"knn": Knn(pooled, accelerator).scores(backbone)["knn/top1"],
                         "fewshot": {str(n): statistics.fmean(a) for n, a in FewShot(pooled, accelerator).accuracies(backbone).items()}}
     return result
+
+
+# ---------------------------------------------------------------- the dev split and the folds
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Where candidates (recipes, lengths) are scored and the tested runs train.
+
+    One dev split: `splits` = [(train, dev)] and `final` = that train part. Cross-validation (dev_folds k): `splits`
+    = the k (all but fold i, fold i) pairs, every labelled image scored once by a run that did not train on it, and
+    `final` = all the labelled images. Without a grid to choose from: no split, `final` the plan's training shards.
+    """
+
+    splits: tuple[tuple[str, str], ...]
+    final: str
+    final_val: str  # what the tested runs evaluate on while they train: the dev split, or the evaluation shards
+    info: dict  # what the report says of it: images, per class, folds
+
+    @classmethod
+    def of(cls, cc: CompareConfig, base: Config, out: Path, *, select: bool) -> Selection:
+        if not select:
+            return cls((), base.data.shards, base.data.val_shards, {})
+        if cc.dev_folds:
+            info = stage(out / "split", f"{cc.dev_folds}-fold split of {base.data.shards}",
+                         {"shards": base.data.shards, "dev_folds": cc.dev_folds},
+                         lambda: fold_stage(base, out / "split", cc.dev_folds))
+            splits = tuple((fold["train"], fold["dev"]) for fold in info["folds"])
+            return cls(splits, base.data.shards, base.data.val_shards, info)
+        info = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
+                     {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
+                     lambda: split_stage(base, out / "split", cc.dev_fraction))
+        return cls(((info["train"], info["dev"]),), info["train"], info["dev"], info)
+
+    @property
+    def folds(self) -> int:
+        return len(self.splits) if len(self.splits) > 1 else 0
+
+
+def labelled_samples(cfg: Config) -> Iterator[tuple[str, dict, int]]:
+    """(key, sample, class id) of every labelled image sample of cfg.data.shards, read as training reads labels
+    (cls, json or txt; class names through the shard set's names); unreadable labels are left out. The key is the
+    sample's "<shard file name>/<key>", as Batch.keys name it."""
+    accelerator = process_state()
+    urls = resolve_shards(cfg.data.shards, cfg, accelerator)  # 'synthetic' is generated here if needed
+    reader = LabelReader(class_names(cfg, accelerator, cfg.data.shards))
+
+    def whole(end: ShardEnd) -> None:  # a split of a damaged shard would silently leave images out
+        if end.damage:
+            raise CompareError(f"shard {end.url} could not be read to its end ({end.damage}); repair or remove it "
+                               f"before splitting {cfg.data.shards}")
+
+    for sample in shard_samples(urls, whole):
+        if not any(k in sample for k in IMAGE_KEYS):
+            continue
+        try:
+            label = reader(sample)
+        except BadLabel:
+            continue
+        if label >= 0:
+            yield f"{Path(sample['__url__']).name}/{sample['__key__']}", sample, label
+
+
+def write_part(cfg: Config, out: Path, keep: Callable[[str], bool]) -> int:
+    """The labelled samples of cfg.data.shards whose key `keep` accepts, as shards in `out`; returns their count."""
+    names = list(class_names(cfg, process_state(), cfg.data.shards)) or None
+
+    def read() -> Iterator[Sample]:
+        for ident, sample, label in labelled_samples(cfg):
+            if keep(ident):
+                ext = next(k for k in IMAGE_KEYS if k in sample)
+                yield Sample(ident.replace("/", "_").replace(".", "_"), sample[ext], "jpg" if ext == "jpeg" else ext, label)
+
+    return write_shards(Source(f"part of {cfg.data.shards}", 0, read, names), out, overwrite=True)["samples"]
+
+
+def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
+    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev, stratified: each class gives
+    round(dev_fraction x its images) to dev, chosen by a hash of the key (the same split on every run and machine).
+
+    Refuses a dev split with fewer than DEV_MIN_PER_CLASS images of some class: it could not rank the grid.
+    """
+    by_class: dict[int, list[str]] = {}
+    for ident, _, label in labelled_samples(cfg):
+        by_class.setdefault(label, []).append(ident)
+    dev_counts = {label: math.floor(dev_fraction * len(idents) + 0.5) for label, idents in by_class.items()}
+    if not by_class or min(dev_counts.values()) < DEV_MIN_PER_CLASS:
+        fewest = min(by_class, key=lambda label: len(by_class[label])) if by_class else None
+        have = f"class {fewest} has {len(by_class[fewest])} images, so {dev_counts[fewest]} in dev" if by_class else "no labelled images"
+        raise CompareError(f"the dev split ({dev_fraction:g} of {cfg.data.shards}) is too small to pick recipes: it "
+                           f"needs at least {DEV_MIN_PER_CLASS} images of every class ({have}); raise dev_fraction, use "
+                           f"dev_folds (cross-validation over every image), or use more training images")
+    dev = {ident for label, idents in by_class.items()
+           for ident in sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i))[:dev_counts[label]]}
+    counts = {name: write_part(cfg, out / name, lambda ident, name=name: (ident in dev) == (name == "dev")) for name in ("train", "dev")}
+    return {"train": str(out / "train"), "dev": str(out / "dev"), "train_images": counts["train"], "dev_images": counts["dev"],
+            "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
+
+
+def fold_stage(cfg: Config, out: Path, k: int) -> dict:
+    """k stratified folds of cfg.data.shards (mpp.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
+    samples = [(ident, label) for ident, _, label in labelled_samples(cfg)]
+    fold_of = dict(zip((ident for ident, _ in samples), stratified_folds(samples, k)))
+    folds = []
+    for i in range(k):
+        parts = {name: write_part(cfg, out / f"fold{i}" / name, lambda ident, name=name: (fold_of[ident] == i) == (name == "dev"))
+                 for name in ("train", "dev")}
+        folds.append({"train": str(out / f"fold{i}" / "train"), "dev": str(out / f"fold{i}" / "dev"),
+                      "train_images": parts["train"], "dev_images": parts["dev"]})
+    return {"folds": folds, "images": len(samples)}
+
+
+# ---------------------------------------------------------------- one arm
+
+
+class ArmRun:
+    """Everything one arm runs: its pretraining, the recipe pick, the length search, the seeds, the frozen features
+    and, for an ablated arm, every recipe and the earlier checkpoints. `run()` -> its entry of results.json, with
+    the per-image test hits of its kept recipe at every seed under "correct" (collect pairs them between arms)."""
+
+    def __init__(self, cc: CompareConfig, arm: Arm, base: Config, grid: dict[str, dict], selection: Selection):
+        self.cc, self.arm, self.base, self.grid, self.selection = cc, arm, base, grid, selection
+        self.out = Path(cc.output_dir)
+        self.seeds = cc.seeds or [base.train.seed]
+        self.recipes: dict[str, dict] = dict(grid)  # every recipe run, longer ones included
+        self.ckpt: str | None = None
+        self.fine_tuned: dict[str, tuple[Path, dict]] = {}
+
+    def run(self) -> dict:
+        pretrained = self.pretrain()
+        self.ckpt = str(self.out / "pre" / self.arm.name) if pretrained else None
+        grid_pick = self.choose({name: recipe for name, recipe in self.grid.items()})
+        kept, lengths = self.search_length(grid_pick)
+        ablated = self.arm.name in self.cc.ablate
+        names = [kept.pick] + ([n for n in self.grid if n != kept.pick] if ablated else [])
+        tests = {name: self.tested(name) for name in names}
+        test = over_seeds(tests[kept.pick], self.seeds)
+        entry = {"objective": self.arm.summary, "recipe": kept.pick, "grid_pick": grid_pick.pick,
+                 "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
+                 "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
+                 "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
+                 "length_pick": pick_record(kept), "pretrain": pretrained, "test": test,
+                 "run": tests[kept.pick][self.seeds[0]]["run"], "finetune": tests[kept.pick][self.seeds[0]]["finetune"],
+                 "correct": {str(seed): tests[kept.pick][seed]["correct"] for seed in self.seeds},
+                 "history": {str(seed): tests[kept.pick][seed]["history"] for seed in self.seeds},
+                 "frozen": self.frozen(self.arm.name, self.ckpt)}
+        if self.selection.splits:
+            entry["dev_top1"] = kept.top1[kept.pick]
+        if ablated:
+            entry["ablation"] = {name: over_seeds(result, self.seeds) for name, result in tests.items()}
+        if pretrained:
+            entry["pretrain_curves"] = scalar_history(self.out / "pre" / self.arm.name, PRETRAIN_CURVES)
+            if ablated and self.cc.checkpoints:
+                entry["checkpoints"] = self.earlier_checkpoints(kept.pick)
+        return entry
+
+    def pretrain(self) -> dict | None:
+        if self.arm.objective is None:
+            return None
+        cfg = pretrain_config(self.cc, self.arm, output_dir=self.out / "pre" / self.arm.name)
+        return stage(self.out / "pre" / self.arm.name, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
+
+    def fine_tune(self, run_name: str, recipe: dict, seed: int, train: str, val: str, ckpt: str | None) -> tuple[Path, dict]:
+        """The fine-tuning stage ft/<arm>/<run_name>, once per invocation (a candidate's run is also a tested one)."""
+        if run_name not in self.fine_tuned:
+            directory = self.out / "ft" / self.arm.name / run_name
+            cfg = stage_config(self.cc, "finetune", output_dir=directory,
+                               **{**recipe, "train.seed": seed, "data.shards": train, "data.val_shards": val})
+            self.fine_tuned[run_name] = directory, stage(directory, f"{self.arm.name} fine-tuning {run_name}",
+                                                         {**settings(cfg), "ckpt": ckpt}, lambda: finetune_stage(cfg, ckpt))
+        return self.fine_tuned[run_name]
+
+    def choose(self, candidates: dict[str, dict]) -> Choice:
+        """Score each candidate recipe on the dev split (each fold) and pick one (mpp.stats.pick_recipe: ties to the
+        fewer training steps, then the earlier candidate); one candidate or no split: that one, unscored."""
+        scored = []
+        for name, recipe in candidates.items():
+            correct = {}
+            for i, (train, dev) in enumerate(self.selection.splits):
+                run_name = name if len(self.selection.splits) == 1 else f"{name}-f{i}"
+                correct.update(self.fine_tune(run_name, recipe, self.base.train.seed, train, dev, self.ckpt)[1]["correct"])
+            steps = stage_config(self.cc, "finetune", recipe).train.steps
+            scored.append((name, correct, steps))
+        if not self.selection.splits:
+            name = next(iter(candidates))
+            return Choice(name, {}, (name,), False, {})
+        keys = sorted(scored[0][1])
+        pick = pick_recipe([Candidate(name, [correct[k] for k in keys], steps) for name, correct, steps in scored])
+        return Choice(pick.pick, pick.top1, pick.tied, pick.tie, pick.p_value)
+
+    def search_length(self, grid_pick: Choice) -> tuple[Choice, dict[str, float]]:
+        """The grid's pick fine-tuned at the plan's `lengths` multiples, going on while dev top-1 does not fall below
+        the best so far; the kept length is picked among those tried like a recipe (ties to the fewer steps)."""
+        if len(self.cc.lengths) == 1 or not self.selection.splits:
+            return grid_pick, {}
+        name = grid_pick.pick
+        steps = stage_config(self.cc, "finetune", self.grid[name]).train.steps
+        tried: dict[str, dict] = {name: self.grid[name]}
+        choice = self.choose(tried)
+        for multiple in self.cc.lengths[1:]:
+            best_so_far = max(choice.top1.values())
+            longer = f"{name}-x{multiple:g}"
+            tried[longer] = self.recipes[longer] = {**self.grid[name], "train.steps": round(steps * multiple)}
+            choice = self.choose(tried)
+            if choice.top1[longer] < best_so_far:
+                break
+        return choice, {(key.rsplit("-x", 1)[1] if "-x" in key else "1"): top1 for key, top1 in choice.top1.items()}
+
+    def tested(self, name: str, ckpt: str | None = None, suffix: str = "") -> dict[int, dict]:
+        """Recipe `name` fine-tuned (from `ckpt`, default the arm's pretraining) on the final training shards at every
+        seed, each scored on the evaluation shards: {seed: test stage result}. Under one dev split the grid's seed
+        reuses the candidate run itself."""
+        ckpt = ckpt if ckpt is not None else self.ckpt
+        results = {}
+        for seed in self.seeds:
+            reuse = self.selection.folds == 0 and seed == self.base.train.seed
+            run_name = f"{name}{suffix}" if reuse else f"{name}{suffix}-s{seed}"
+            directory, trained = self.fine_tune(run_name, self.recipes[name], seed, self.selection.final, self.selection.final_val, ckpt)
+            if self.selection.final_val == self.base.data.val_shards:  # its last evaluation was on the evaluation shards
+                scored = {key: trained[key] for key in ("top1", "top5", "correct") if key in trained}
+            else:
+                cfg = stage_config(self.cc, "finetune", output_dir=self.out / "test" / self.arm.name / run_name,
+                                   **{**self.recipes[name], "train.seed": seed})
+                scored = stage(self.out / "test" / self.arm.name / run_name, f"{self.arm.name}: {run_name} on {self.base.data.val_shards}",
+                               {**settings(cfg), "run": directory}, lambda cfg=cfg, directory=directory: test_stage(cfg, directory))
+            results[seed] = {**scored, "history": trained["history"], "run": str(directory),
+                             "finetune": {k: trained[k] for k in ("steps", "images_seen", "wall_time_s", "top1")}}
+        return results
+
+    def frozen(self, name: str, ckpt: str | None) -> dict:
+        cfg = stage_config(self.cc, "finetune", output_dir=self.out / "frozen" / name)
+        return stage(self.out / "frozen" / name, f"{name} frozen features (kNN, few-shot)", {**settings(cfg), "ckpt": ckpt},
+                     lambda: frozen_stage(cfg, ckpt))
+
+    def earlier_checkpoints(self, pick: str) -> dict:
+        """The pick fine-tuned from earlier checkpoints of the same pretraining, at every seed, with their frozen
+        features: the report's pretraining-length ablation."""
+        pre = self.out / "pre" / self.arm.name
+        points = {}
+        for step in self.cc.checkpoints:
+            earlier = checkpoint_dir(pre, step)
+            if not earlier.is_dir():
+                kept = ", ".join(str(checkpoint_step(c)) for c in complete_checkpoints(pre)) or "none"
+                raise CompareError(f"{pre} keeps no checkpoint at step {step} (kept: {kept}); raise "
+                                   f"pretrain.train.keep_checkpoints, make the step a multiple of checkpoint_every, "
+                                   f"and pretrain again in a new output_dir")
+            tests = self.tested(pick, str(earlier), suffix=f"-p{step}")
+            points[str(step)] = {"test": over_seeds(tests, self.seeds), "frozen": self.frozen(f"{self.arm.name}-p{step}", str(earlier))}
+        return points
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A pick among candidates scored on the dev split(s): see mpp.stats.Pick."""
+
+    pick: str
+    top1: dict[str, float | None]  # every candidate's dev top-1
+    tied: tuple[str, ...]  # the best and those the split cannot tell from it
+    tie: bool
+    p_value: dict[str, float]
+
+
+def pick_record(choice: Choice) -> dict:
+    return {"pick": choice.pick, "tied": list(choice.tied), "tie": choice.tie, "p_value": choice.p_value}
+
+
+def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
+    """Test top-1 (and top-5) of one recipe at every seed -> mean, std and each seed's."""
+    top1 = [tests[seed]["top1"] for seed in seeds]
+    return {"top1": statistics.fmean(top1), "top1_std": statistics.stdev(top1) if len(top1) > 1 else None,
+            "top1_seeds": {str(seed): t for seed, t in zip(seeds, top1)},
+            **({"top5": statistics.fmean(tests[s]["top5"] for s in seeds)} if "top5" in tests[seeds[0]] else {})}
+
+
+# ---------------------------------------------------------------- collect
+
+
+def gaps(arms: dict[str, dict]) -> list[dict]:
+    """Every pair of arms: the difference of mean test top-1, its paired 95% bootstrap interval over the test images
+    and the seeds (mpp.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, and whether
+    the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed)."""
+    result = []
+    for a, b in itertools.combinations(arms, 2):
+        ea, eb = arms[a], arms[b]
+        keys = sorted(next(iter(ea["correct"].values())))
+        if sorted(next(iter(eb["correct"].values()))) != keys:
+            raise CompareError(f"arms {a} and {b} were scored on different evaluation images; rerun their test stages "
+                               f"on the plan's finetune data.val_shards")
+        matrix = {name: [[e["correct"][seed][k] for k in keys] for seed in e["correct"]] for name, e in ((a, ea), (b, eb))}
+        interval = paired_bootstrap_gap(matrix[a], matrix[b])
+        per_seed = {seed: asdict(mcnemar(ra, rb)) for seed, ra, rb in zip(ea["correct"], matrix[a], matrix[b])}
+        ta, tb = ea["test"], eb["test"]
+        spread = None if ta["top1_std"] is None or tb["top1_std"] is None else ta["top1_std"] + tb["top1_std"]
+        result.append({"arms": [a, b], "gap": ta["top1"] - tb["top1"], **{k: v for k, v in asdict(interval).items() if k != "gap"},
+                       "images": len(keys), "mcnemar": per_seed, "spread": spread,
+                       "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread})
+    return result
+
+
+def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict]) -> dict:
+    """results.json, report.md and comparison.png/svg from what every arm ran; returns results.json's content."""
+    out = Path(cc.output_dir)
+    report = {"arms": {name: {k: v for k, v in e.items() if k not in ("correct", "history")} for name, e in arms.items()},
+              "config": cc.model_dump(mode="json"), "select_on_dev": bool(selection.splits), "dev_folds": selection.folds,
+              "selection": selection.info, "seeds": cc.seeds or [base.train.seed], "recipes": grid, "gaps": gaps(arms)}
+    if selection.splits:
+        dev_images = selection.info.get("images") or selection.info["dev_images"]
+        report["dev_resolution"] = asdict(dev_resolution(dev_images))
+    if process_state().is_main_process:
+        (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (out / "report.md").write_text(report_markdown(report, cc, base))
+        ylabel = "dev top-1" if selection.folds == 0 and selection.splits else "evaluation top-1"
+        comparison_figure({name: e["history"] for name, e in arms.items()},
+                          {name: e.get("pretrain_curves", {}) for name, e in arms.items()},
+                          [g for g in report["gaps"]], out / "comparison.png", ylabel=ylabel)
+        print(f"[compare] report in {out / 'report.md'}, plots in {out / 'comparison.png'} and .svg, "
+              f"all runs in TensorBoard: tensorboard --logdir {out}")
+    return report
+

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch import nn
 
 from mpp.config import Config
@@ -60,10 +61,12 @@ class Registration:
 class TopK:
     """eval/top1 (and eval/top5 with more than 5 classes) of the classifier being fine-tuned, over one pass of
     data.val_shards split across processes; counts are summed over processes, so the result is exact however
-    unevenly the shards split."""
+    unevenly the shards split. `predictions` holds the last pass's per-image top-1 hit by sample key (gathered from
+    every process): what compare pairs between arms scored on the same images."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
         self.cfg, self.accelerator, self.classes = cfg, accelerator, stage.classes
+        self.predictions: dict[str, bool] = {}
         chart = "top-1 and top-5 on data.val_shards"
         self.metrics = (Metric(TOP1, EVALUATION, chart, headline=True, bar="top1", percent=True),
                         *([Metric(TOP5, EVALUATION, chart, headline=True, percent=True)] if self.classes > 5 else []))
@@ -77,6 +80,7 @@ class TopK:
         loader = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers)
         k = min(5, self.classes)
         counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
+        keys, top1_hits = [], []
         classifier.eval()
         for batch in labelled(loader, self.classes, f"data.val_shards ({cfg.data.val_shards})"):
             labels = batch.labels.to(accelerator.device)
@@ -84,7 +88,11 @@ class TopK:
                 logits = classifier.logits(batch.images.to(accelerator.device))
             hits = logits.topk(k, dim=-1).indices == labels[:, None]  # (B, k)
             counts += torch.stack([hits[:, 0].sum(), hits.any(dim=-1).sum(), torch.tensor(len(labels), device=labels.device)]).float()
+            keys.extend(batch.keys)
+            top1_hits.append(hits[:, 0])
         top1, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
+        mine = torch.cat(top1_hits).tolist() if top1_hits else []  # one host read per evaluation
+        self.predictions = dict(pair for part in gather_object([list(zip(keys, mine))]) for pair in part)
         if not total:
             raise DataError(f"data.val_shards ({cfg.data.val_shards}) holds no readable images; point it at labelled evaluation shards")
         scores = {TOP1: top1 / total}

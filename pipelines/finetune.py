@@ -3,12 +3,16 @@ shards and evaluated on held-out ones, as in the ViT paper's transfer experiment
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from torch import nn
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config, ConfigError
 from mpp.data import BadLabel, DataError, LabelReader, label_members
 from mpp.metrics import TOP1, TOP5
+from mpp.rundir import PREDICTIONS
 from mpp.shardformat import is_remote
 from mpp.model import build_backbone
 from mpp.objectives import Classification, finetuning_head
@@ -19,10 +23,12 @@ from pipelines.start import Run
 
 
 class History:
-    """(step, top-1) of every evaluation; checkpointed, so a resumed run reports the whole curve."""
+    """(step, top-1) of every evaluation, checkpointed, so a resumed run reports the whole curve; and the last
+    evaluation's per-image hits (what predictions.json holds)."""
 
     def __init__(self) -> None:
         self.points: list[list[float]] = []
+        self.predictions: dict[str, bool] = {}
 
     def state_dict(self) -> dict:
         return {"points": self.points}
@@ -36,6 +42,7 @@ class History:
             scores = evaluator.run(module, step)
             if TOP1 in scores:
                 self.points.append([step, scores[TOP1]])
+                self.predictions = evaluator.run.predictions
             return scores
 
         return Evaluator(evaluator.every, run, evaluator.metrics)
@@ -85,6 +92,8 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict:
             return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
 
         def results(final: dict[str, float]) -> dict:
+            if accelerator.is_main_process:
+                (Path(cfg.output_dir) / PREDICTIONS).write_text(json.dumps({k: int(v) for k, v in sorted(history.predictions.items())}) + "\n")
             return {"top1": final[TOP1], **({"top5": final[TOP5]} if TOP5 in final else {}),
                     "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points}
 

@@ -1,20 +1,16 @@
-"""The comparison's report: report.md (its tables, gaps and the paper's numbers for reference) and comparison.png
-(the fine-tuning curves), from the results compare.run gathered."""
+"""The comparison's report.md: its tables, every gap with its paired interval, what the dev split could resolve,
+and the paper's numbers for reference, from the results compare.run gathered (the figure is pipelines/plots.py's)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from PIL import Image, ImageDraw, ImageFont
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import Config
+from pipelines.plan import CompareConfig
 
-if TYPE_CHECKING:
-    from pipelines.compare import CompareConfig
-
-COLORS = {"mpp": (214, 39, 40), "supervised": (31, 119, 180), "scratch": (90, 90, 90)}  # of each arm in comparison.png
+PRIOR = "_prior"  # a metric's baseline that knows nothing (the batch's most frequent colour, its mean pixels)
 PAPER = ("The paper (Dosovitskiy et al., 2021, section 4.6): ViT-B/16 pretrained with MPP on JFT-300M for 1M steps at "
          "batch 4096 (~14 epochs) and fine-tuned on ImageNet reaches **79.9%** top-1: **+2%** over training from "
          "scratch and **4% below** supervised pretraining on JFT. That is ~4 billion pretraining images and a "
@@ -69,21 +65,106 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(row) + " |" for row in rows)]
 
 
+def never_learned(pretrain: dict | None) -> list[str]:
+    """The pretext metrics a pretraining ended no better at than their prior (train/color_acc at or below
+    train/color_acc_prior, train/loss at or above train/loss_prior): such an arm says nothing about its objective."""
+    final = (pretrain or {}).get("final", {})
+    flagged = []
+    for prior_tag, prior in final.items():
+        tag = prior_tag.removesuffix(PRIOR)
+        if prior_tag.endswith(PRIOR) and tag in final:
+            worse = final[tag] >= prior if "loss" in tag else final[tag] <= prior
+            if worse:
+                flagged.append(f"{tag} {final[tag]:.4g} against its prior's {prior:.4g}")
+    return flagged
+
+
+def selection_text(report: dict, cc: CompareConfig, base: Config) -> str:
+    grid, info = report["recipes"], report["selection"]
+    if not report["select_on_dev"]:
+        return (f"one recipe ({base.train.optimizer}, lr {base.train.lr:g}) for every arm (no dev split: set `grid` "
+                f"or `lrs` for per-arm selection).")
+    if report["dev_folds"]:
+        return (f"each arm's recipe picked from the {len(grid)} of the grid below by {report['dev_folds']}-fold "
+                f"cross-validation over the {info['images']} labelled images of {base.data.shards} (every image scored "
+                f"once, by a run that did not train on it), then fine-tuned on all of them, so no arm is held to a "
+                f"recipe that suits another.")
+    return (f"each arm's recipe picked from the {len(grid)} of the grid below by top-1 on a dev split "
+            f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning), so no arm is held to a recipe "
+            f"that suits another.")
+
+
+def gap_lines(report: dict, seeds: list[int]) -> list[str]:
+    lines = ["## Gaps", "",
+             "Each gap is the difference of mean test top-1, with its 95% interval from a paired bootstrap: the same test "
+             "images resampled for both arms (that is the pairing), each arm's seeds resampled on their own "
+             "(docs/statistics.md). An interval that excludes 0 resolves the gap; one that does not means the data "
+             "cannot tell the arms apart. McNemar's exact test compares each seed's pair of runs on their discordant "
+             "images.", ""]
+    if not report["gaps"]:
+        return lines + ["One arm: no gap to judge.", ""]
+    for g in report["gaps"]:
+        a, b = g["arms"]
+        verdict = (f"excludes 0: {a if g['gap'] > 0 else b} is better" if g["excludes_zero"]
+                   else "includes 0: the data cannot resolve this gap")
+        mcnemar = ", ".join(f"seed {seed} p={m['p_value']:.3g} ({m['a_only']} vs {m['b_only']} discordant)" for seed, m in g["mcnemar"].items())
+        spread = ("one seed: no seed spread to compare it with" if g["spread"] is None else
+                  f"it {'exceeds' if g['exceeds_spread'] else 'does not exceed'} the spread of the seeds (sum of the two std, "
+                  f"{100 * g['spread']:.2f})")
+        lines.append(f"- {a} - {b}: {100 * g['gap']:+.2f} points top-1, 95% CI [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}] "
+                     f"over {g['images']} test images and {len(seeds)} seed(s): {verdict}. McNemar: {mcnemar}. Beside it, "
+                     f"{spread}.")
+    return lines + [""]
+
+
+def pick_lines(report: dict) -> list[str]:
+    """What the dev split could resolve, and which picks were ties."""
+    if not report["select_on_dev"]:
+        return []
+    info, arms = report["selection"], report["arms"]
+    resolution = report["dev_resolution"]
+    if report["dev_folds"]:
+        runs = report["dev_folds"] * len(report["recipes"])
+        size = (f"{report['dev_folds']}-fold cross-validation over {resolution['images']} images: {runs} fine-tunings per "
+                f"arm to score the grid (k per recipe), more for each longer length tried.")
+    else:
+        size = f"A dev split of {resolution['images']} images ({', '.join(f'{n} of class {c}' for c, n in info['dev_images_per_class'].items())})."
+    lines = ["## The dev split and the picks", "",
+             f"{size} One image is worth {100 * resolution['one_image']:.2f} points of top-1, and top-1's standard error "
+             f"is up to ±{100 * resolution['standard_error']:.2f} points (at 50%). Two candidates are tied when McNemar's "
+             f"exact test on their dev images cannot tell them apart (p >= 0.05); among the best and its ties, the one "
+             f"with fewer training steps is kept, then the one earlier in the grid (so order the grid simplest first).", ""]
+    for arm, e in arms.items():
+        for what, choice in (("recipe", e["pick"]), ("length", e["length_pick"] if e["lengths"] else {"p_value": {}})):
+            if len(choice["p_value"]) < 2:
+                continue
+            others = [f"`{name}` (p={p:.2g})" for name, p in choice["p_value"].items() if name != choice["pick"]]
+            if choice["tie"]:
+                tied = ", ".join(f"`{name}`" for name in choice["tied"] if name != choice["pick"])
+                lines.append(f"- {arm}, {what}: `{choice['pick']}`, **a tie** with {tied}: the split cannot tell them apart. "
+                             f"Against the best: {', '.join(others)}.")
+            else:
+                lines.append(f"- {arm}, {what}: `{choice['pick']}`, ahead of every other beyond what the split resolves: "
+                             f"{', '.join(others)}.")
+    return lines + [""]
+
+
 def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     out = Path(cc.output_dir)
     arms, grid, seeds = report["arms"], report["recipes"], report["seeds"]
     on_dev = report["select_on_dev"]
-    evaluated_on = "the dev split" if on_dev else val_shards_name(base)
+    evaluated_on = ("the dev split" if on_dev and not report["dev_folds"] else val_shards_name(base))
     seeds_note = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    lines = ["# MPP vs supervised pretraining vs scratch", "",
-             f"Fine-tuning: {base.train.steps} steps at batch {base.train.batch_size}, warmup {base.train.warmup_steps}, "
-             f"then cosine; "
-             + (f"each arm's recipe picked from the {len(grid)} of the grid below by top-1 on a dev split "
-                f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning), so no arm is held to a recipe "
-                f"that suits another." if on_dev
-                else f"one recipe ({base.train.optimizer}, lr {base.train.lr:g}) for every arm (no dev split: set `grid` "
-                     f"or `lrs` for per-arm selection)."),
-             f"Top-1 on {val_shards_name(base)}: the picked recipe fine-tuned with {seeds_note}.", ""]
+    lines = [f"# {' vs '.join(arms)}", ""]
+    if cc.note:
+        lines += [f"> **Note:** {cc.note}", ""]
+    for arm, e in arms.items():
+        if flagged := never_learned(e["pretrain"]):
+            lines += [f"> **Warning:** the {arm} pretraining ended with {'; '.join(flagged)}: it never beat a guess that "
+                      f"knows nothing, so this arm says nothing about its objective. Pretrain longer or check its data.", ""]
+    lines += [f"Fine-tuning: {base.train.steps} steps at batch {base.train.batch_size}, warmup {base.train.warmup_steps}, "
+              f"then cosine; {selection_text(report, cc, base)}",
+              f"Top-1 on {val_shards_name(base)}: the picked recipe fine-tuned with {seeds_note}.", ""]
     head = ["arm", "pretraining objective", "pretraining images seen", "fine-tuning recipe", "fine-tuning images seen",
             "wall time (s)", *(["dev top-1"] if on_dev else []), f"top-1 ({seeds_note})", "each seed"]
     rows = []
@@ -95,13 +176,8 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
                      f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values())])
     lines += table(head, rows)
     lines.append("")
-
-    lines += ["## Gaps", ""] + ([] if report["gaps"] else ["One arm: no gap to judge."])
-    for g in report["gaps"]:
-        a, b = g["arms"]
-        verdict = ("one seed: no spread to judge the gap by (set `seeds`)" if g["spread"] is None else
-                   f"{'exceeds' if g['exceeds_spread'] else 'does not exceed'} the spread (sum of the two std, {100 * g['spread']:.2f})")
-        lines.append(f"- {a} - {b}: {100 * g['gap']:+.2f} points top-1; {verdict}.")
+    lines += gap_lines(report, seeds)
+    lines += pick_lines(report)
 
     shots = sorted({int(n) for e in arms.values() for n in e["frozen"]["cls"]["fewshot"]})
     lines += ["", "## Frozen features", "",
@@ -176,47 +252,6 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
               f"{cc.output_dir}, {training_time(out) / 60:.0f} minutes of training time summed over them (runs side by "
               f"side each count their own time).",
               "", f"Wall time: pretraining plus the picked fine-tuning run, from the first to the last logged training step "
-              f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png; every "
+              f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png/svg; every "
               f"run in TensorBoard (`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]
     return "\n".join(lines)
-
-
-def line_chart(series: dict[str, list[list[float]]], path: Path, title: str, xlabel: str, ylabel: str,
-               size: tuple[int, int] = (720, 440)) -> None:
-    """A plain line chart of (step, value) series as a PNG, drawn with Pillow (no plotting dependency)."""
-    width, height = size
-    left, right, top, bottom = 70, 150, 40, 50
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    draw.font = ImageFont.load_default(size=13)
-    points = [p for s in series.values() for p in s] or [[0, 0], [1, 1]]
-    x_max = max(p[0] for p in points) or 1
-    y_lo, y_hi = min(p[1] for p in points), max(p[1] for p in points)
-    y_lo, y_hi = max(0.0, y_lo - 0.05), min(1.0, y_hi + 0.05) if y_hi > y_lo else y_lo + 0.1
-
-    def xy(step: float, value: float) -> tuple[float, float]:
-        return (left + step / x_max * (width - left - right),
-                height - bottom - (value - y_lo) / (y_hi - y_lo) * (height - top - bottom))
-
-    draw.rectangle([left, top, width - right, height - bottom], outline="black")
-    for i in range(6):
-        value, step = y_lo + i * (y_hi - y_lo) / 5, i * x_max / 5
-        _, y = xy(0, value)
-        x, _ = xy(step, y_lo)
-        draw.line([left, y, width - right, y], fill=(225, 225, 225))
-        draw.text((left - 8, y), f"{100 * value:.0f}%", fill="black", anchor="rm")
-        draw.text((x, height - bottom + 6), f"{step:.0f}" if x_max >= 10 else f"{step:.1f}", fill="black", anchor="ma")
-    draw.text((width / 2 - right / 2, 12), title, fill="black", anchor="ma")
-    draw.text((left + (width - left - right) / 2, height - 18), xlabel, fill="black", anchor="ma")
-    draw.text((8, top - 20), ylabel, fill="black")
-    for i, (name, curve) in enumerate(series.items()):
-        color = COLORS.get(name, (0, 150, 0))
-        line = [xy(step, value) for step, value in sorted(curve)]
-        if len(line) > 1:
-            draw.line(line, fill=color, width=2)
-        for x, y in line:
-            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
-        draw.line([width - right + 15, top + 20 + 22 * i, width - right + 40, top + 20 + 22 * i], fill=color, width=3)
-        draw.text((width - right + 46, top + 20 + 22 * i), name, fill="black", anchor="lm")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)

@@ -70,7 +70,14 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     split = json.loads((out / "split" / "stage.json").read_text())
     assert split["train_images"] + split["dev_images"] == 400 and split["dev_images_per_class"] == {str(c): 10 for c in range(10)}
     with Image.open(out / "comparison.png") as png:
-        assert png.size == (720, 440)
+        assert png.size[0] > 720
+    assert (out / "comparison.svg").read_text().lstrip().startswith("<?xml")
+    for g in results["gaps"]:  # every gap paired: its interval over the same test images, McNemar for each seed
+        assert g["low"] <= g["gap"] <= g["high"] and g["images"] == 30 and set(g["mcnemar"]) == {"0", "1"}
+    assert re.search(r"- mpp - scratch: [+-]\d+\.\d\d points top-1, 95% CI \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\] over 30 "
+                     r"test images and 2 seed\(s\): (excludes 0|includes 0: the data cannot resolve this gap)", text)
+    assert "A dev split of 100 images (10 of class 0," in text and "One image is worth 1.00 points of top-1" in text
+    assert results["dev_resolution"]["images"] == 100
     # Short TensorBoard run names: ft/<arm>/<recipe>[-s<seed>], pre/<arm>.
     events = {str(p.relative_to(out)).split("/tensorboard/")[0] for p in out.rglob("events.out.tfevents*")}
     picked = results["arms"]["mpp"]["recipe"]
@@ -156,13 +163,18 @@ def test_a_dev_tie_fine_tunes_longer_and_keeps_the_shorter_length(tmp_path, monk
     run_stage = compare.finetune_stage
     dev_top1 = {4: 0.5, 8: 0.6, 16: 0.6, 32: 0.55}  # by train.steps: x2 rises, x4 ties, x8 falls
 
-    def scripted(cfg, ckpt):
-        return {**run_stage(cfg, ckpt), "top1": dev_top1[cfg.train.steps]}
+    def scripted(cfg, ckpt):  # the first images of the dev split right, as many as the length's dev top-1 says
+        result = run_stage(cfg, ckpt)
+        keys = sorted(result["correct"])
+        right = round(dev_top1[cfg.train.steps] * len(keys))
+        return {**result, "top1": dev_top1[cfg.train.steps], "correct": {k: int(i < right) for i, k in enumerate(keys)}}
 
     monkeypatch.setattr(compare, "finetune_stage", scripted)
     entry = compare.run(tiny(tmp_path, "arms=[scratch]", "seeds=[]", "lengths=[1,2,4,8,16]"))["arms"]["scratch"]
     assert entry["lengths"] == {"1": 0.5, "2": 0.6, "4": 0.6, "8": 0.55}  # the tie went on; the fall ended it before x16
+    # x4 equals x2 and x8 is 5 images short of them (McNemar p = 0.06): a tie on 100 dev images, kept at the fewest steps
     assert entry["recipe"].endswith("-x2") and entry["length"] == "2"
+    assert entry["length_pick"]["tie"] and entry["length_pick"]["tied"][0].endswith("-x2")
 
 
 def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, monkeypatch, capsys):
@@ -283,3 +295,67 @@ def test_the_report_reads_a_resumed_runs_curves_whole(tmp_path):
     assert [step for step, _ in curve] == [0, 1000, 2000, 3000, 4000]
     assert curve[2][1] == pytest.approx(1 + 1 / 3)  # the step both parts logged: the resumed part's value
     assert last_quarter_change(curve) == pytest.approx((1 + 1 / 5) - (1 + 1 / 4))  # step 4000 minus step 3000
+
+
+def test_five_arms_three_of_them_mpp_variants_run_in_one_plan(tmp_path):
+    # The paper's pretext ablations (target, corruption rate) as arms, beside supervised pretraining and scratch.
+    arms = ("arms=[mpp, {name: mpp-pixel, objective: mpp, pretrain: {mpp.target: pixels}}, "
+            "{name: mpp-15pct, objective: mpp, pretrain: {mpp: {corrupt_rate: 0.15}}}, supervised, scratch]")
+    report = compare.run(tiny(tmp_path, arms, "grid=[]", "seeds=[0]"))
+    assert list(report["arms"]) == ["mpp", "mpp-pixel", "mpp-15pct", "supervised", "scratch"]
+    assert len(report["gaps"]) == 10
+    configs = {arm: load_config(tmp_path / "cmp" / "pre" / arm / "config.yaml") for arm in ("mpp", "mpp-pixel", "mpp-15pct")}
+    assert [(c.mpp.target, c.mpp.corrupt_rate) for c in configs.values()] == [("color", 0.5), ("pixels", 0.5), ("color", 0.15)]
+    assert report["arms"]["mpp-pixel"]["objective"] == "masked patch prediction (mpp.target=pixels)"
+    text = (tmp_path / "cmp" / "report.md").read_text()
+    assert text.startswith("# mpp vs mpp-pixel vs mpp-15pct vs supervised vs scratch") and "- mpp-pixel - scratch:" in text
+
+
+def test_arms_are_checked_when_the_plan_is_loaded(tmp_path):
+    plan = ROOT / "configs" / "compare" / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"arm 'byol' names objective 'byol'; choose one of mpp, supervised \(or the arm scratch\)"):
+        compare.load_compare_config(plan, ["arms=[byol]"])
+    with pytest.raises(ConfigError, match=r"arm name 'mpp' is taken"):
+        compare.load_compare_config(plan, ["arms=[mpp, {name: mpp, objective: mpp}]"])
+    with pytest.raises(ConfigError, match=r"'pretrain' runs .*mpp.targte"):
+        compare.load_compare_config(plan, ["arms=[{name: x, objective: mpp, pretrain: {mpp.targte: pixels}}]"])
+
+
+def test_a_registered_objective_is_an_arm(tmp_path, monkeypatch):
+    from mpp.objectives import OBJECTIVES, ObjectiveKind
+    from test_pretrain import MeanBrightness
+
+    monkeypatch.setitem(OBJECTIVES, "brightness", ObjectiveKind(lambda backbone, cfg, classes: MeanBrightness(backbone),
+                                                                reads_labels=False, summary="mean brightness"))
+    report = compare.run(tiny(tmp_path, "arms=[brightness, scratch]", "grid=[]", "seeds=[0]"))
+    assert report["arms"]["brightness"]["objective"] == "mean brightness"
+    assert report["arms"]["brightness"]["pretrain"]["description"] == MeanBrightness.description
+
+
+def test_dev_folds_pick_by_cross_validation_and_fine_tune_the_pick_on_every_image(tmp_path):
+    report = compare.run(tiny(tmp_path, "arms=[scratch]", "seeds=[0]", "dev_folds=2"))
+    entry = report["arms"]["scratch"]
+    assert report["dev_folds"] == 2 and report["dev_resolution"]["images"] == 400  # every labelled image scored once
+    runs = {p.name for p in (tmp_path / "cmp" / "ft" / "scratch").iterdir()}
+    assert {"sgd-0.03-f0", "sgd-0.03-f1", "mim-f0", "mim-f1", f"{entry['recipe']}-s0"} == runs
+    trained_on = load_config(tmp_path / "cmp" / "ft" / "scratch" / f"{entry['recipe']}-s0" / "config.yaml").data.shards
+    assert trained_on == str(tmp_path / "down")  # the pick trains on all labelled images
+    folds = json.loads((tmp_path / "cmp" / "split" / "stage.json").read_text())["folds"]
+    assert [f["dev_images"] for f in folds] == [200, 200] and all(f["train_images"] == 200 for f in folds)
+    assert "2-fold cross-validation over the 400 labelled images" in (tmp_path / "cmp" / "report.md").read_text()
+    with pytest.raises(ConfigError, match="dev_folds 1 is no cross-validation"):
+        tiny(tmp_path, "dev_folds=1")
+
+
+def test_the_dev_split_reads_labels_as_training_does(tmp_path):
+    # Labels in json, as class names: the split used to read integer `cls` members only.
+    (tmp_path / "down").mkdir()
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (90, 120, 150)).save(buf, format="JPEG")
+    with wds.TarWriter(str(tmp_path / "down" / "shard-000000.tar")) as sink:
+        for i in range(60):
+            sink.write({"__key__": f"k{i:04d}", "jpg": buf.getvalue(), "json": json.dumps({"label": ("cat", "dog")[i % 2]}).encode()})
+    split = compare.split_stage(load_config(None, [f"data.shards={tmp_path / 'down'}"]), tmp_path / "split", 0.34)
+    assert split["dev_images_per_class"] == {"0": 10, "1": 10} and split["train_images"] == 40
+    summary = json.loads((tmp_path / "split" / "dev" / "summary.json").read_text())
+    assert summary["class_names"] == ["cat", "dog"] and summary["samples"] == 20
