@@ -1,4 +1,6 @@
-"""Fine-tuning levers: layer-wise lr decay, stochastic depth, mean pooling, label smoothing."""
+"""Fine-tuning levers: layer-wise lr decay, stochastic depth, mean pooling, label smoothing, mixup and CutMix."""
+
+import random
 
 import pytest
 import torch
@@ -6,6 +8,7 @@ import torch.nn.functional as F
 
 import launch
 from mpp.config import TrainConfig, load_config
+from mpp.mixup import Mix, Mixing
 from mpp.model import DropPath, VisionTransformer
 from mpp.objectives import Classification, MaskedPatchPrediction, normalize
 from mpp.optim import build_optimizer, head_lr, param_groups, warmup_cosine
@@ -173,3 +176,53 @@ def test_mean_pooled_fine_tuning_trains_and_its_export_is_refused(tmp_path, make
     err = capsys.readouterr().err
     assert "finetune.pool=mean" in err and "cannot represent" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()  # nothing half-written
+
+
+# ---------------------------------------------------------------- mixup and CutMix
+
+
+def test_mixup_loss_is_the_weighted_loss_of_both_labels_and_accuracy_counts_the_dominant_one(monkeypatch):
+    model = classifier()
+    model.mixing, model.label_smoothing = Mixing(mixup=0.8, cutmix=0.0, switch_prob=0.5, classes=5), 0.1
+    images, labels = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
+    monkeypatch.setattr(Mixing, "draw", lambda self, height, width: Mix(0.7))
+    out = model.train()(images, labels)
+    mixed = (0.7 * images.float() + 0.3 * images.flip(0).float()).round().to(torch.uint8)  # each with the mirrored one
+    logits = model.logits(mixed).float()
+    # Soft-target cross-entropy with smoothing = the same blend of the two labels' smoothed losses.
+    expected = (0.7 * F.cross_entropy(logits, labels, label_smoothing=0.1)
+                + 0.3 * F.cross_entropy(logits, labels.flip(0), label_smoothing=0.1))
+    assert torch.allclose(out.loss, expected)
+    # Accuracy against the dominant label: the batch's own at weight 0.7, the mirrored image's at 0.2.
+    predicted = torch.tensor([0, 1, 0, 0])  # right for 2 of the own labels, for 1 of the mirrored ones
+    monkeypatch.setattr(model, "logits", lambda images: F.one_hot(predicted, 5).float())
+    assert model(images, labels).metrics["accuracy"] == 0.5
+    monkeypatch.setattr(Mixing, "draw", lambda self, height, width: Mix(0.2))
+    assert model(images, labels).metrics["accuracy"] == 0.25
+    monkeypatch.undo()
+    # Evaluation never mixes.
+    model.eval()
+    assert torch.equal(model(images, labels).loss, F.cross_entropy(model.logits(images).float(), labels, label_smoothing=0.1))
+
+
+def test_cutmix_weight_is_the_share_of_pixels_each_image_keeps_clipped_boxes_included():
+    mixing = Mixing(mixup=0.0, cutmix=1.0, switch_prob=0.5, classes=4)
+    images = torch.arange(4, dtype=torch.uint8).mul(60).view(4, 1, 1, 1).expand(4, 3, 16, 12).contiguous()
+    labels = torch.tensor([0, 1, 2, 3])
+    clipped = 0
+    for seed in range(30):
+        mix = mixing.draw(16, 12, random.Random(seed))
+        top, bottom, left, right = mix.box
+        clipped += (bottom - top) % 2 or (right - left) % 2 or 0 in (top, left) or bottom == 16 or right == 12
+        mixed, targets = mixing.apply(images, labels, mix)
+        kept = (mixed == images).all(dim=1).float().mean(dim=(1, 2))  # per image: its own pixels' share
+        assert torch.allclose(kept, torch.full((4,), mix.lam))
+        assert torch.allclose(targets, mix.lam * F.one_hot(labels, 4) + (1 - mix.lam) * F.one_hot(labels.flip(0), 4))
+    assert clipped  # some boxes met the border, and the weight still follows the pixels
+
+
+def test_with_mixup_and_cutmix_on_the_switch_probability_picks_cutmix():
+    draws = [Mixing(0.8, 1.0, 0.25, 10).draw(16, 16, random.Random(seed)) for seed in range(400)]
+    assert 0.18 < sum(d.box is not None for d in draws) / len(draws) < 0.32
+    assert all(Mixing(0.8, 0.0, 1.0, 10).draw(16, 16, random.Random(s)).box is None for s in range(20))  # cutmix off
+    assert all(Mixing(0.0, 1.0, 0.0, 10).draw(16, 16, random.Random(s)).box is not None for s in range(20))  # mixup off
