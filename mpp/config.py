@@ -23,7 +23,7 @@ class ConfigError(UserError):
     """A user mistake in a config file or override; the message is one sentence with the fix."""
 
 
-# One vocabulary for what a head or probe reads from the encoder: fine-tuning, few-shot and kNN.
+# One vocabulary for what a head or probe reads from the encoder: fine-tuning, few-shot, kNN and the linear probe.
 Pooling = Literal["cls", "mean"]
 
 
@@ -55,6 +55,9 @@ class DataConfig(Section):
     resampled: bool = Field(True, description="Draw shards with replacement forever (no rank ever runs dry); false streams each pass over the shards exactly once per rank.")
     crop_scale: tuple[float, float] = Field((0.08, 1.0), description="Area fraction range of the random-resized crop.")
     hflip: bool = Field(True, description="Random horizontal flip during training.")
+    randaugment_ops: int = Field(0, ge=0, description="RandAugment (Cubuk et al. 2020) of the training crops: operations applied per image, each drawn from the paper's 13 (rotate, shear, translate, colour, contrast, solarize, ...); 0 = off (DeiT and MAE fine-tune with 2).")
+    randaugment_magnitude: float = Field(9.0, ge=0, le=10, description="RandAugment's magnitude M of every operation, from 0 to 10 (timm's rand-m9: 9).")
+    randaugment_magnitude_std: float = Field(0.5, ge=0, description="Standard deviation of the Gaussian noise added to the magnitude at each operation (timm's mstd0.5); 0 = the paper's fixed M.")
     max_skip_fraction: float = Field(0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples read are unusable (corrupt, missing image, bad label) or lost in shards that could not be read to their end.", json_schema_extra=RESUMABLE)
 
     @model_validator(mode="after")
@@ -135,6 +138,10 @@ class TrainConfig(Section):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.", json_schema_extra=RESUMABLE)
     layer_decay: float = Field(1.0, gt=0, le=1, description="Layer-wise lr decay (BEiT/MAE): block i gets lr x decay^(depth - i), the embeddings decay^(depth + 1), the final norm and heads the full lr; 1 = off.")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing of the classification loss (supervised pretraining, fine-tuning); 0 = off.")
+    mixup: float = Field(0.0, ge=0, description="Mixup (Zhang et al. 2018) of classification batches: each batch blended with itself reversed, images and labels alike, by a weight drawn from Beta(mixup, mixup) (MAE fine-tunes with 0.8, MAE-Lite's ViT-Tiny with 0.2); 0 = off.")
+    cutmix: float = Field(0.0, ge=0, description="CutMix (Yun et al. 2019) of classification batches: a box of the reversed batch pasted into each image, labels mixed by its area, drawn from Beta(cutmix, cutmix) (MAE: 1.0); 0 = off.")
+    mixup_switch_prob: float = Field(0.5, ge=0, le=1, description="With train.mixup and train.cutmix both on: the probability that a batch gets CutMix rather than mixup (MAE, DeiT: 0.5).")
+    ema_decay: float | None = Field(None, ge=0, lt=1, description="Keep an exponential moving average of the weights, after every step decay x average + (1 - decay) x weights (timm's model EMA, e.g. 0.9999; about 1 / (1 - decay) steps are averaged): the evaluators score it and model.safetensors holds it; null = off.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.", json_schema_extra=RESUMABLE)
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).", json_schema_extra=RESUMABLE)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 where the hardware computes it (Ampere and newer GPUs, CPUs with AVX512-BF16 or AMX), fp16 with a loss scaler on older GPUs, fp32 on other CPUs.")
@@ -247,6 +254,19 @@ class KnnConfig(Section):
     batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
 
 
+class ProbeConfig(Section):
+    every: int = Field(0, ge=0, description="During pretraining, run the linear probe every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
+    epochs: int = Field(90, gt=0, description="Passes of SGD over the cached frozen features (MAE's linear probe: 90).", json_schema_extra=RESUMABLE)
+    lr: float = Field(0.1, gt=0, description="Peak learning rate of the probe's SGD (momentum 0.9, no weight decay, cosine decay to 0 over its steps).", json_schema_extra=RESUMABLE)
+    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).", json_schema_extra=RESUMABLE)
+    shards: str | None = Field(None, description="Labelled shards the probe is trained on; defaults to data.shards.", json_schema_extra=RESUMABLE)
+    val_shards: str | None = Field(None, description="Labelled shards the probe is scored on; defaults to data.val_shards.", json_schema_extra=RESUMABLE)
+    train_images: int = Field(5000, gt=0, description="Images read from the front of the labelled shards to train the probe on.", json_schema_extra=RESUMABLE)
+    eval_images: int = Field(2000, gt=0, description="Images read from the front of probe.val_shards to score the probe on.", json_schema_extra=RESUMABLE)
+    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features, and features per SGD step of the probe.", json_schema_extra=RESUMABLE)
+    seed: int = Field(0, description="Seed of the probe's initialisation and feature order (a private generator, independent of the training run's RNG).", json_schema_extra=RESUMABLE)
+
+
 class Config(Section):
     objective: str = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
     output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.", json_schema_extra=RESUMABLE)
@@ -259,6 +279,7 @@ class Config(Section):
     fewshot: FewShotConfig = Field(default_factory=FewShotConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     knn: KnnConfig = Field(default_factory=KnnConfig)
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
 
     @field_validator("objective")
     @classmethod

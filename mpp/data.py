@@ -29,6 +29,7 @@ from webdataset.tariterators import base_plus_ext
 
 from mpp.config import DataConfig
 from mpp.errors import DataError
+from mpp.randaugment import RandAugment
 from mpp.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary, summary_beside
 from mpp.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
 
@@ -145,13 +146,17 @@ def crop_resize(img: Image.Image, box: tuple[int, int, int, int], size: int) -> 
 
 @dataclass(frozen=True)
 class TrainTransform:
+    """Random-resized crop, horizontal flip, then RandAugment on the crop (timm's order), all drawn from `rng`."""
+
     size: int
     crop_scale: tuple[float, float] = (0.08, 1.0)
     hflip: bool = True
+    randaugment: RandAugment | None = None
 
     def __call__(self, img: Image.Image, rng: random.Random) -> torch.Tensor:
         image = crop_resize(img, random_resized_box(*img.size, self.crop_scale, rng), self.size)
-        return image.flip(-1) if self.hflip and rng.random() < 0.5 else image
+        image = image.flip(-1) if self.hflip and rng.random() < 0.5 else image
+        return self.randaugment(image, rng) if self.randaugment else image
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Custom Scalars categories, in the order TensorBoard shows them: how the model does first, how the run runs last.
-TRAINING, VALIDATION, EVALUATION, KNN, FEWSHOT = "training", "pretext validation", "evaluation", "kNN evaluation", "few-shot evaluation"
+TRAINING, VALIDATION, EVALUATION, KNN, PROBE, FEWSHOT = ("training", "pretext validation", "evaluation", "kNN evaluation",
+                                                         "linear probe", "few-shot evaluation")
 OPTIMISATION, SPEED, DATA = "optimisation", "speed", "data"
-CATEGORIES = (TRAINING, VALIDATION, EVALUATION, KNN, FEWSHOT, OPTIMISATION, SPEED, DATA)
-MODEL_CATEGORIES = CATEGORIES[:5]  # what measures the model (results.json's final metrics), not the run
-HELD_OUT_FIRST = (EVALUATION, VALIDATION, KNN, FEWSHOT, TRAINING)  # the order a model card lists them in
+CATEGORIES = (TRAINING, VALIDATION, EVALUATION, KNN, PROBE, FEWSHOT, OPTIMISATION, SPEED, DATA)
+MODEL_CATEGORIES = CATEGORIES[:6]  # what measures the model (results.json's final metrics), not the run
+HELD_OUT_FIRST = (EVALUATION, VALIDATION, KNN, PROBE, FEWSHOT, TRAINING)  # the order a model card lists them in
 
 # Tags that more than one module reads (the loop writes them, the report or a test reads them back).
 LOSS = "train/loss"
@@ -24,6 +25,7 @@ LR = "train/lr"
 TOP1, TOP5 = "eval/top1", "eval/top5"
 VAL_LOSS = "val/loss"
 KNN_TOP1 = "knn/top1"
+PROBE_TOP1 = "probe/top1"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpp.metrics import Metric, split_metric
+from mpp.mixup import Mixing
 from mpp.model import VisionTransformer, init_weights, normalize, patchify, pool, trunc_normal, unpatchify
 from mpp.targets import TARGETS, MeanColor, Target
 
@@ -283,32 +284,43 @@ class Classification(Objective):
 
     `export_head` says whether model.safetensors keeps the head (fine-tuning: a usable classifier, keys
     `head.weight` and `head.bias` beside the backbone's) or holds the backbone alone (pretraining).
+    With `mixing`, training batches are mixed (mixup/CutMix) into soft targets, and train/accuracy counts a hit
+    on the dominant label of each mixed image (the one weighted at least half).
     """
 
     def __init__(self, backbone: VisionTransformer, head: nn.Module, *, export_head: bool, pool: str = "cls",
-                 label_smoothing: float = 0.0):
+                 label_smoothing: float = 0.0, mixing: Mixing | None = None):
         super().__init__()
         self.backbone, self.head, self.export_head = backbone, head, export_head
-        self.pool, self.label_smoothing = pool, label_smoothing
+        self.pool, self.label_smoothing, self.mixing = pool, label_smoothing, mixing
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> (B, K)
         return self.head(pool(self.backbone(normalize(images)), self.pool))
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> StepOutput:
+        targets = labels
+        if self.mixing is not None and self.training:
+            images, targets = self.mixing(images, labels)  # soft targets (B, K)
         logits = self.logits(images).float()
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
-        return StepOutput(loss, {"accuracy": (logits.argmax(-1) == labels).float().mean()})
+        loss = F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)  # soft or hard targets alike
+        dominant = targets.argmax(-1) if targets.is_floating_point() else targets
+        return StepOutput(loss, {"accuracy": (logits.argmax(-1) == dominant).float().mean()})
 
     def metrics(self, split: str) -> list[Metric]:
+        batches = "the training batches" + (" (mixed: against the dominant label)" if self.mixing else "")
         return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
-                split_metric(split, "accuracy", "accuracy on the training batches" if split == "train" else "accuracy",
+                split_metric(split, "accuracy", f"accuracy on {batches}" if split == "train" else "accuracy",
                              headline=True, bar="acc", percent=True)]
 
     @property
     def description(self) -> str:
         pooled = "the [class] token" if self.pool == "cls" else "the mean of the patch outputs"
-        return f"classification of the shards' labels from {pooled}" + ("" if self.export_head else
-                                                                         " (the paper's MLP pretraining head, not exported)")
+        mixed = ""
+        if self.mixing is not None:
+            alphas = [f"{name} {alpha:g}" for name, alpha in (("mixup", self.mixing.mixup), ("CutMix", self.mixing.cutmix)) if alpha > 0]
+            mixed = f", training batches mixed by {' or '.join(alphas)}"
+        return f"classification of the shards' labels from {pooled}{mixed}" + ("" if self.export_head else
+                                                                               " (the paper's MLP pretraining head, not exported)")
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         weights = self.backbone.state_dict()
@@ -327,9 +339,16 @@ def masked_patch_prediction(backbone: VisionTransformer, cfg, classes: int | Non
                                  masking=m.masking)
 
 
+def batch_mixing(train, classes: int) -> Mixing | None:
+    """The mixup/CutMix that `train` (the run's TrainConfig) asks for; None when both are off."""
+    if not (train.mixup > 0 or train.cutmix > 0):
+        return None
+    return Mixing(train.mixup, train.cutmix, train.mixup_switch_prob, classes)
+
+
 def supervised(backbone: VisionTransformer, cfg, classes: int | None) -> Classification:
     return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False,
-                          label_smoothing=cfg.train.label_smoothing)
+                          label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from mpp.checkpoint import save_weights
 from mpp.config import LogConfig, TrainConfig
 from mpp.data import Batch, StreamState
+from mpp.ema import WeightAverage
 from mpp.errors import UserError
 from mpp.meters import LOOP_METRICS, LogWindow, ProgressBar
 from mpp.metrics import Metric
@@ -121,19 +122,24 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     steps, weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
     its last checkpoint precedes.
 
+    With cfg.ema_decay set, an EMA of the weights (mpp.ema) follows the training and is checkpointed with it; the
+    evaluators score the EMA and model.safetensors holds it, as timm validates and saves its model EMA.
+
     Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
     `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
     a checkpoint when signalled, TrainingDiverged after cfg.max_nonfinite_steps bad steps in a row, and
     DataError when more than `max_skip_fraction` of the samples read could not be used.
     """
     output_dir = Path(output_dir)
+    ema = WeightAverage(objective, cfg.ema_decay, accelerator.device) if cfg.ema_decay is not None else None
+    scored = ema.module if ema else objective  # what the evaluators score and model.safetensors holds
     model = accelerator.prepare(objective)  # on its device; DDP-wrapped under several processes
     optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
     scheduler = build_schedule(optimizer, cfg)  # not prepared: Accelerate would step it once per process
     forward = compiled(model, cfg.compile_backend) if resolve_compile(cfg.compile, Device.this_process()) else model
     progress, stream = Progress(), StreamState()
-    accelerator.register_for_checkpointing(scheduler, progress)
-    evaluations = Evaluations(accelerator, objective, evaluators, cfg.steps, progress)
+    accelerator.register_for_checkpointing(scheduler, progress, *([ema] if ema else []))
+    evaluations = Evaluations(accelerator, scored, evaluators, cfg.steps, progress)
     results: dict[str, float] = {}
 
     if resume_from is not None:
@@ -153,6 +159,8 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
                 raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
+            if ema:
+                ema.update(objective)
             progress.step += 1
             step, last = progress.step, progress.step == cfg.steps
             window.stepped(step, result)
@@ -176,7 +184,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.update(results)
 
     if accelerator.is_main_process:
-        save_weights(objective, output_dir / WEIGHTS)
+        save_weights(scored, output_dir / WEIGHTS)
     accelerator.wait_for_everyone()
     return results
 

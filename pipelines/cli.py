@@ -62,6 +62,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     knn.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     knn.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR knn.features=mean")
 
+    probe = stages.add_parser("probe", help="linear probe (SGD on frozen features, as MAE evaluates) of a backbone")
+    probe.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
+    probe.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    probe.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR probe.epochs=30")
+
     export = stages.add_parser("export", help="write a checkpoint as a Hugging Face transformers ViT")
     export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
@@ -115,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             from pipelines.start import checkpoint_config
 
             knn.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+        elif args.stage == "probe":
+            from pipelines import probe
+            from pipelines.start import checkpoint_config
+
+            probe.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
         elif args.stage == "export":
             from pipelines import export
             from pipelines.start import checkpoint_config

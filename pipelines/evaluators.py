@@ -30,6 +30,7 @@ from mpp.validation import PretextValidation
 from pipelines.fewshot import FewShot
 from pipelines.knn import Knn
 from pipelines.loaders import eval_batches, labelled
+from pipelines.probe import LinearProbe
 
 
 class Evaluate(Protocol):
@@ -121,6 +122,7 @@ EVALUATORS: dict[str, Registration] = {
     "top1": Registration(("finetune",), lambda cfg: cfg.finetune.eval_every, TopK),
     "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every, lambda cfg, accelerator, stage: FewShot(cfg, accelerator)),
     "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: Knn(cfg, accelerator)),
+    "probe": Registration(("pretrain",), lambda cfg: cfg.probe.every, lambda cfg, accelerator, stage: LinearProbe(cfg, accelerator)),
     "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext),
 }
 

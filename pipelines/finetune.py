@@ -15,7 +15,7 @@ from mpp.metrics import TOP1, TOP5
 from mpp.rundir import PREDICTIONS
 from mpp.shardformat import is_remote
 from mpp.model import build_backbone
-from mpp.objectives import Classification, finetuning_head
+from mpp.objectives import Classification, batch_mixing, finetuning_head
 from mpp.train import Evaluator
 from pipelines.loaders import class_names, labelled, num_classes, resolve_shards, train_loader
 from pipelines.stage import TrainingStage, run_training
@@ -54,7 +54,7 @@ def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classificat
     backbone.set_drop_path(cfg.model.drop_path)
     backbone.grad_checkpointing = cfg.model.grad_checkpointing
     return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True, pool=cfg.finetune.pool,
-                          label_smoothing=cfg.train.label_smoothing)
+                          label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes))
 
 
 def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tuple[str, ...]) -> None:

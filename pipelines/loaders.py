@@ -12,6 +12,7 @@ from mpp.config import Config
 from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer
+from mpp.randaugment import RandAugment
 from mpp.shardformat import SUMMARY
 from mpp.shards import synthetic_samples, write_shards
 
@@ -30,9 +31,15 @@ def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str
     return expand_shards(spec)
 
 
+def train_transform(cfg: Config) -> TrainTransform:
+    d = cfg.data
+    randaugment = RandAugment(d.randaugment_ops, d.randaugment_magnitude, d.randaugment_magnitude_std) if d.randaugment_ops else None
+    return TrainTransform(cfg.model.image_size, d.crop_scale, d.hflip, randaugment)
+
+
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
     return make_loader(
-        urls, cfg.data, TrainTransform(cfg.model.image_size, cfg.data.crop_scale, cfg.data.hflip), cfg.train.batch_size,
+        urls, cfg.data, train_transform(cfg), cfg.train.batch_size,
         rank=accelerator.process_index, world=accelerator.num_processes, seed=cfg.train.seed,
         pin_memory=torch.cuda.is_available(), state=state, labels=labels,
         class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)

@@ -1,6 +1,7 @@
 import io
 import itertools
 import multiprocessing
+import random
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from PIL import Image
 from mpp.synthetic import synthetic_image
 from mpp.config import DataConfig
 from mpp.data import DataError, EvalTransform, StreamState, TrainTransform, expand_shards, make_loader
+from mpp.randaugment import OPERATIONS, RandAugment
 
 NO_WORKERS = DataConfig(num_workers=0, shuffle_buffer=0)
 
@@ -109,6 +111,43 @@ def test_train_transform_is_random_but_seeded(make_shards):
     b = next(iter(make_loader(urls, NO_WORKERS, TrainTransform(16), 8, seed=1))).images
     c = next(iter(make_loader(urls, NO_WORKERS, TrainTransform(16), 8, seed=2))).images
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def textured(size=32, seed=0):
+    """A (3, size, size) uint8 image with edges, gradients and colour, its values away from 0 and 255."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size]
+    channels = [40 + (x * 5) % 160, 60 + (y * 3) % 130, 50 + ((x // 4 + y // 4) % 2) * 120]
+    noise = rng.integers(0, 20, (3, size, size))
+    return torch.from_numpy((np.stack(channels) + noise).astype(np.uint8))
+
+
+def test_randaugment_keeps_uint8_crops_of_their_size_and_is_fixed_by_the_rng():
+    image = textured(24)
+    augment = RandAugment(ops=2, magnitude=9, magnitude_std=0.5)
+    outputs = [augment(image, random.Random(seed)) for seed in (0, 0, 1)]
+    assert all(out.dtype == torch.uint8 and out.shape == (3, 24, 24) for out in outputs)
+    assert torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[0], outputs[2])
+    assert torch.equal(image, textured(24))  # the input is left as it was
+    # In the training transform, after the crop and flip, from the stream's seeded rng.
+    transform = TrainTransform(16, randaugment=augment)
+    img = Image.fromarray(textured(40).permute(1, 2, 0).numpy())
+    a, b = transform(img, random.Random(3)), transform(img, random.Random(3))
+    assert torch.equal(a, b) and a.shape == (3, 16, 16) and a.dtype == torch.uint8
+    assert not torch.equal(a, TrainTransform(16)(img, random.Random(3)))
+
+
+@pytest.mark.parametrize("name", sorted(OPERATIONS))
+def test_each_randaugment_operation_changes_an_image_and_a_two_way_one_is_the_identity_at_0(name):
+    augment = RandAugment()
+    img = Image.fromarray(textured().permute(1, 2, 0).numpy())
+    before = np.asarray(img)
+    changed = [np.asarray(augment.apply(img, name, 9, sign)) for sign in (1, -1)]
+    assert all(out.shape == before.shape and out.dtype == np.uint8 for out in changed)
+    assert all(not np.array_equal(out, before) for out in changed), f"{name} at magnitude 9 left the image as it was"
+    if OPERATIONS[name][1]:  # signed: the two directions differ
+        assert not np.array_equal(*changed)
+        assert np.abs(np.asarray(augment.apply(img, name, 0)).astype(int) - before).max() <= 1  # identity at 0
 
 
 def test_shard_specs(make_shards, tmp_path):

@@ -1,17 +1,25 @@
-"""Fine-tuning levers: layer-wise lr decay, stochastic depth, mean pooling, label smoothing."""
+"""Fine-tuning levers: layer-wise lr decay, stochastic depth, mean pooling, label smoothing, mixup and CutMix, the
+weights' EMA."""
+
+import json
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 import launch
 from mpp.config import TrainConfig, load_config
+from mpp.ema import WeightAverage
+from mpp.mixup import Mix, Mixing
 from mpp.model import DropPath, VisionTransformer
 from mpp.objectives import Classification, MaskedPatchPrediction, normalize
 from mpp.optim import build_optimizer, head_lr, param_groups, warmup_cosine
 from pipelines import finetune
 
-from conftest import TINY, reset_accelerator
+from conftest import TINY, reset_accelerator, write_test_shards
+from test_downstream import finetune_config, recount
 
 NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")  # the input tokens, exempt from weight decay, by name
 
@@ -173,3 +181,109 @@ def test_mean_pooled_fine_tuning_trains_and_its_export_is_refused(tmp_path, make
     err = capsys.readouterr().err
     assert "finetune.pool=mean" in err and "cannot represent" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()  # nothing half-written
+
+
+# ---------------------------------------------------------------- mixup and CutMix
+
+
+def test_mixup_loss_is_the_weighted_loss_of_both_labels_and_accuracy_counts_the_dominant_one(monkeypatch):
+    model = classifier()
+    model.mixing, model.label_smoothing = Mixing(mixup=0.8, cutmix=0.0, switch_prob=0.5, classes=5), 0.1
+    images, labels = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
+    monkeypatch.setattr(Mixing, "draw", lambda self, height, width: Mix(0.7))
+    out = model.train()(images, labels)
+    mixed = (0.7 * images.float() + 0.3 * images.flip(0).float()).round().to(torch.uint8)  # each with the mirrored one
+    logits = model.logits(mixed).float()
+    # Soft-target cross-entropy with smoothing = the same blend of the two labels' smoothed losses.
+    expected = (0.7 * F.cross_entropy(logits, labels, label_smoothing=0.1)
+                + 0.3 * F.cross_entropy(logits, labels.flip(0), label_smoothing=0.1))
+    assert torch.allclose(out.loss, expected)
+    # Accuracy against the dominant label: the batch's own at weight 0.7, the mirrored image's at 0.2.
+    predicted = torch.tensor([0, 1, 0, 0])  # right for 2 of the own labels, for 1 of the mirrored ones
+    monkeypatch.setattr(model, "logits", lambda images: F.one_hot(predicted, 5).float())
+    assert model(images, labels).metrics["accuracy"] == 0.5
+    monkeypatch.setattr(Mixing, "draw", lambda self, height, width: Mix(0.2))
+    assert model(images, labels).metrics["accuracy"] == 0.25
+    monkeypatch.undo()
+    # Evaluation never mixes.
+    model.eval()
+    assert torch.equal(model(images, labels).loss, F.cross_entropy(model.logits(images).float(), labels, label_smoothing=0.1))
+
+
+def test_cutmix_weight_is_the_share_of_pixels_each_image_keeps_clipped_boxes_included():
+    mixing = Mixing(mixup=0.0, cutmix=1.0, switch_prob=0.5, classes=4)
+    images = torch.arange(4, dtype=torch.uint8).mul(60).view(4, 1, 1, 1).expand(4, 3, 16, 12).contiguous()
+    labels = torch.tensor([0, 1, 2, 3])
+    clipped = 0
+    for seed in range(30):
+        mix = mixing.draw(16, 12, random.Random(seed))
+        top, bottom, left, right = mix.box
+        clipped += (bottom - top) % 2 or (right - left) % 2 or 0 in (top, left) or bottom == 16 or right == 12
+        mixed, targets = mixing.apply(images, labels, mix)
+        kept = (mixed == images).all(dim=1).float().mean(dim=(1, 2))  # per image: its own pixels' share
+        assert torch.allclose(kept, torch.full((4,), mix.lam))
+        assert torch.allclose(targets, mix.lam * F.one_hot(labels, 4) + (1 - mix.lam) * F.one_hot(labels.flip(0), 4))
+    assert clipped  # some boxes met the border, and the weight still follows the pixels
+
+
+def test_with_mixup_and_cutmix_on_the_switch_probability_picks_cutmix():
+    draws = [Mixing(0.8, 1.0, 0.25, 10).draw(16, 16, random.Random(seed)) for seed in range(400)]
+    assert 0.18 < sum(d.box is not None for d in draws) / len(draws) < 0.32
+    assert all(Mixing(0.8, 0.0, 1.0, 10).draw(16, 16, random.Random(s)).box is None for s in range(20))  # cutmix off
+    assert all(Mixing(0.0, 1.0, 0.0, 10).draw(16, 16, random.Random(s)).box is not None for s in range(20))  # mixup off
+
+
+def test_mixed_batches_and_the_ema_update_neither_read_the_device_nor_build_tensors_from_host_values(monkeypatch):
+    # As tests/test_speed.py checks of the whole step: on a GPU either would make the host wait every step.
+    model = classifier().train()
+    model.mixing = Mixing(mixup=0.8, cutmix=1.0, switch_prob=0.5, classes=5)
+    average = WeightAverage(model, 0.99)
+    images, labels = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for mix in (Mix(0.7), Mix(0.6, (2, 10, 3, 9))):  # mixup, then CutMix
+            monkeypatch.setattr(Mixing, "draw", lambda self, height, width, mix=mix: mix)
+            model(images, labels).loss.backward()
+            average.update(model)
+    ops = {event.name for event in profile.events()}
+    assert "aten::_foreach_lerp_" in ops and "aten::scatter_" in ops  # both were profiled
+    assert not ops & {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::lift_fresh"}, ops
+
+
+# ---------------------------------------------------------------- the weights' EMA
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.9])
+def test_the_weight_average_after_a_step_is_the_blend_of_the_weights_before_and_after_it(decay):
+    model = classifier()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    average = WeightAverage(model, decay)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 3])).loss.backward()
+    optimizer.step()
+    average.update(model)
+    after = model.state_dict()
+    assert sum(not torch.equal(before[name], after[name]) for name in after) > 5  # the step moved the weights
+    for name, averaged in average.module.state_dict().items():
+        if decay == 0:
+            assert torch.equal(averaged, after[name]), name
+        else:
+            assert torch.allclose(averaged, decay * before[name] + (1 - decay) * after[name], rtol=1e-6, atol=1e-8), name
+    assert not any(p.requires_grad for p in average.module.parameters())
+
+
+def test_fine_tuning_with_mixup_cutmix_randaugment_and_an_ema_trains_end_to_end_and_scores_the_ema(tmp_path, make_shards):
+    make_shards([30, 30], size=24)
+    write_test_shards(tmp_path / "val", [7, 5, 3], size=24)
+    finetune.run(finetune_config(tmp_path, "train.mixup=0.8", "train.cutmix=1.0", "train.label_smoothing=0.1",
+                                 "data.randaugment_ops=2", "train.ema_decay=0.5", "train.lr=0.1"), ckpt=None)
+    results = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert "mixup 0.8 or CutMix 1" in results["description"]
+    assert 0 <= results["final"]["train/accuracy"] <= 1 and results["final"]["train/loss"] > 0
+    exported = load_file(tmp_path / "ft" / "model.safetensors")
+    last = tmp_path / "ft" / "checkpoints" / "step_00000006"
+    trained = load_file(last / "model.safetensors")  # the weights the optimiser moved
+    saved_ema = next(state for state in (torch.load(p) for p in sorted(last.glob("custom_checkpoint_*.pkl")))
+                     if "head.weight" in state)
+    assert all(torch.equal(exported[name], saved_ema[name if name.startswith("head.") else f"backbone.{name}"]) for name in exported)
+    assert not torch.equal(exported["head.weight"], trained["head.weight"])  # the average, not the last weights
+    assert results["top1"] == pytest.approx(recount(tmp_path / "ft", tmp_path / "val")[0])  # scored: the exported EMA

@@ -183,6 +183,28 @@ def test_a_layer_decay_finetuning_resumed_has_the_uninterrupted_runs_group_lrs_a
     assert all(torch.equal(weights[k], again[k]) for k in weights)
 
 
+def test_a_finetuning_with_an_ema_and_mixed_batches_resumes_to_the_same_average_weights_and_history(tmp_path, make_shards):
+    # The EMA is checkpointed beside the weights, and the mixup/CutMix draws come from an RNG the checkpoint restores.
+    make_shards([30, 30], size=24)
+    write_test_shards(tmp_path / "val", [7, 5], size=24)
+    cfg = finetune_config(tmp_path, "train.ema_decay=0.6", "train.mixup=0.8", "train.cutmix=1.0",
+                          "data.randaugment_ops=2", "train.lr=0.1")
+    finetune.run(cfg, ckpt=None)
+    run = tmp_path / "ft"
+    average, weights = load_file(run / "model.safetensors"), load_file(complete_checkpoints(run)[-1] / "model.safetensors")
+    history = json.loads((run / "results.json").read_text())["history"]
+    shutil.rmtree(complete_checkpoints(run)[-1])  # as if stopped after step 3's checkpoint
+    (run / "model.safetensors").unlink()
+    reset_accelerator()
+    finetune.run(cfg, ckpt=None, resume=True)
+    again = load_file(run / "model.safetensors")
+    assert average.keys() == again.keys() and all(torch.equal(average[k], again[k]) for k in average)
+    resumed = load_file(complete_checkpoints(run)[-1] / "model.safetensors")
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+    assert not torch.equal(average["head.weight"], weights["head.weight"])  # the export is the average, not the weights
+    assert json.loads((run / "results.json").read_text())["history"] == history
+
+
 # ---------------------------------------------------------------- finished runs and evaluations
 
 
