@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,25 +24,27 @@ from mpp.config import TrainConfig  # noqa: E402
 from mpp.knn import knn_accuracy  # noqa: E402
 from mpp.model import VisionTransformer, normalize, pool  # noqa: E402
 from mpp.objectives import Classification, MaskedPatchPrediction, finetuning_head  # noqa: E402
-from mpp.optim import build_optimizer, param_groups  # noqa: E402
-from mpp.runtime import Device, resolve_precision  # noqa: E402
+from mpp.data import Batch  # noqa: E402
+from mpp.optim import build_optimizer, build_schedule, param_groups  # noqa: E402
+from mpp.runtime import make_accelerator  # noqa: E402
+from mpp.train import train_step  # noqa: E402
 
 WIDTH, DEPTH, HEADS, IMAGE, PATCH = 192, 6, 3, 32, 4  # configs/finetune/default.yaml's ViT
 
 
-def step_time(make, cfg: TrainConfig, images, labels, steps: int, autocast: bool) -> float:
+def step_time(accelerator, make, cfg: TrainConfig, images, labels, steps: int) -> float:
+    """Median seconds of the training loop's own step (mpp.train.train_step) on a fresh objective."""
     torch.manual_seed(0)
     objective = make()
-    optimizer = build_optimizer(param_groups(objective, cfg.layer_decay), cfg)
+    model = accelerator.prepare(objective)
+    optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+    schedule = build_schedule(optimizer, cfg)
+    batch = Batch(images, labels)
     objective.train()
     times = []
     for _ in range(steps + 2):  # two warm-up steps
         start = time.perf_counter()
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            loss = objective(images, labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(accelerator, model, model, optimizer, schedule, [batch], cfg.clip_grad_norm)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
 
@@ -52,7 +55,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
-    autocast = resolve_precision("auto", Device.this_process()) == "bf16"
+    accelerator = make_accelerator(TrainConfig(), tempfile.mkdtemp(prefix="mpp-levers-"))  # train.mixed_precision auto
+    autocast = accelerator.mixed_precision == "bf16"
     images = torch.randint(0, 256, (args.batch_size, 3, IMAGE, IMAGE), dtype=torch.uint8)
     labels = torch.arange(args.batch_size) % 10
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {'bf16 autocast' if autocast else 'fp32'}, "
@@ -76,8 +80,8 @@ def main() -> None:
     for name, ((make_base, cfg_base), (make_lever, cfg_lever)) in cases.items():
         base, lever = [], []
         for _ in range(args.repeats):
-            base.append(step_time(make_base, cfg_base, images, labels, args.steps, autocast))
-            lever.append(step_time(make_lever, cfg_lever, images, labels, args.steps, autocast))
+            base.append(step_time(accelerator, make_base, cfg_base, images, labels, args.steps))
+            lever.append(step_time(accelerator, make_lever, cfg_lever, images, labels, args.steps))
         b, lv = statistics.median(base), statistics.median(lever)
         print(f"{name:42s} without {1000 * b:7.1f} ms/step, with {1000 * lv:7.1f} ms/step ({lv / b:.2f}x)")
 
