@@ -26,7 +26,7 @@ from pipelines.evaluators import Stage, build_evaluators
 from pipelines.invocation import command_line, resume_command
 from pipelines.run_policy import OutputDirLock, check_output_dir, resume_point
 from pipelines.start import Run, run_settings, start_run
-from pipelines.tracking import end_tracking, start_tracking
+from pipelines.tracking import end_tracking, stage_objective, start_tracking
 
 
 @dataclass
@@ -102,7 +102,7 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scor
     skipped = {reason: scores[f"data/skipped_{reason}"] for reason in SKIP_REASONS if scores.get(f"data/skipped_{reason}")}
     if timing and "wall_time_s" in earlier:
         timing = {**timing, "wall_time_s": earlier["wall_time_s"] + timing["wall_time_s"]}  # over every invocation
-    return {"stage": stage.name, "objective": cfg.objective if stage.name == "pretrain" else "classification",
+    return {"stage": stage.name, "objective": stage_objective(cfg, stage.name),
             "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * global_batch,
             "wall_time_s": earlier.get("wall_time_s"), "images_per_sec": earlier.get("images_per_sec"), **timing,
             "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": command_line()}
