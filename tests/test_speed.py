@@ -3,7 +3,10 @@
 import importlib.util
 import io
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +201,21 @@ def test_cpu_threads_follow_the_config_or_share_the_cpus(monkeypatch, tmp_path):
     assert cpu_threads(TrainConfig()) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert cpu_threads(TrainConfig()) == 1
+
+
+@pytest.mark.parametrize("exported, spin", [(None, "0"), ("ACTIVE", "30000000000")], ids=["default", "user-exported"])
+def test_the_command_line_makes_openmp_threads_sleep_rather_than_spin(exported, spin):
+    # Spinning threads made the main job 20x slower when other jobs shared its 2 cores. OpenMP reads its wait policy
+    # once, as torch loads it: importing the command line must set it first. libgomp (torch's OpenMP on Linux)
+    # prints its settings with OMP_DISPLAY_ENV; GOMP_SPINCOUNT is 0 under the passive policy, 300000 when unset.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "VERBOSE"}
+    if exported:
+        env["OMP_WAIT_POLICY"] = exported
+    shown = subprocess.run([sys.executable, "-c", "import pipelines.cli"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, check=True).stderr
+    if "GOMP_SPINCOUNT" not in shown:
+        pytest.skip("torch here does not use GNU OpenMP, whose settings this test reads")
+    assert f"GOMP_SPINCOUNT = '{spin}'" in shown, shown  # the user's own setting wins
 
 
 def test_cpu_bf16_attention_matches_fp32_scaled_dot_product_attention():
