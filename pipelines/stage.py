@@ -67,7 +67,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         with explained_out_of_memory(cfg.train):
             scores = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, cfg.output_dir,
                            resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
-                           resume_hint=resume_command())
+                           data_workers=cfg.data.num_workers, resume_hint=resume_command())
         trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
         end_tracking(accelerator)
         timing = {"wall_time_s": time.perf_counter() - started,
