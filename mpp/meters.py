@@ -1,4 +1,4 @@
-"""What the loop measures between two log lines, and the progress bar.
+"""What the loop measures between two log lines, the progress bar, and the one line that says a run has slowed down.
 
 The loop declares its own metrics here (LOOP_METRICS: the learning rate, the gradient norm, speed, skipped samples);
 an objective's and an evaluator's come from them (mpp.metrics).
@@ -6,8 +6,11 @@ an objective's and an evaluator's come from them (mpp.metrics).
 
 from __future__ import annotations
 
+import os
+import statistics
+import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 
 import torch
@@ -17,10 +20,13 @@ from tqdm.auto import tqdm
 from mpp.data import Batch, DataError
 from mpp.errors import UserError
 from mpp.metrics import DATA, LR, OPTIMISATION, SPEED, Metric
+from mpp.runtime import available_cpus
 
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 GRAD_NORM, NONFINITE_STEPS = "train/grad_norm", "train/nonfinite_steps"
-IMAGES_PER_SEC, DATA_WAIT = "perf/images_per_sec", "perf/data_wait_fraction"
+# Under train/, after its other tags: TensorBoard's Time Series sorts tags by name, groups them by their first part
+# and opens the first two groups, so a clean pretraining run opens on train/color_acc and train/loss.
+IMAGES_PER_SEC, DATA_WAIT = "train/perf/images_per_sec", "train/perf/data_wait_fraction"
 
 LOOP_METRICS = (
     Metric(LR, OPTIMISATION, "learning rate (of the top layer)"),
@@ -30,6 +36,12 @@ LOOP_METRICS = (
     Metric(DATA_WAIT, SPEED, "share of time waiting for data"),
     *(Metric(f"data/skipped_{reason}", DATA, "skipped samples by reason") for reason in SKIP_REASONS),
 )
+
+# A run says once when its steps take SLOWDOWN times as long as they did at first: the median of the last
+# RECENT_STEPS steps against the median of this invocation's steps EARLY_STEPS (after the first steps' set-up).
+EARLY_STEPS = (5, 25)
+RECENT_STEPS = 20
+SLOWDOWN = 5.0
 
 
 class TrainingDiverged(UserError):
@@ -67,16 +79,19 @@ class LogWindow:
     """The steps between two log lines: what they trained on, how long they waited for data, what they skipped.
 
     The loop reports each batch read (`read`) and each optimiser step (`stepped`); `write` closes the window,
-    logging the line's scalars (train/* means of the kept steps, data/skipped_* and train/nonfinite_steps since the
-    start, train/lr, perf/*), and opens the next. It is also where the run stops on too many non-finite steps in a
-    row (counted on the device, so checked only here: the host never waits on the GPU for them; the skipped steps
-    in between left the weights untouched) or on too many unusable samples.
+    logging the line's scalars (train/* means of the kept steps, train/nonfinite_steps since the start and, once a
+    sample was skipped for it, data/skipped_* of that reason since the start, train/lr, train/perf/*), and opens the next.
+    It is also where the run stops on too many non-finite steps in a row (counted on the device, so checked only
+    here: the host never waits on the GPU for them; the skipped steps in between left the weights untouched) or on
+    too many unusable samples, and where it says once that its steps have slowed down (StepPace).
     """
 
-    def __init__(self, accelerator: Accelerator, max_nonfinite_steps: int, max_skip_fraction: float) -> None:
+    def __init__(self, accelerator: Accelerator, max_nonfinite_steps: int, max_skip_fraction: float,
+                 data_workers: int = 0) -> None:
         self.accelerator, self.max_nonfinite_steps, self.max_skip_fraction = accelerator, max_nonfinite_steps, max_skip_fraction
-        self.meter, self.skipped = Meter(), Counter()
+        self.meter, self.skipped, self.pace, self.data_workers = Meter(), Counter(), StepPace(), data_workers
         self.start, self.waited, self.images, self.images_total = time.perf_counter(), 0.0, 0, 0
+        self.last_step = self.start
         self.nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
 
     def read(self, batch: Batch, waited: float) -> None:
@@ -86,6 +101,9 @@ class LogWindow:
 
     def stepped(self, step: int, result) -> None:
         """Count the optimiser step `result` (a train.StepResult) took at `step`; no host sync."""
+        now = time.perf_counter()
+        self.pace.add(now - self.last_step)
+        self.last_step = now
         for out in result.outputs:
             self.meter.add({"loss": out.loss, **out.metrics}, keep=result.stepped)
         self.meter.add({"grad_norm": result.grad_norm}, keep=result.stepped)
@@ -108,7 +126,8 @@ class LogWindow:
         self.images_total += self.images
         totals = accelerator.reduce(torch.tensor([float(self.skipped[r]) for r in SKIP_REASONS] + [float(self.images_total)],
                                                  device=accelerator.device), reduction="sum").tolist()
-        scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals)})
+        # Only reasons that occurred: a flat zero chart per reason would fill TensorBoard's first screen.
+        scalars.update({f"data/skipped_{r}": c for r, c in zip(SKIP_REASONS, totals) if c})
         scalars[NONFINITE_STEPS] = int(self.nonfinite["total"])
         scalars[LR] = lr
         scalars[IMAGES_PER_SEC] = self.images * accelerator.num_processes / elapsed
@@ -116,6 +135,9 @@ class LogWindow:
         accelerator.log(scalars, step=step)
         self.start, self.waited, self.images = time.perf_counter(), 0.0, 0
         check_skip_rate(sum(totals[:-1]), totals[-1], self.max_skip_fraction)
+        slowed = self.pace.slowed()
+        if slowed and accelerator.is_main_process:
+            tqdm.write(slowdown_line(*slowed, threads=torch.get_num_threads(), workers=self.data_workers), file=sys.stderr)
         return scalars
 
 
@@ -127,6 +149,47 @@ def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:
                         f"data.max_skip_fraction={max_fraction}; check the shards (data/skipped_* in TensorBoard "
                         f"says why) or raise the threshold")
 
+
+
+class StepPace:
+    """The time of each optimiser step of this invocation, and the rule that says the run has slowed down: the median
+    of the last RECENT_STEPS steps over SLOWDOWN times the median of steps EARLY_STEPS, told once.
+
+    Medians, so that an evaluation or a checkpoint between two steps is not taken for slowness. A step's time is the
+    host's clock between two steps, which needs no host sync: on a GPU the host runs at most a queue ahead of the
+    device, so the times follow the device's pace.
+    """
+
+    def __init__(self) -> None:
+        self.steps, self.early, self.recent, self.told = 0, [], deque(maxlen=RECENT_STEPS), False
+
+    def add(self, seconds: float) -> None:
+        self.steps += 1
+        first, last = EARLY_STEPS
+        if first <= self.steps <= last:
+            self.early.append(seconds)
+        elif self.steps > last:
+            self.recent.append(seconds)
+
+    def slowed(self) -> tuple[float, float] | None:
+        """(recent, early): the two medians in seconds, the first time the rule holds; None before and after."""
+        if self.told or len(self.recent) < RECENT_STEPS:
+            return None
+        recent, early = statistics.median(self.recent), statistics.median(self.early)
+        if recent < SLOWDOWN * early:
+            return None
+        self.told = True
+        return recent, early
+
+
+def slowdown_line(recent: float, early: float, threads: int, workers: int) -> str:
+    """What a slowed-down run prints: how much slower, how loaded the machine is, what the run uses, what to change."""
+    load = f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "unknown"
+    return (f"warning: steps take {recent / early:.0f}x as long as this run's steps {EARLY_STEPS[0]}-{EARLY_STEPS[1]} "
+            f"did ({recent:.2f} s against {early:.2f} s, medians); load average {load} on {available_cpus()} CPU(s), "
+            f"with {threads} training thread(s) and {workers} data worker(s) per process here. A load above the CPUs "
+            f"means other jobs compete for them: stop those, or lower train.cpu_threads and data.num_workers to the "
+            f"CPUs they leave")
 
 
 class ProgressBar:

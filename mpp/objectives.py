@@ -75,7 +75,8 @@ class Objective(nn.Module, ABC):
         return 0 if name in self.no_weight_decay() else self.backbone.depth + 1
 
     def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows of images (each (B, 3, H, W) uint8) for TensorBoard's panel, by name; empty: no panel."""
+        """Views of `images` (each (B, 3, H, W) uint8) for TensorBoard's panel, one column each under its name;
+        empty: no panel."""
         return {}
 
     def fixed_randomness(self, batch_size: int, generator: torch.Generator, device) -> dict[str, object]:

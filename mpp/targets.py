@@ -122,10 +122,12 @@ class ColorClasses(Target):
         return predictions.unflatten(-1, (-1, self.num_colors)).argmax(-1).squeeze(-1)
 
     def metrics(self, split: str) -> list[Metric]:
-        accuracy = "colour accuracy against the prior (always the batch's most frequent colour)"
+        # A chart each: Custom Scalars colours lines by run, not by tag, and shows no legend.
         return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
-                split_metric(split, "color_acc", accuracy, headline=True, bar="color_acc", percent=True),
-                split_metric(split, "color_acc_prior", accuracy, percent=True)]
+                split_metric(split, "color_acc", "colour accuracy on the corrupted patches", headline=True,
+                             bar="color_acc", percent=True),
+                split_metric(split, "color_acc_prior", "the prior's colour accuracy (always the batch's most frequent "
+                             "colour): what colour accuracy must beat", percent=True)]
 
 
 class MeanColor(ColorClasses):
@@ -186,8 +188,10 @@ class Pixels(Target):
         return predictions
 
     def metrics(self, split: str) -> list[Metric]:
-        chart = "loss against the prior's (always predicting the batch's mean pixels)"
-        return [split_metric(split, "loss", chart, headline=True, bar="loss"), split_metric(split, "loss_prior", chart)]
+        # A chart each: Custom Scalars colours lines by run, not by tag, and shows no legend.
+        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
+                split_metric(split, "loss_prior", "the prior's loss (always predicting the batch's mean pixels): what "
+                             "the loss must beat")]
 
     def render(self, targets: torch.Tensor) -> torch.Tensor:
         return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)

@@ -114,7 +114,7 @@ def train_step(accelerator: Accelerator, model: nn.Module, forward: Callable[...
 
 def train(accelerator: Accelerator, objective: Objective, make_batches: Callable[[StreamState], Iterable[Batch]],
           cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume_from: Path | None = None,
-          evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0,
+          evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0, data_workers: int = 0,
           resume_hint: str = "the same command with --resume") -> dict[str, float]:
     """Train `objective` (see the Objective contract) for cfg.steps optimiser steps.
 
@@ -128,7 +128,8 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
     `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
     a checkpoint when signalled, TrainingDiverged after cfg.max_nonfinite_steps bad steps in a row, and
-    DataError when more than `max_skip_fraction` of the samples read could not be used.
+    DataError when more than `max_skip_fraction` of the samples read could not be used. Says once, on stderr, when
+    the steps have slowed down many times over, with the `data_workers` per process among what to lower.
     """
     output_dir = Path(output_dir)
     ema = WeightAverage(objective, cfg.ema_decay, accelerator.device) if cfg.ema_decay is not None else None
@@ -148,7 +149,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             results.update(evaluations.run(progress.step))
 
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
-    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction)
+    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers)
     bar = ProgressBar(accelerator, [*objective.metrics("train"), *LOOP_METRICS, *evaluations.metrics], cfg.steps, progress.step)
     objective.train()
     # The bar is closed before anything propagates, so an error's line does not share a line with it.

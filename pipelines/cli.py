@@ -9,9 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from mpp.errors import UserError
-from mpp.runtime import compile_failure, out_of_memory
-from mpp.train import Preempted
+# Set before torch loads its OpenMP runtime, which reads it once: a thread that finishes its share of an operation
+# then sleeps instead of spinning while the others catch up. On 2 cores shared with other jobs the main job took
+# 3-20 s per step without it and 0.25-1.1 s with it (docs/benchmarks.md). A value the user exported wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from mpp.errors import UserError  # noqa: E402 (after the OpenMP setting above)
+from mpp.runtime import compile_failure, out_of_memory  # noqa: E402
+from mpp.train import Preempted  # noqa: E402
 
 
 def shipped_configs() -> Path:

@@ -68,7 +68,8 @@ class TopK:
     def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
         self.cfg, self.accelerator, self.classes = cfg, accelerator, stage.classes
         self.predictions: dict[str, bool] = {}
-        chart = "top-1 and top-5 on data.val_shards"
+        # One chart, and its title tells the lines apart (Custom Scalars colours by run and shows no legend).
+        chart = "top-1 (the lower line) and top-5 on data.val_shards" if self.classes > 5 else "top-1 on data.val_shards"
         self.metrics = (Metric(TOP1, EVALUATION, chart, headline=True, bar="top1", percent=True),
                         *([Metric(TOP5, EVALUATION, chart, headline=True, percent=True)] if self.classes > 5 else []))
 

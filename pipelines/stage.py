@@ -26,7 +26,7 @@ from pipelines.evaluators import Stage, build_evaluators
 from pipelines.invocation import command_line, resume_command
 from pipelines.run_policy import OutputDirLock, check_output_dir, resume_point
 from pipelines.start import Run, run_settings, start_run
-from pipelines.tracking import end_tracking, start_tracking
+from pipelines.tracking import end_tracking, stage_objective, start_tracking
 
 
 @dataclass
@@ -67,7 +67,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         with explained_out_of_memory(cfg.train):
             scores = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, cfg.output_dir,
                            resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
-                           resume_hint=resume_command())
+                           data_workers=cfg.data.num_workers, resume_hint=resume_command())
         trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
         end_tracking(accelerator)
         timing = {"wall_time_s": time.perf_counter() - started,
@@ -102,7 +102,7 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scor
     skipped = {reason: scores[f"data/skipped_{reason}"] for reason in SKIP_REASONS if scores.get(f"data/skipped_{reason}")}
     if timing and "wall_time_s" in earlier:
         timing = {**timing, "wall_time_s": earlier["wall_time_s"] + timing["wall_time_s"]}  # over every invocation
-    return {"stage": stage.name, "objective": cfg.objective if stage.name == "pretrain" else "classification",
+    return {"stage": stage.name, "objective": stage_objective(cfg, stage.name),
             "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * global_batch,
             "wall_time_s": earlier.get("wall_time_s"), "images_per_sec": earlier.get("images_per_sec"), **timing,
             "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": command_line()}

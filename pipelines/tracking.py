@@ -15,6 +15,15 @@ from mpp.config import Config, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
 from mpp.rundir import CONFIG
 
+# HParams' columns: the few settings that tell runs apart (the whole config is under Text and in config.yaml). One
+# list for every stage, as TensorBoard takes the columns from one run of the logdir; a run leaves blank what does not
+# apply to it (mpp.* outside MPP pretraining, train.label_smoothing outside classification). TensorBoard ticks the
+# first five by name, the model's shape here.
+HPARAMS = ("objective", "model.name", "model.width", "model.depth", "model.patch_size", "model.image_size",
+           "train.optimizer", "train.lr", "train.global_batch_size", "train.steps", "train.layer_decay",
+           "train.label_smoothing", "mpp.target", "mpp.masking", "mpp.corrupt_rate")
+CLASSIFICATION_OBJECTIVES = ("supervised", "classification")
+
 
 def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics: list[Metric],
                    resumed_from: Path | None = None, changes: list[str] = ()) -> None:
@@ -23,9 +32,9 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     config.yaml holds the settings now in force; a resume that changed some adds a comment line naming the
     checkpoint and the earlier values, after those of earlier resumes.
 
-    The run gets the config as text and as HParams (with its headline metrics, their last logged values, so runs sort
-    by them), and a Custom Scalars layout of `metrics` (what the objective, the loop and the evaluators declare),
-    grouped and ordered as mpp.metrics lays them out.
+    The run gets the config as text, the settings that tell runs apart as HParams (run_hparams, with its headline
+    metrics, their last logged values, so runs sort by them), and a Custom Scalars layout of `metrics` (what the
+    objective, the loop and the evaluators declare), grouped and ordered as mpp.metrics lays them out.
     """
     # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
     accelerator.init_trackers(run_name)
@@ -40,7 +49,9 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     saved.write_text("".join(notes) + text)
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("config", f"```\n{text}\n```")
-    for summary in hparams_summaries(flat_config(cfg), [m.tag for m in metrics if m.headline]):
+    global_batch = cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum
+    columns, values = run_hparams(cfg, stage_objective(cfg, run_name), global_batch)
+    for summary in hparams_summaries(columns, values, [m.tag for m in metrics if m.headline]):
         writer.file_writer.add_summary(summary)
     writer.add_custom_scalars({category: {title: ["Multiline", tags] for title, tags in group.items()}
                                for category, group in layout(metrics).items()})
@@ -67,24 +78,50 @@ def end_process() -> None:
         torch.distributed.destroy_process_group()
 
 
-def flat_config(cfg: Config) -> dict[str, bool | int | float | str]:
-    """{'train.lr': 0.001, 'data.hflip': True, 'model.width': 'null', ...}: lists and nulls as text."""
-    return {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
-            for key, value in dotted(cfg.model_dump(mode="json")).items()}
+def stage_objective(cfg: Config, stage: str) -> str:
+    """What a stage trains: pretraining its config's objective, fine-tuning a classification."""
+    return cfg.objective if stage == "pretrain" else "classification"
 
 
-def hparams_summaries(values: dict[str, bool | int | float | str], metrics: list[str]) -> list[Summary]:
-    """The HParams plugin's experiment and session-start summaries. Written by hand because torch's
-    `summary.hparams` tests for int before bool, which turns every boolean into a number."""
-    start, infos = plugin_data_pb2.SessionStartInfo(), []
+def run_hparams(cfg: Config, objective: str, global_batch: int) -> tuple[dict, dict]:
+    """HParams of a run training `objective` under `cfg`: (every HPARAMS column with the value the run's config gives
+    it, which also sets the column's type; the columns that apply to the run). The model's width and depth are its
+    resolved ones, train.global_batch_size the images per optimiser step over all processes."""
+    values = {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+              for key, value in dotted(cfg.model_dump(mode="json")).items()}
+    values.update({"objective": objective, "model.width": cfg.model.variant.width, "model.depth": cfg.model.variant.depth,
+                   "train.global_batch_size": global_batch})
+    columns = {key: values[key] for key in HPARAMS}
+    return columns, {key: value for key, value in columns.items() if applies(key, objective)}
+
+
+def applies(key: str, objective: str) -> bool:
+    """Whether the setting `key` changes what a run training `objective` does."""
+    if key.startswith("mpp."):
+        return objective == "mpp"
+    if key == "train.label_smoothing":
+        return objective in CLASSIFICATION_OBJECTIVES
+    return True
+
+
+def hparam_kind(value: bool | int | float | str) -> tuple[str, str]:
+    """(HParams data type, field of the value) of `value`; bool is tested before int, which it subclasses."""
+    if isinstance(value, bool):
+        return "DATA_TYPE_BOOL", "bool_value"
+    if isinstance(value, (int, float)):
+        return "DATA_TYPE_FLOAT64", "number_value"
+    return "DATA_TYPE_STRING", "string_value"
+
+
+def hparams_summaries(columns: dict[str, bool | int | float | str], values: dict[str, bool | int | float | str],
+                      metrics: list[str]) -> list[Summary]:
+    """The HParams plugin's experiment summary (its columns: `columns`, typed by their values, then `metrics`) and
+    session-start summary (this run's `values`). Written by hand because torch's `summary.hparams` tests for int
+    before bool, which turns every boolean into a number."""
+    start = plugin_data_pb2.SessionStartInfo()
     for name, value in values.items():
-        if isinstance(value, bool):
-            start.hparams[name].bool_value, kind = value, "DATA_TYPE_BOOL"
-        elif isinstance(value, (int, float)):
-            start.hparams[name].number_value, kind = value, "DATA_TYPE_FLOAT64"
-        else:
-            start.hparams[name].string_value, kind = value, "DATA_TYPE_STRING"
-        infos.append(api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(kind)))
+        setattr(start.hparams[name], hparam_kind(value)[1], value)
+    infos = [api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(hparam_kind(value)[0])) for name, value in columns.items()]
     experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m)) for m in metrics])
     return [hparams_summary("_hparams_/experiment", plugin_data_pb2.HParamsPluginData(experiment=experiment)),
             hparams_summary("_hparams_/session_start_info", plugin_data_pb2.HParamsPluginData(session_start_info=start))]

@@ -37,9 +37,9 @@ def test_short_pretrain_learns_and_beats_the_colour_prior(tmp_path, make_shards)
     assert losses[-1] < losses[0] - 0.5, losses  # the first value already averages 10 steps of learning
     final = results["final"]
     assert final["train/color_acc"] > 2 * final["train/color_acc_prior"], results
-    for tag in ("train/lr", "train/grad_norm", "perf/images_per_sec", "perf/data_wait_fraction"):
+    for tag in ("train/lr", "train/grad_norm", "train/perf/images_per_sec", "train/perf/data_wait_fraction"):
         assert tag in acc.Tags()["scalars"]
-    assert acc.Tags()["images"] == ["panel"]  # crops, corrupted, target and predicted rows in one grid
+    assert acc.Tags()["images"] == ["train/panel"]  # crops, corrupted, target and predicted columns in one grid
     weights = load_file(tmp_path / "run" / "model.safetensors")
     assert "pos_embed" in weights and not any(k.startswith("head") for k in weights)
     assert (tmp_path / "run" / "config.yaml").read_text().count("vit_ti") == 1

@@ -229,6 +229,8 @@ def test_training_tolerates_bad_data_under_the_threshold(tmp_path):
     assert re.search(r"skipped: .*\d+ undecodable_image", result.stdout), result.stdout
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "pretrain")).Reload()
     assert acc.Scalars("data/skipped_undecodable_image")[-1].value > 0
+    # A reason gets its chart once a sample was skipped for it: pretraining reads no labels, so none for bad labels.
+    assert "data/skipped_bad_label" not in acc.Tags()["scalars"]
 
 
 # ---------------------------------------------------------------- numerics

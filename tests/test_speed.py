@@ -3,7 +3,10 @@
 import importlib.util
 import io
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import webdataset as wds
+from accelerate import Accelerator
 from PIL import Image
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -23,8 +27,8 @@ from mpp.model import Attention, build_vit
 from mpp.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
 from mpp.optim import build_optimizer, build_schedule, param_groups
 from mpp.runtime import CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile, resolve_precision
-from mpp.meters import LogWindow
-from mpp.train import train_step
+from mpp.meters import EARLY_STEPS, RECENT_STEPS, LogWindow, StepPace
+from mpp.train import StepResult, train_step
 from pipelines import prepare
 
 from conftest import ROOT
@@ -198,6 +202,64 @@ def test_cpu_threads_follow_the_config_or_share_the_cpus(monkeypatch, tmp_path):
     assert cpu_threads(TrainConfig()) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert cpu_threads(TrainConfig()) == 1
+
+
+@pytest.mark.parametrize("exported, spin", [(None, "0"), ("ACTIVE", "30000000000")], ids=["default", "user-exported"])
+def test_the_command_line_makes_openmp_threads_sleep_rather_than_spin(exported, spin):
+    # Spinning threads made the main job 20x slower when other jobs shared its 2 cores. OpenMP reads its wait policy
+    # once, as torch loads it: importing the command line must set it first. libgomp (torch's OpenMP on Linux)
+    # prints its settings with OMP_DISPLAY_ENV; GOMP_SPINCOUNT is 0 under the passive policy, 300000 when unset.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "VERBOSE"}
+    if exported:
+        env["OMP_WAIT_POLICY"] = exported
+    shown = subprocess.run([sys.executable, "-c", "import pipelines.cli"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, check=True).stderr
+    if "GOMP_SPINCOUNT" not in shown:
+        pytest.skip("torch here does not use GNU OpenMP, whose settings this test reads")
+    assert f"GOMP_SPINCOUNT = '{spin}'" in shown, shown  # the user's own setting wins
+
+
+def paced(early: float, later: list[float]) -> StepPace:
+    """A StepPace given this run's first 25 steps at `early` seconds each, then `later`."""
+    pace = StepPace()
+    for seconds in [early] * EARLY_STEPS[1] + later:
+        pace.add(seconds)
+    return pace
+
+
+def test_a_run_says_once_when_its_steps_run_many_times_slower_than_its_own_early_steps():
+    assert paced(0.2, [1.2] * (RECENT_STEPS - 1)).slowed() is None  # not enough recent steps to judge yet
+    pace = paced(0.2, [1.2] * RECENT_STEPS)
+    assert pace.slowed() == pytest.approx((1.2, 0.2))  # 6x
+    pace.add(1.2)
+    assert pace.slowed() is None  # said once
+    assert paced(0.2, [0.9] * 100).slowed() is None  # 4.5x: under the threshold
+    # Steps 1-4 (allocation, the first batches) are not the run's pace: slow ones there do not hide a slowdown.
+    assert paced(0.2, [1.2] * RECENT_STEPS).early == [0.2] * (EARLY_STEPS[1] - EARLY_STEPS[0] + 1)
+    # An evaluation or a checkpoint between two steps is one long step, not a slow run.
+    assert paced(0.2, ([0.2] * 9 + [30.0]) * 10).slowed() is None
+
+
+def test_the_slowdown_line_names_the_ratio_the_load_and_what_to_lower(monkeypatch, capsys):
+    clock = [0.0]
+    monkeypatch.setattr("mpp.meters.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("os.getloadavg", lambda: (9.5, 8.0, 6.0), raising=False)
+    window = LogWindow(Accelerator(cpu=True), max_nonfinite_steps=5, max_skip_fraction=1.0, data_workers=1)
+    result = StepResult([], torch.tensor(1.0), torch.tensor(True), torch.tensor(False))
+    said = {}
+    for step in range(1, 81):
+        clock[0] += 0.1 if step <= EARLY_STEPS[1] else 1.0  # steps 1-25 take 0.1 s, later ones 1 s
+        window.stepped(step, result)
+        if step % 20 == 0:
+            window.write(step, lr=1e-3)
+            said[step] = capsys.readouterr().err
+    assert said[20] == said[40] == ""  # at step 40, 15 steps after the early ones: too few to judge
+    line = said[60]
+    assert line.count("\n") == 1 and line.startswith("warning: steps take 10x as long as this run's steps 5-25 did"), line
+    assert "(1.00 s against 0.10 s, medians); load average 9.5 on " in line
+    assert f"with {torch.get_num_threads()} training thread(s) and 1 data worker(s) per process" in line
+    assert "lower train.cpu_threads and data.num_workers" in line
+    assert said[80] == ""  # once
 
 
 def test_cpu_bf16_attention_matches_fp32_scaled_dot_product_attention():

@@ -5,11 +5,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.plugins.hparams import plugin_data_pb2
+from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 from mpp.config import load_config
-from mpp.panel import PANEL_GAP, panel_grid
+from mpp.panel import PANEL_GAP, PANEL_IMAGES, panel_grid
 from pipelines import finetune, pretrain
+from pipelines.tracking import HPARAMS, hparams_summaries
 
 from conftest import TINY
 
@@ -34,21 +35,33 @@ def test_pretraining_run_reads_at_a_glance(tmp_path, make_shards, capsys):
     experiment = hparams_content(acc, "_hparams_/experiment").experiment
     assert [m.name.tag for m in experiment.metric_infos] == ["train/loss", "train/color_acc"]  # the run's headline metrics
     assert {"train/loss", "train/color_acc"} <= set(acc.Tags()["scalars"])  # the metrics' values, logged by the run
+    # The few settings that tell runs apart, not the whole config (that is under Text); the same columns for every stage.
+    assert [h.name for h in experiment.hparam_infos] == list(HPARAMS) and len(HPARAMS) <= 16
     start = hparams_content(acc, "_hparams_/session_start_info").session_start_info
-    assert start.hparams["data.hflip"].WhichOneof("kind") == "bool_value" and start.hparams["data.hflip"].bool_value
     assert start.hparams["train.lr"].number_value == pytest.approx(cfg.train.lr)
-    assert start.hparams["objective"].string_value == "mpp"
+    assert start.hparams["objective"].string_value == "mpp" and start.hparams["mpp.target"].string_value == "color"
+    assert start.hparams["model.width"].number_value == 64  # the model's, also where the config leaves it to the variant
+    assert start.hparams["train.global_batch_size"].number_value == 8  # images per step, though the config says null
+    assert "train.label_smoothing" not in start.hparams  # blank: it does not apply to MPP
+    assert "config/text_summary" in acc.Tags()["tensors"]  # the whole config, as text
     assert hparams_content(acc, "_hparams_/session_end_info").session_end_info.status == 1  # STATUS_SUCCESS
 
     layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     assert [c.title for c in layout.category][0] == "training" and layout.category[-1].title == "data"
     charts = {chart.title: list(chart.multiline.tag) for chart in layout.category[0].chart}
-    colour = next(tags for title, tags in charts.items() if title.startswith("colour accuracy"))
-    assert colour == ["^train/color_acc$", "^train/color_acc_prior$"]  # on one chart
+    # Custom Scalars colours lines by run and draws no legend: accuracy and its prior each get a chart naming it.
+    assert list(charts.values()) == [["^train/loss$"], ["^train/color_acc$"], ["^train/color_acc_prior$"]]
+    assert "prior" in list(charts)[2] and "prior" not in list(charts)[1]
+    # Nothing was skipped: no flat-zero skip charts ahead of the loss in Time Series' first screen.
+    assert not [tag for tag in acc.Tags()["scalars"] if tag.startswith("data/skipped_")]
 
-    assert acc.Tags()["images"] == ["panel"]
-    panel = acc.Images("panel")[-1]
-    assert panel.width > 8 * 128 and panel.height == PANEL_GAP + 4 * (128 + PANEL_GAP)  # 8 images per row, 4 rows
+    # Time Series sorts tags by name and opens the first two groups: train/ is the first, its loss and colour accuracy
+    # the first charts, the panel and the speed after them.
+    groups = sorted({tag.split("/")[0] for kind in ("scalars", "images") for tag in acc.Tags()[kind]})
+    assert groups == ["train"]
+    assert acc.Tags()["images"] == ["train/panel"]
+    panel = acc.Images("train/panel")[-1]
+    assert panel.width == PANEL_GAP + 4 * (128 + PANEL_GAP) and panel.height > PANEL_IMAGES * (128 + PANEL_GAP)  # 4 views
 
     out = capsys.readouterr()
     assert "(width 64, depth 2, 2 heads, patch 4, 16 px" in out.out  # the model that trains, not just its name
@@ -69,17 +82,36 @@ def test_fine_tuning_bar_shows_top1_and_announces_the_final_evaluation(tmp_path,
     assert "eval/top1" in acc.Tags()["scalars"]
 
 
-def test_panel_grid_rows_line_up_per_image():
-    rows = {name: torch.randint(0, 256, (5, 3, 12, 10), dtype=torch.uint8) for name in ("crops", "corrupted", "target", "predicted")}
-    grid = panel_grid(rows)
+def test_hparams_keep_booleans_boolean():
+    # torch's summary.hparams tests for int before bool and would log a True as the number 1.
+    experiment, start = (hparams_content_of(summary) for summary in hparams_summaries({"flag": True, "lr": 0.1}, {"flag": True}, []))
+    assert [h.type for h in experiment.experiment.hparam_infos] == [api_pb2.DATA_TYPE_BOOL, api_pb2.DATA_TYPE_FLOAT64]
+    assert start.session_start_info.hparams["flag"].WhichOneof("kind") == "bool_value"
+    assert "lr" not in start.session_start_info.hparams  # a column this run leaves blank
+
+
+def hparams_content_of(summary):
+    return plugin_data_pb2.HParamsPluginData.FromString(summary.value[0].metadata.plugin_data.content)
+
+
+def test_panel_is_a_column_per_view_under_its_name_legible_in_time_series():
+    # 32-px crops as log_panel shows them: upscaled to 128 px cells.
+    columns = {name: torch.randint(0, 256, (PANEL_IMAGES, 3, 128, 128), dtype=torch.uint8)
+               for name in ("crops", "corrupted", "target", "predicted")}
+    grid = panel_grid(columns)
     assert grid.dtype == torch.uint8 and grid.shape[0] == 3
-    assert grid.shape[1] == PANEL_GAP + 4 * (12 + PANEL_GAP)
-    label_width = grid.shape[2] - 5 * (10 + PANEL_GAP)
-    assert label_width > 4 * PANEL_GAP  # room for the row names
-    for r, images in enumerate(rows.values()):
-        top = PANEL_GAP + r * (12 + PANEL_GAP)
-        for c in range(5):
-            left = label_width + c * (10 + PANEL_GAP)
-            assert torch.equal(grid[:, top:top + 12, left:left + 10], images[c]), (r, c)  # column c: image c in every row
-    labels = grid[:, PANEL_GAP:PANEL_GAP + 12, :label_width]
-    assert (labels < 128).any()  # the row's name is drawn beside it
+    height, width = grid.shape[1:]
+    header = height - PANEL_IMAGES * (128 + PANEL_GAP)
+    assert width == PANEL_GAP + 4 * (128 + PANEL_GAP)  # one column per view
+    # Time Series fits an image into about 370 x 210 px: the cells stay ~60 px and the names (ascender to
+    # descender) at least 11 px high there.
+    shown = min(370 / width, 210 / height)
+    inked = (grid[:, :header] < 128).any(0).any(-1).nonzero()
+    assert 128 * shown >= 60 and (inked.max() - inked.min() + 1) * shown >= 11
+    for c, (name, images) in enumerate(columns.items()):
+        left = PANEL_GAP + c * (128 + PANEL_GAP)
+        label = grid[:, :header, left:left + 128]
+        assert (label < 128).any(), name  # the view's name is drawn above its column
+        for r in range(PANEL_IMAGES):
+            top = header + r * (128 + PANEL_GAP)
+            assert torch.equal(grid[:, top:top + 128, left:left + 128], images[r]), (name, r)  # row r: image r in every view
