@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
             export.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
         elif args.stage == "compare":
-            from pipelines import compare
+            from pipelines import compare, plan
 
-            compare.run(compare.load_compare_config(args.config, args.overrides))
+            compare.run(plan.load_compare_config(args.config, args.overrides))
         elif args.stage == "prepare":
             from pipelines import prepare
 

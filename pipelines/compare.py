@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 
 from mpp.checkpoint import load_backbone
 from mpp.config import Config, Pooling
-from mpp.data import BadLabel, LabelReader, open_image
+from mpp.data import BadLabel, LabelReader
 from mpp.errors import UserError
 from mpp.model import build_backbone
 from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
@@ -56,7 +56,7 @@ from pipelines.evaluators import Stage, TopK
 from pipelines.fewshot import FewShot
 from pipelines.knn import Knn
 from pipelines.loaders import class_names, num_classes, resolve_shards
-from pipelines.plan import Arm, CompareConfig, load_compare_config, pretrain_config, recipes, stage_config  # noqa: F401 (cli reads load_compare_config here)
+from pipelines.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config
 from pipelines.plots import comparison_figure
 from pipelines.report import PRETRAIN_CURVES, report_markdown, scalar_history
 from pipelines.run_policy import RunInUse

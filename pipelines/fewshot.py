@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
 from accelerate import Accelerator
 from torch import nn
 
-from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.fewshot import check_pool, few_shot_accuracy
 from mpp.metrics import FEWSHOT, Metric
 from mpp.model import VisionTransformer
 from pipelines.loaders import FrozenFeatureSets
-from pipelines.start import start_run
+from pipelines.frozen import evaluate_checkpoint
 
 
 class FewShot:
@@ -47,23 +44,16 @@ class FewShot:
 
 def run(cfg: Config, *, ckpt: str) -> dict:
     """Evaluate the backbone in `ckpt`; print the accuracies and write them to output_dir/fewshot.json."""
-    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
-    backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
-    fewshot = FewShot(cfg, accelerator)
-    accuracies = fewshot.accuracies(backbone)
-    c = cfg.fewshot
-    result = {
-        "ckpt": str(ckpt), "features": c.features, "l2": c.l2, "draws": c.draws,
-        "train_images": fewshot.sets.pool.total, "eval_images": fewshot.sets.eval.total,
-        "accuracy": {str(n): statistics.fmean(a) for n, a in accuracies.items()},
-        "accuracy_std": {str(n): statistics.pstdev(a) for n, a in accuracies.items()},
-    }
-    if accelerator.is_main_process:
-        out = Path(cfg.output_dir) / "fewshot.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def measure(cfg: Config, accelerator, backbone) -> tuple[dict, str]:
+        fewshot, c = FewShot(cfg, accelerator), cfg.fewshot
+        accuracies = fewshot.accuracies(backbone)
+        result = {"features": c.features, "l2": c.l2, "draws": c.draws,
+                  "train_images": fewshot.sets.pool.total, "eval_images": fewshot.sets.eval.total,
+                  "accuracy": {str(n): statistics.fmean(a) for n, a in accuracies.items()},
+                  "accuracy_std": {str(n): statistics.pstdev(a) for n, a in accuracies.items()}}
         shown = ", ".join(f"{n}-shot {100 * a:.1f}% (+-{100 * result['accuracy_std'][n]:.1f})" for n, a in result["accuracy"].items())
-        print(f"few-shot linear accuracy of {ckpt} ({c.features} features, {c.draws} draws, "
-              f"{fewshot.sets.eval.total} evaluation images, {accelerator.num_processes} process(es)): {shown}; written to {out}")
-    accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
-    return result
+        return result, (f"few-shot linear accuracy {shown} ({c.features} features, {c.draws} draws, "
+                        f"{fewshot.sets.eval.total} evaluation images)")
+
+    return evaluate_checkpoint(cfg, ckpt, "fewshot.json", measure)

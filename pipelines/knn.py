@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
-from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.knn import knn_accuracy, missing_classes
 from mpp.metrics import KNN, KNN_TOP1, Metric
 from mpp.model import VisionTransformer
 from pipelines.loaders import FrozenFeatureSets
-from pipelines.start import start_run
+from pipelines.frozen import evaluate_checkpoint
 
 
 class Knn:
@@ -56,18 +53,12 @@ class Knn:
 
 def run(cfg: Config, *, ckpt: str) -> dict:
     """Evaluate the backbone in `ckpt`; print the accuracy and write it to output_dir/knn.json."""
-    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
-    backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
-    knn = Knn(cfg, accelerator)
-    c = cfg.knn
-    result = {"ckpt": str(ckpt), "features": c.features, "k": c.k, "temperature": c.temperature,
-              "train_images": knn.sets.pool.total, "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)[KNN_TOP1]}
-    if accelerator.is_main_process:
-        out = Path(cfg.output_dir) / "knn.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"kNN top-1 of {ckpt} ({c.features} features, k={c.k}, T={c.temperature:g}, {knn.sets.pool.total} neighbours, "
-              f"{knn.sets.eval.total} evaluation images, {accelerator.num_processes} process(es)): "
-              f"{100 * result['top1']:.2f}%; written to {out}")
-    accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
-    return result
+
+    def measure(cfg: Config, accelerator, backbone) -> tuple[dict, str]:
+        knn, c = Knn(cfg, accelerator), cfg.knn
+        result = {"features": c.features, "k": c.k, "temperature": c.temperature, "train_images": knn.sets.pool.total,
+                  "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)[KNN_TOP1]}
+        return result, (f"kNN top-1 {100 * result['top1']:.2f}% ({c.features} features, k={c.k}, T={c.temperature:g}, "
+                        f"{knn.sets.pool.total} neighbours, {knn.sets.eval.total} evaluation images)")
+
+    return evaluate_checkpoint(cfg, ckpt, "knn.json", measure)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from accelerate import Accelerator
 from torch import nn
 
-from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.metrics import PROBE, PROBE_TOP1, Metric
 from mpp.model import VisionTransformer
 from mpp.probe import linear_probe_accuracy
 from pipelines.loaders import FrozenFeatureSets
-from pipelines.start import start_run
+from pipelines.frozen import evaluate_checkpoint
 
 
 class LinearProbe:
@@ -44,19 +41,13 @@ class LinearProbe:
 
 def run(cfg: Config, *, ckpt: str) -> dict:
     """Probe the backbone in `ckpt`; print the accuracy and write it to output_dir/probe.json."""
-    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
-    backbone = load_backbone(ckpt, cfg.model).to(accelerator.device)
-    probe = LinearProbe(cfg, accelerator)
-    c = cfg.probe
-    result = {"ckpt": str(ckpt), "features": c.features, "epochs": c.epochs, "lr": c.lr, "batch_size": c.batch_size,
-              "seed": c.seed, "train_images": probe.sets.pool.total, "eval_images": probe.sets.eval.total,
-              "top1": probe.scores(backbone)[PROBE_TOP1]}
-    if accelerator.is_main_process:
-        out = Path(cfg.output_dir) / "probe.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"linear probe top-1 of {ckpt} ({c.features} features, {c.epochs} epochs of SGD at lr {c.lr:g} on "
-              f"{probe.sets.pool.total} images, {probe.sets.eval.total} evaluation images, "
-              f"{accelerator.num_processes} process(es)): {100 * result['top1']:.2f}%; written to {out}")
-    accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
-    return result
+
+    def measure(cfg: Config, accelerator, backbone) -> tuple[dict, str]:
+        probe, c = LinearProbe(cfg, accelerator), cfg.probe
+        result = {"features": c.features, "epochs": c.epochs, "lr": c.lr, "batch_size": c.batch_size, "seed": c.seed,
+                  "train_images": probe.sets.pool.total, "eval_images": probe.sets.eval.total,
+                  "top1": probe.scores(backbone)[PROBE_TOP1]}
+        return result, (f"linear probe top-1 {100 * result['top1']:.2f}% ({c.features} features, {c.epochs} epochs of "
+                        f"SGD at lr {c.lr:g} on {probe.sets.pool.total} images, {probe.sets.eval.total} evaluation images)")
+
+    return evaluate_checkpoint(cfg, ckpt, "probe.json", measure)

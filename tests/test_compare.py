@@ -8,6 +8,7 @@ from PIL import Image
 
 from mpp.config import ConfigError, load_config
 from pipelines import compare
+from pipelines.plan import load_compare_config
 
 from conftest import ROOT, reset_accelerator, write_test_shards
 
@@ -26,7 +27,7 @@ def tiny(tmp_path, *overrides):
     val = write_test_shards(tmp_path / "val", [30], size=32)
     for directory in ("up", "down"):  # the class count comes from summary.json, as `launch.py prepare` writes it
         (tmp_path / directory / "summary.json").write_text(json.dumps({"labels": True, "classes": 10}))
-    return compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
+    return load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
         f"output_dir={tmp_path / 'cmp'}", f"pretrain.data.shards={tmp_path / 'up'}", f"finetune.data.shards={tmp_path / 'down'}",
         f"finetune.data.val_shards={val[0]}", f"common.data.val_shards={val[0]}", *TINY_RUNS, *overrides])
 
@@ -94,13 +95,13 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
 
 def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="both lrs and grid"):
-        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["lrs=[0.1]"])
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["lrs=[0.1]"])
     with pytest.raises(ConfigError, match="grid recipe name 'a' is taken"):
-        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{name: a}, {name: a, train: {lr: 0.1}}]"])
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{name: a}, {name: a, train: {lr: 0.1}}]"])
     with pytest.raises(ConfigError, match=r"cannot read .* \(ScannerError"):  # YAML flow maps need a space after ':'
-        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train:{lr:0.1}}]"])
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train:{lr:0.1}}]"])
     with pytest.raises(ConfigError, match="'finetune' runs .*train.lrr"):
-        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
 
 
 def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
@@ -207,9 +208,9 @@ def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
 
 def test_compare_config_mistakes_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"'finetune' runs .*train.stepz"):
-        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["finetune.train.stepz=3"])
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["finetune.train.stepz=3"])
     with pytest.raises(ConfigError, match="dev_fraction"):
-        compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["dev_fraction=1.5"])
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["dev_fraction=1.5"])
 
 
 def test_a_plan_whose_stages_need_different_precisions_is_refused_at_load():
@@ -218,14 +219,14 @@ def test_a_plan_whose_stages_need_different_precisions_is_refused_at_load():
     plan = ROOT / "configs" / "compare" / "tiny.yaml"
     with pytest.raises(ConfigError, match=r"mpp pretraining runs with train.mixed_precision fp32, "
                                           r"its fine-tuning and few-shot evaluation with bf16; .* in the plan's common section"):
-        compare.load_compare_config(plan, ["pretrain.train.mixed_precision=no", "finetune.train.mixed_precision=bf16"])
-    assert compare.load_compare_config(plan, ["common.train.mixed_precision=no", "common.train.compile=false",
+        load_compare_config(plan, ["pretrain.train.mixed_precision=no", "finetune.train.mixed_precision=bf16"])
+    assert load_compare_config(plan, ["common.train.mixed_precision=no", "common.train.compile=false",
                                               "grid=[{train.lr: 0.03}, {name: mim, train.compile: true}]"])
 
 
 def test_shipped_tiny_plan_runs_on_the_synthetic_corpus(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the synthetic corpus is generated under ./data
-    cc = compare.load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
+    cc = load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
         f"output_dir={tmp_path / 'cmp'}", "common.data.synthetic_size=400", "arms=[mpp,scratch]", "seeds=[0]", *TINY_RUNS])
     report = compare.run(cc)
     assert set(report["arms"]) == {"mpp", "scratch"} and (tmp_path / "cmp" / "report.md").is_file()
@@ -314,11 +315,11 @@ def test_five_arms_three_of_them_mpp_variants_run_in_one_plan(tmp_path):
 def test_arms_are_checked_when_the_plan_is_loaded(tmp_path):
     plan = ROOT / "configs" / "compare" / "tiny.yaml"
     with pytest.raises(ConfigError, match=r"arm 'byol' names objective 'byol'; choose one of mpp, supervised \(or the arm scratch\)"):
-        compare.load_compare_config(plan, ["arms=[byol]"])
+        load_compare_config(plan, ["arms=[byol]"])
     with pytest.raises(ConfigError, match=r"arm name 'mpp' is taken"):
-        compare.load_compare_config(plan, ["arms=[mpp, {name: mpp, objective: mpp}]"])
+        load_compare_config(plan, ["arms=[mpp, {name: mpp, objective: mpp}]"])
     with pytest.raises(ConfigError, match=r"'pretrain' runs .*mpp.targte"):
-        compare.load_compare_config(plan, ["arms=[{name: x, objective: mpp, pretrain: {mpp.targte: pixels}}]"])
+        load_compare_config(plan, ["arms=[{name: x, objective: mpp, pretrain: {mpp.targte: pixels}}]"])
 
 
 def test_a_registered_objective_is_an_arm(tmp_path, monkeypatch):

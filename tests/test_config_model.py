@@ -21,7 +21,7 @@ def test_shipped_configs_load(path):
 
 @pytest.mark.parametrize("path", COMPARE_CONFIGS, ids=lambda p: p.name)
 def test_shipped_comparison_plans_load(path):
-    from pipelines.compare import load_compare_config
+    from pipelines.plan import load_compare_config
 
     load_compare_config(path, [])
 
