@@ -44,6 +44,7 @@ from mpp.checkpoint import load_backbone
 from mpp.config import Config, Pooling
 from mpp.data import BadLabel, LabelReader
 from mpp.errors import UserError
+from mpp.metrics import KNN_TOP1, TOP1, TOP5
 from mpp.model import build_backbone
 from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
 from mpp.runtime import process_state
@@ -177,7 +178,7 @@ def test_stage(cfg: Config, run_dir: Path) -> dict:
     classifier.head.load_state_dict({"weight": weights["head.weight"], "bias": weights["head.bias"]})
     top = TopK(cfg, accelerator, Stage("finetune", classes))
     scores = top.scores(classifier.to(accelerator.device))
-    return {"run": str(run_dir), "top1": scores["eval/top1"], **({"top5": scores["eval/top5"]} if "eval/top5" in scores else {}),
+    return {"run": str(run_dir), "top1": scores[TOP1], **({"top5": scores[TOP5]} if TOP5 in scores else {}),
             "correct": {key: int(hit) for key, hit in sorted(top.predictions.items())}}
 
 
@@ -192,7 +193,7 @@ def frozen_stage(cfg: Config, ckpt: str | None) -> dict:
     for pool in get_args(Pooling):
         pooled = cfg.model_copy(update={"knn": cfg.knn.model_copy(update={"features": pool}),
                                         "fewshot": cfg.fewshot.model_copy(update={"features": pool})})
-        result[pool] = {"knn": Knn(pooled, accelerator).scores(backbone)["knn/top1"],
+        result[pool] = {"knn": Knn(pooled, accelerator).scores(backbone)[KNN_TOP1],
                         "fewshot": {str(n): statistics.fmean(a) for n, a in FewShot(pooled, accelerator).accuracies(backbone).items()}}
     return result
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import Config
+from mpp.metrics import KNN_TOP1, LR, VAL_LOSS
 from pipelines.plan import CompareConfig
 
 PRIOR = "_prior"  # a metric's baseline that knows nothing (the batch's most frequent colour, its mean pixels)
@@ -23,13 +24,13 @@ def training_time(run_dir: Path) -> float:
     total = 0.0
     for events in run_dir.rglob("events.out.tfevents*"):
         accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0}).Reload()
-        if "train/lr" in accumulator.Tags()["scalars"]:
-            times = [e.wall_time for e in accumulator.Scalars("train/lr")]
+        if LR in accumulator.Tags()["scalars"]:
+            times = [e.wall_time for e in accumulator.Scalars(LR)]
             total += max(times) - min(times)
     return total
 
 
-PRETRAIN_CURVES = ("val/loss", "knn/top1")  # what the report shows of each pretraining run, step by step
+PRETRAIN_CURVES = (VAL_LOSS, KNN_TOP1)  # what the report shows of each pretraining run, step by step
 
 
 def scalar_history(run_dir: Path, tags: tuple[str, ...]) -> dict[str, list[list[float]]]:
@@ -228,7 +229,7 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
         if not e.get("checkpoints"):
             continue
         pre, most = e["pretrain"], max(shots)
-        loss = dict((int(step), value) for step, value in e.get("pretrain_curves", {}).get("val/loss", []))
+        loss = dict((int(step), value) for step, value in e.get("pretrain_curves", {}).get(VAL_LOSS, []))
         points = {**{int(step): c for step, c in e["checkpoints"].items()}, pre["steps"]: {"test": e["test"], "frozen": e["frozen"]}}
         lines += [f"## Pretraining length ({arm})", "",
                   f"The pick ({e['recipe']}) fine-tuned from earlier checkpoints of the same pretraining (their learning "
