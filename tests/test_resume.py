@@ -27,7 +27,7 @@ from pipelines.loaders import train_loader
 from pipelines.tracking import start_tracking
 from mpp.objectives import MaskedPatchPrediction
 
-from conftest import ROOT, TINY, read_only, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, exported_card, read_only, reset_accelerator, write_test_shards
 from test_reliability import Watched
 
 
@@ -243,11 +243,20 @@ def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_
     assert compare.run(cc)["arms"]["scratch"]["test"]["top1"] == first
 
 
-def test_a_finished_pretraining_resumed_exits_0_saying_so(tmp_path, finished_run):
+def test_a_finished_pretraining_resumed_exits_0_saying_so_and_keeps_its_final_metrics(tmp_path, finished_run):
+    # Scripts that always pass --resume: the rerun trains nothing and logs no training metric, and it used to rewrite
+    # results.json with "final": {}, so a later export's card said the metrics were "not recorded".
+    first = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {"train/loss", "train/color_acc"} <= first["final"].keys()
     (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
     result = launch("pretrain", "--resume", "--config", str(tmp_path / "defaults.yaml"), *pretrain_args(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "at step 4: the run is finished (train.steps=4), nothing to train" in result.stdout
+    again = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert again["final"] == first["final"] and again["final_shown"] == first["final_shown"]
+    assert again["wall_time_s"] == first["wall_time_s"] and again["images_per_sec"] == first["images_per_sec"]
+    card = exported_card(tmp_path / "run", tmp_path / "hf")
+    assert f"- **Final metrics**: train/loss {first['final_shown']['train/loss']}, train/color_acc " in card
 
 
 def pretrain_args(tmp_path):
