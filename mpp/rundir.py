@@ -4,6 +4,7 @@
       config.yaml                   the settings in force, with a comment line per resume that changed some
       results.json                  the stage's final metrics and the command that ran it
       predictions.json              fine-tuning: its last evaluation's top-1 hit (1 or 0) for each image, by key
+      started_from.json             a fine-tuning's starting point (--ckpt and its weights' sha256), written as it starts
       model.safetensors             the exported weights (the objective's export_weights())
       tensorboard/<stage>/          event files
       checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it) and manifest.json
@@ -22,6 +23,7 @@ from pathlib import Path
 CONFIG = "config.yaml"
 RESULTS = "results.json"
 PREDICTIONS = "predictions.json"  # a fine-tuning's last evaluation, image by image: {sample key: 1 if right}
+STARTED_FROM = "started_from.json"
 WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"

@@ -230,6 +230,67 @@ def test_a_finished_finetuning_resumed_rewrites_its_results(tmp_path, make_shard
     assert after["top1"] == before["top1"] and after["history"] == before["history"] == [[3, before["history"][0][1]], [6, before["top1"]]]
 
 
+def run_files(directory):
+    """Every file under `directory` with its bytes: what a refused command must leave as it was."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_finetuning_resumes_only_from_the_weights_it_started_from(tmp_path, finished_run, capsys):
+    # The checkpoint's weights came from the first --ckpt; a resume naming another used to continue them and write
+    # the other one into results.json as the backbone.
+    other = tmp_path / "other"
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={other}", "train.steps=2", "train.seed=1"))
+    reset_accelerator()
+    write_test_shards(tmp_path / "val", [7, 5], size=32)
+    finetune.run(finetune_config(tmp_path, "train.keep_checkpoints=5"), ckpt=str(tmp_path / "run"))
+    started = json.loads((tmp_path / "ft" / "started_from.json").read_text())
+    assert started["ckpt"] == str(tmp_path / "run") and len(started["sha256"]) == 64
+    shutil.rmtree(complete_checkpoints(tmp_path / "ft")[-1])  # as if it had died after step 3's checkpoint
+    for written_at_the_end in ("model.safetensors", "results.json"):
+        (tmp_path / "ft" / written_at_the_end).unlink()
+    before = run_files(tmp_path / "ft")
+
+    args = ["finetune", "--resume", *finetune_args(tmp_path)]
+    refused = launch(*args, "--ckpt", str(other))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr[-2000:]
+    assert refused.stderr.strip() == (
+        f"error: output_dir {tmp_path / 'ft'} holds a fine-tuning that started from {tmp_path / 'run'}, and this resume "
+        f"names {other}; its checkpoints continue the weights it started from, so pass --ckpt {tmp_path / 'run'} to "
+        f"resume it, or set output_dir to a new directory to fine-tune from {other}")
+    reset_accelerator()
+    with pytest.raises(UserError, match=rf"started from {tmp_path / 'run'}, and this resume names a fresh backbone "
+                                        rf"\(no --ckpt\); .* so pass --ckpt {tmp_path / 'run'} to resume it"):
+        finetune.run(finetune_config(tmp_path), ckpt=None, resume=True)
+    assert run_files(tmp_path / "ft") == before  # nothing written
+
+    # The same weights named another way are the same start.
+    capsys.readouterr()
+    finetune.run(finetune_config(tmp_path, "train.keep_checkpoints=5"), ckpt=str(tmp_path / "run" / "model.safetensors"), resume=True)
+    assert "step_00000003 at step 3" in capsys.readouterr().out
+    assert (tmp_path / "ft" / "started_from.json").read_bytes() == before["started_from.json"]
+
+    # A fine-tuning from scratch is a starting point too; so are weights rewritten in place since it started.
+    for start, out in ((None, "scratch"), (str(other), "from_other")):
+        reset_accelerator()
+        finetune.run(finetune_config(tmp_path, f"output_dir={tmp_path / out}", "train.steps=3"), ckpt=start)
+    reset_accelerator()
+    with pytest.raises(UserError, match=rf"started from a fresh backbone \(no --ckpt\), and this resume names "
+                                        rf"{tmp_path / 'run'}; .* so drop --ckpt to resume it"):
+        finetune.run(finetune_config(tmp_path, f"output_dir={tmp_path / 'scratch'}", "train.steps=3"), ckpt=str(tmp_path / "run"), resume=True)
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={other}", "train.steps=4", "train.seed=1"), resume=True)  # rewrites its weights
+    reset_accelerator()
+    with pytest.raises(UserError, match=rf"started from {other}, whose weights have changed since \({other / 'model.safetensors'} "
+                                        r"no longer has the sha256 recorded in .*started_from.json\); .* set output_dir to a new directory"):
+        finetune.run(finetune_config(tmp_path, f"output_dir={tmp_path / 'from_other'}", "train.steps=3"), ckpt=str(other), resume=True)
+
+
+def finetune_args(tmp_path):
+    return [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}", f"output_dir={tmp_path / 'ft'}",
+            *TINY, "model.num_classes=10", "train.steps=6", "train.warmup_steps=1", "train.batch_size=8",
+            "train.checkpoint_every=3", "finetune.eval_every=3", "train.keep_checkpoints=5"]
+
+
 def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_the_rerun(tmp_path):
     from pipelines import compare
     from test_compare import tiny
