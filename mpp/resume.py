@@ -6,6 +6,7 @@ each rank's data stream position.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -14,12 +15,22 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
+from safetensors import SafetensorError
 
 from mpp.data import StreamState
 from mpp.errors import UserError
-from mpp.rundir import checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
+from mpp.rundir import (checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, newest_verified,
+                        write_manifest)
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# What a failed write raises in a save: an OSError from Python's own writes, safetensors' error for the model, and
+# torch.save's RuntimeError for the optimiser, scheduler and RNG states.
+WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
+
+
+class CheckpointNotSaved(UserError):
+    """A checkpoint could not be written (a full disk, a file system gone read-only); the earlier ones are intact."""
 
 
 def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Path | None:
@@ -65,11 +76,13 @@ def stream_state_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / STREAM_STATE.format(rank=rank)
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int, stream: StreamState) -> Path:
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int, stream: StreamState,
+                    resume_hint: str = "the same command with --resume") -> Path:
     """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete.
 
     Accelerate saves the model, optimiser, scheduler, Progress and every rank's RNG; each rank adds its own `stream`
-    position (Accelerate saves registered objects from the main process only).
+    position (Accelerate saves registered objects from the main process only). A write that fails (a full disk)
+    raises CheckpointNotSaved naming the newest checkpoint that survives and `resume_hint`, the command that continues.
     """
     root = checkpoint_root(output_dir)
     final, partial = checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step, partial=True)
@@ -77,17 +90,78 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
         shutil.rmtree(partial, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    stream_state_file(partial, accelerator.process_index).write_text(json.dumps(stream.state_dict()) + "\n")
+    try:
+        accelerator.save_state(str(partial))
+        stream_state_file(partial, accelerator.process_index).write_text(json.dumps(stream.state_dict()) + "\n")
+    except WRITE_ERRORS as exc:
+        raise not_saved(accelerator, output_dir, step, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_manifest(partial, accelerator.num_processes)
+        try:
+            write_manifest(partial, accelerator.num_processes)
+        except OSError as exc:
+            raise not_saved(accelerator, output_dir, step, exc, resume_hint) or exc
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         for old in complete_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def not_saved(accelerator: Accelerator, output_dir: Path, step: int, exc: Exception, resume_hint: str) -> CheckpointNotSaved | None:
+    """The error for a save of `step` that failed with `exc` when a write failed, None when `exc` is no failed write.
+    The main process removes the partial checkpoint; another may not (the main one may still be writing into it)."""
+    partial = checkpoint_dir(output_dir, step, partial=True)
+    earlier = complete_checkpoints(output_dir)
+    needed = tree_bytes(earlier[-1] if earlier else partial)  # measured before the partial goes
+    left = space_left(checkpoint_root(output_dir))
+    full = out_of_space(exc) or left < needed
+    if not full and not isinstance(exc, OSError | SafetensorError):
+        return None  # a RuntimeError of torch.save that did not fail for want of space: not a write we can name
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        removed = "the partial checkpoint was removed"
+    else:
+        removed = f"the partial checkpoint {partial} is left (a resume ignores it)"
+    survivor = newest_verified(output_dir)
+    survives = (f"the newest checkpoint that survives is {survivor}" if survivor is not None else
+                "no earlier checkpoint survives, so the run starts again at step 0")
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[-1]
+    if full:
+        return CheckpointNotSaved(
+            f"cannot save the checkpoint of step {step}: the disk holding {checkpoint_root(output_dir)} is full "
+            f"({megabytes(left)} left, a checkpoint of this run takes {megabytes(needed)}; the write failed with: {cause}); {removed} and "
+            f"{survives}; free some space, then continue with {resume_hint}")
+    return CheckpointNotSaved(f"cannot save the checkpoint of step {step} in {checkpoint_root(output_dir)} ({cause}); "
+                              f"{removed} and {survives}; once it can be written, continue with {resume_hint}")
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether a failed write says it ran out of space: an OSError by its errno, anywhere in the chain of causes;
+    safetensors by quoting the system's message ('No space left on device (os error 28)'). torch.save says neither
+    ('unexpected pos 576 vs 534'): not_saved asks the file system then."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return True
+        if any(os.strerror(code) in str(exc) for code in NO_SPACE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def space_left(directory: Path) -> int:
+    """Bytes this process may still write on `directory`'s file system (root may write into the blocks kept for it)."""
+    stat = os.statvfs(directory)
+    return (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize
+
+
+def tree_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path, stream: StreamState) -> None:

@@ -176,7 +176,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or last or stopping:
-                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)
+                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)
             if stopping and not last:
                 accelerator.end_training()
                 raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "

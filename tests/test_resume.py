@@ -2,14 +2,19 @@
 that cannot be used (docs/reliability.md lists them)."""
 
 import contextlib
+import errno
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -85,6 +90,78 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, make_shards, capsys):
     make_shards([40], size=32)
     pretrain.run(pretrain_config(tmp_path, "train.steps=2"), resume=True)
     assert "holds no checkpoint yet, so this run starts at step 0" in capsys.readouterr().out
+
+
+def fill_the_disk_at(monkeypatch, tmp_path, written_file):
+    """From the save of step 4 on, writing `written_file` into a checkpoint fails as it does on a full disk, raised the
+    way the library that writes it raises it, and from then on the file system reports no space left under tmp_path."""
+    real_statvfs = os.statvfs
+
+    def fill():
+        monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((*real_statvfs(path)[:3], 0, 0, *real_statvfs(path)[5:]))
+                            if str(tmp_path) in str(path) else real_statvfs(path))
+
+    into_step_4 = lambda path: ".partial-step_00000004" in str(path) and Path(path).name == written_file
+    if written_file == "model.safetensors":  # safetensors' serializer, whatever imported save_file
+        real = safetensors.torch.serialize_file
+
+        def serialize_file(tensors, filename, *args, **kwargs):
+            if into_step_4(filename):
+                fill()
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            return real(tensors, filename, *args, **kwargs)
+
+        monkeypatch.setattr(safetensors.torch, "serialize_file", serialize_file)
+    elif written_file == "optimizer.bin":  # torch.save names no cause: the file system says it is full
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if into_step_4(f):
+                fill()
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+    else:  # a rank's stream position, written by mpp itself
+        real_write = Path.write_text
+
+        def write_text(path, *args, **kwargs):
+            if into_step_4(path):
+                fill()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_write(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("written_file", ["model.safetensors", "optimizer.bin", "stream_state_0.json"])
+def test_a_full_disk_during_a_checkpoint_save_keeps_the_earlier_one_and_says_how_to_continue(
+        tmp_path, finished_run, monkeypatch, capsys, written_file):
+    import launch as cli
+
+    args = [arg for arg in pretrain_args(tmp_path) if not arg.startswith("output_dir=")] + [f"output_dir={tmp_path / 'full'}"]
+    (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
+    with monkeypatch.context() as patched:
+        fill_the_disk_at(patched, tmp_path, written_file)
+        capsys.readouterr()
+        command = ["pretrain", "--config", str(tmp_path / "defaults.yaml"), *args]
+        patched.setattr(sys, "argv", ["launch.py", *command])
+        assert cli.main(command) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and [line for line in error.splitlines() if "error: " in line] == [error.strip().splitlines()[-1]]
+    checkpoints = tmp_path / "full" / "checkpoints"
+    assert re.fullmatch(
+        rf"error: cannot save the checkpoint of step 4: the disk holding {checkpoints} is full \(0\.0 MB left, a checkpoint of "
+        rf"this run takes 1\.7 MB; the write failed with: .*\); the partial checkpoint was removed and the newest "
+        rf"checkpoint that survives is {checkpoints / 'step_00000002'}; free some space, then continue with "
+        rf"`python launch.py pretrain --resume --config {tmp_path / 'defaults.yaml'} .*`", error.strip().splitlines()[-1]), error
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"]  # the partial one removed, the earlier intact
+    assert not (tmp_path / "full" / "results.json").exists()
+
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={tmp_path / 'full'}"), resume=True)  # space freed
+    resumed = load_file(tmp_path / "full" / "model.safetensors")
+    assert all(torch.equal(finished_run[k], resumed[k]) for k in finished_run)  # nothing lost
 
 
 # ---------------------------------------------------------------- what a resume may change
