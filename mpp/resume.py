@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -20,7 +21,7 @@ from safetensors import SafetensorError
 from mpp.data import StreamState
 from mpp.errors import UserError
 from mpp.rundir import (checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, newest_verified,
-                        write_manifest)
+                        saved_processes, write_manifest)
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -33,31 +34,36 @@ class CheckpointNotSaved(UserError):
     """A checkpoint could not be written (a full disk, a file system gone read-only); the earlier ones are intact."""
 
 
-def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path) -> Path | None:
+def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relaunch: Callable[[int], str]) -> Path | None:
     """The newest checkpoint that verifies, saying which newer ones were skipped and why; None when there is none yet.
 
-    The main process verifies (reading each file once) and tells the others; every rank then checks that it sees the
-    checkpoint's files too (ranks on other nodes see output_dir only on a filesystem all nodes share).
+    The main process verifies (reading each file once) and tells the others. A checkpoint saved by another process
+    count is refused with `relaunch(n)`, the command that resumes with the n processes that saved it; then every rank
+    checks that it sees the checkpoint's files (ranks on other nodes see output_dir only on a filesystem all nodes share).
     """
-    choice: list = [None, None, 0]  # path, the newest one's fault, candidates
+    choice: list = [None, None, 0, None]  # path, the newest one's fault, candidates, processes that saved the path
     if accelerator.is_main_process:
         candidates = complete_checkpoints(output_dir)
         choice[2] = len(candidates)
         for candidate in reversed(candidates):
-            fault = checkpoint_fault(candidate, accelerator.num_processes)
+            fault = checkpoint_fault(candidate)
             if fault is None:
-                choice[0] = str(candidate)
+                choice[0], choice[3] = str(candidate), saved_processes(candidate)
                 break
             choice[1] = choice[1] or f"{candidate.name}: {fault}"
             print(f"skipping checkpoint {candidate}: {fault}", file=sys.stderr, flush=True)
     broadcast_object_list(choice)
-    path, newest_fault, candidates = choice
+    path, newest_fault, candidates, saved_by = choice
     if path is None and candidates:
         raise UserError(f"none of the {candidates} checkpoint(s) in {checkpoint_root(output_dir)} verifies (newest, "
                         f"{newest_fault}); move them aside to start afresh")
     if path is None:
         accelerator.print(f"resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
         return None
+    if saved_by != accelerator.num_processes:
+        raise UserError(f"checkpoint {path} was saved by {saved_by} process(es) and this run has {accelerator.num_processes}; "
+                        f"each process resumes its own random state and data stream position from it, so relaunch the "
+                        f"run with {saved_by}: {relaunch(saved_by)}")
     check_seen_by_every_rank(accelerator, Path(path))
     return Path(path)
 

@@ -24,6 +24,7 @@ from mpp.config import Config, dotted, resumable_keys
 from mpp.errors import UserError
 from mpp.resume import resumable_checkpoint
 from mpp.rundir import CONFIG, STARTED_FROM, complete_checkpoints, sha256, too_long
+from pipelines.invocation import resume_command
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: l
     """The checkpoint to continue from (None: a fresh start), saying what the resume changes."""
     if not resume:
         return None
-    latest = resumable_checkpoint(accelerator, cfg.output_dir)
+    latest = resumable_checkpoint(accelerator, cfg.output_dir, relaunch=resume_command)
     if latest is not None and changes:
         accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
     return latest
