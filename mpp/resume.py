@@ -20,8 +20,8 @@ from safetensors import SafetensorError
 
 from mpp.data import StreamState
 from mpp.errors import UserError
-from mpp.rundir import (checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, newest_verified,
-                        saved_processes, write_manifest)
+from mpp.rundir import (WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints,
+                        newest_verified, saved_processes, write_manifest)
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -30,8 +30,9 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
 
 
-class CheckpointNotSaved(UserError):
-    """A checkpoint could not be written (a full disk, a file system gone read-only); the earlier ones are intact."""
+class SaveFailed(UserError):
+    """A checkpoint or the run's weights could not be written (a full disk, a file system gone read-only); the
+    checkpoints written before are intact."""
 
 
 def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relaunch: Callable[[int], str]) -> Path | None:
@@ -88,7 +89,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
 
     Accelerate saves the model, optimiser, scheduler, Progress and every rank's RNG; each rank adds its own `stream`
     position (Accelerate saves registered objects from the main process only). A write that fails (a full disk)
-    raises CheckpointNotSaved naming the newest checkpoint that survives and `resume_hint`, the command that continues.
+    raises SaveFailed naming the newest checkpoint that survives and `resume_hint`, the command that continues.
     """
     root = checkpoint_root(output_dir)
     final, partial = checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step, partial=True)
@@ -115,7 +116,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     return final
 
 
-def not_saved(accelerator: Accelerator, output_dir: Path, step: int, exc: Exception, resume_hint: str) -> CheckpointNotSaved | None:
+def not_saved(accelerator: Accelerator, output_dir: Path, step: int, exc: Exception,
+              resume_hint: str) -> SaveFailed | None:
     """The error for a save of `step` that failed with `exc` when a write failed, None when `exc` is no failed write.
     The main process removes the partial checkpoint; another may not (the main one may still be writing into it)."""
     partial = checkpoint_dir(output_dir, step, partial=True)
@@ -133,14 +135,31 @@ def not_saved(accelerator: Accelerator, output_dir: Path, step: int, exc: Except
     survivor = newest_verified(output_dir)
     survives = (f"the newest checkpoint that survives is {survivor}" if survivor is not None else
                 "no earlier checkpoint survives, so the run starts again at step 0")
-    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[-1]
+    cause = cause_of(exc)
     if full:
-        return CheckpointNotSaved(
-            f"cannot save the checkpoint of step {step}: the disk holding {checkpoint_root(output_dir)} is full "
-            f"({megabytes(left)} left, a checkpoint of this run takes {megabytes(needed)}; the write failed with: {cause}); {removed} and "
-            f"{survives}; free some space, then continue with {resume_hint}")
-    return CheckpointNotSaved(f"cannot save the checkpoint of step {step} in {checkpoint_root(output_dir)} ({cause}); "
-                              f"{removed} and {survives}; once it can be written, continue with {resume_hint}")
+        return SaveFailed(f"cannot save the checkpoint of step {step}: the disk holding {checkpoint_root(output_dir)} is "
+                          f"full ({megabytes(left)} left, a checkpoint of this run takes {megabytes(needed)}; the write "
+                          f"failed with: {cause}); {removed} and {survives}; free some space, then continue with {resume_hint}")
+    return SaveFailed(f"cannot save the checkpoint of step {step} in {checkpoint_root(output_dir)} ({cause}); {removed} "
+                      f"and {survives}; once it can be written, continue with {resume_hint}")
+
+
+def weights_not_saved(output_dir: Path, exc: Exception, resume_hint: str) -> SaveFailed | None:
+    """The error for the run's final weights (output_dir/model.safetensors) that could not be written, None when `exc`
+    is no failed write. The run's last checkpoint holds them, and a resume of the finished run writes them."""
+    if not isinstance(exc, OSError | SafetensorError):
+        return None
+    weights = Path(output_dir) / WEIGHTS
+    weights.unlink(missing_ok=True)  # a file cut short would be taken for the run's weights
+    why = "the disk holding it is full" if out_of_space(exc) else "it cannot be written"
+    fix = "free some space" if out_of_space(exc) else "once it can be written"
+    return SaveFailed(f"cannot write the run's weights {weights}: {why} ({cause_of(exc)}); its last checkpoint "
+                      f"{newest_verified(output_dir)} holds them: {fix}, then continue with {resume_hint}, which writes "
+                      f"them from it")
+
+
+def cause_of(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[-1]
 
 
 def out_of_space(exc: BaseException) -> bool:

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -92,21 +93,21 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, make_shards, capsys):
     assert "holds no checkpoint yet, so this run starts at step 0" in capsys.readouterr().out
 
 
-def fill_the_disk_at(monkeypatch, tmp_path, written_file):
-    """From the save of step 4 on, writing `written_file` into a checkpoint fails as it does on a full disk, raised the
-    way the library that writes it raises it, and from then on the file system reports no space left under tmp_path."""
+def fill_the_disk_at(monkeypatch, tmp_path, written_file, directory=".partial-step_00000004"):
+    """Writing `written_file` into `directory` (by default the save of step 4) fails as it does on a full disk, raised
+    the way the library that writes it raises it, and from then on the file system reports no space left under tmp_path."""
     real_statvfs = os.statvfs
 
     def fill():
         monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((*real_statvfs(path)[:3], 0, 0, *real_statvfs(path)[5:]))
                             if str(tmp_path) in str(path) else real_statvfs(path))
 
-    into_step_4 = lambda path: ".partial-step_00000004" in str(path) and Path(path).name == written_file
+    filling = lambda path: Path(path).parent.name == directory and Path(path).name == written_file
     if written_file == "model.safetensors":  # safetensors' serializer, whatever imported save_file
         real = safetensors.torch.serialize_file
 
         def serialize_file(tensors, filename, *args, **kwargs):
-            if into_step_4(filename):
+            if filling(filename):
                 fill()
                 raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
             return real(tensors, filename, *args, **kwargs)
@@ -116,7 +117,7 @@ def fill_the_disk_at(monkeypatch, tmp_path, written_file):
         real_save = torch.save
 
         def save(obj, f, *args, **kwargs):
-            if into_step_4(f):
+            if filling(f):
                 fill()
                 raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
             return real_save(obj, f, *args, **kwargs)
@@ -126,7 +127,7 @@ def fill_the_disk_at(monkeypatch, tmp_path, written_file):
         real_write = Path.write_text
 
         def write_text(path, *args, **kwargs):
-            if into_step_4(path):
+            if filling(path):
                 fill()
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real_write(path, *args, **kwargs)
@@ -162,6 +163,36 @@ def test_a_full_disk_during_a_checkpoint_save_keeps_the_earlier_one_and_says_how
     pretrain.run(pretrain_config(tmp_path, f"output_dir={tmp_path / 'full'}"), resume=True)  # space freed
     resumed = load_file(tmp_path / "full" / "model.safetensors")
     assert all(torch.equal(finished_run[k], resumed[k]) for k in finished_run)  # nothing lost
+
+
+def test_a_full_disk_at_the_final_weights_names_the_checkpoint_that_holds_them_and_a_resume_writes_them(
+        tmp_path, finished_run, monkeypatch, capsys):
+    import launch as cli
+
+    full = tmp_path / "full"
+    command = ["pretrain", "--config", str(tmp_path / "defaults.yaml"),
+               *[arg for arg in pretrain_args(tmp_path) if not arg.startswith("output_dir=")], f"output_dir={full}"]
+    (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
+    with monkeypatch.context() as patched:
+        fill_the_disk_at(patched, tmp_path, "model.safetensors", directory="full")
+        patched.setattr(sys, "argv", ["launch.py", *command])
+        capsys.readouterr()
+        assert cli.main(command) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and error.strip().splitlines()[-1] == (
+        f"error: cannot write the run's weights {full / 'model.safetensors'}: the disk holding it is full (Error while "
+        f"serializing: I/O error: No space left on device (os error 28)); its last checkpoint {full / 'checkpoints' / 'step_00000004'} "
+        f"holds them: free some space, then continue with `python launch.py {shlex.join(command).replace('pretrain', 'pretrain --resume', 1)}`, "
+        f"which writes them from it")
+    assert not (full / "model.safetensors").exists() and not (full / "results.json").exists()
+
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={full}"), resume=True)  # space freed
+    resumed = load_file(full / "model.safetensors")
+    assert all(torch.equal(finished_run[k], resumed[k]) for k in finished_run)
+    # The finished run resumed trained nothing and logged nothing: its final metrics come from its last checkpoint.
+    first = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert json.loads((full / "results.json").read_text())["final"] == first["final"]
 
 
 # ---------------------------------------------------------------- what a resume may change
