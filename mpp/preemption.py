@@ -116,7 +116,7 @@ def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg, 
     newest = complete_checkpoints(output_dir)
     if signalled.at_step_boundary and accelerator.num_processes == 1 and step > 0:
         if not newest or newest[-1].name != checkpoint_dir(output_dir, step).name:
-            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)]
+            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)]
         accelerator.end_training()
         return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data; checkpoint "
                          f"saved in {newest[-1]}; continue with {resume_hint}")

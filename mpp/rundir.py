@@ -4,6 +4,7 @@
       config.yaml                   the settings in force, with a comment line per resume that changed some
       results.json                  the stage's final metrics and the command that ran it
       predictions.json              fine-tuning: its last evaluation's top-1 hit (1 or 0) for each image, by key
+      started_from.json             a fine-tuning's starting point (--ckpt and its weights' sha256), written as it starts
       model.safetensors             the exported weights (the objective's export_weights())
       tensorboard/<stage>/          event files
       checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it) and manifest.json
@@ -22,6 +23,7 @@ from pathlib import Path
 CONFIG = "config.yaml"
 RESULTS = "results.json"
 PREDICTIONS = "predictions.json"  # a fine-tuning's last evaluation, image by image: {sample key: 1 if right}
+STARTED_FROM = "started_from.json"
 WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
@@ -78,9 +80,9 @@ def write_manifest(directory: Path, processes: int) -> None:
     (directory / MANIFEST).write_text(json.dumps({"processes": processes, "files": files}, indent=1) + "\n")
 
 
-def checkpoint_fault(directory: Path, processes: int | None = None) -> str | None:
-    """Why `directory` cannot be resumed from (by `processes` processes; None: only its weights are wanted), or
-    None when it verifies."""
+def checkpoint_fault(directory: Path) -> str | None:
+    """Why `directory`'s files do not verify against its manifest (damaged, incomplete, of an older mpp), or None
+    when they do. Whether a run may resume from it also takes the process count that saved it (saved_processes)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         files, saved_by = manifest["files"], manifest["processes"]
@@ -96,13 +98,18 @@ def checkpoint_fault(directory: Path, processes: int | None = None) -> str | Non
             return f"{name} has {path.stat().st_size} bytes where {entry['bytes']} were written (truncated or overwritten)"
         if sha256(path) != entry["sha256"]:
             return f"{name} does not match the sha256 written with it (damaged)"
-    if processes is not None and processes != saved_by:
-        return f"it was saved by {saved_by} process(es) and this run has {processes}; resume with {saved_by}"
+    if not isinstance(saved_by, int):
+        return f"its {MANIFEST} is unreadable"
     return None
 
 
+def saved_processes(directory: Path) -> int:
+    """How many processes saved a checkpoint that verifies (each wrote its own random state and stream position)."""
+    return json.loads((directory / MANIFEST).read_text())["processes"]
+
+
 def newest_verified(output_dir: str | Path) -> Path | None:
-    """The newest checkpoint whose files verify, for its weights alone (any process count)."""
+    """The newest checkpoint whose files verify, for its weights (saved by any process count)."""
     return next((c for c in reversed(complete_checkpoints(output_dir)) if checkpoint_fault(c) is None), None)
 
 

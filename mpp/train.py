@@ -11,7 +11,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from mpp.objectives import Objective, StepOutput
 from mpp.optim import LambdaLR, apply_hyperparameters, build_optimizer, build_schedule, head_lr, param_groups
 from mpp.panel import log_panel
 from mpp.preemption import Preempted, SignalWhileWaiting, StopOnSignal, stopped_waiting
-from mpp.resume import load_checkpoint, save_checkpoint
+from mpp.resume import WRITE_ERRORS, load_checkpoint, save_checkpoint, weights_not_saved
 from mpp.rundir import WEIGHTS
 from mpp.runtime import Device, compiled, resolve_compile
 
@@ -53,20 +53,24 @@ class Evaluator:
 
 @dataclass
 class Progress:
-    """Checkpointed with the model by the main process: the step counter and the last step whose evaluations ran.
+    """Checkpointed with the model by the main process: the step counter, the last step whose evaluations ran, and
+    the scalars logged up to the checkpoint's step.
 
-    A step's checkpoint is written before its evaluations, so a resume from it runs them first. Each rank's data
-    stream position is its own and is saved by each rank beside it (mpp.resume.save_checkpoint).
+    A step's checkpoint is written before its evaluations, so a resume from it runs them first. A finished run resumed
+    trains nothing and logs nothing: it reports the scalars its last checkpoint kept. Each rank's data stream position
+    is its own and is saved by each rank beside it (mpp.resume.save_checkpoint).
     """
 
     step: int = 0
     evaluated: int = 0
+    logged: dict[str, float] = field(default_factory=dict)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "evaluated": self.evaluated}
+        return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.evaluated = state["step"], state["evaluated"]
+        self.logged = dict(state.get("logged", {}))  # absent from the checkpoints of an earlier mpp
 
 
 @dataclass
@@ -145,6 +149,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
 
     if resume_from is not None:
         restore(accelerator, resume_from, stream, progress, optimizer, scheduler, cfg)
+        results.update(progress.logged)
         if progress.evaluated < progress.step:
             results.update(evaluations.run(progress.step))
 
@@ -176,7 +181,8 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or last or stopping:
-                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream)
+                progress.logged = dict(results)
+                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)
             if stopping and not last:
                 accelerator.end_training()
                 raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "
@@ -185,7 +191,10 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.update(results)
 
     if accelerator.is_main_process:
-        save_weights(scored, output_dir / WEIGHTS)
+        try:
+            save_weights(scored, output_dir / WEIGHTS)
+        except WRITE_ERRORS as exc:
+            raise weights_not_saved(output_dir, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
     return results
 

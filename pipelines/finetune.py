@@ -18,6 +18,7 @@ from mpp.model import build_backbone
 from mpp.objectives import Classification, batch_mixing, finetuning_head
 from mpp.train import Evaluator
 from pipelines.loaders import class_names, labelled, num_classes, resolve_shards, train_loader
+from pipelines.run_policy import StartingPoint
 from pipelines.stage import TrainingStage, run_training
 from pipelines.start import Run
 
@@ -102,4 +103,4 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict:
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
                              recording=history.recording, checkpointed=(history,))
 
-    return run_training(cfg, stage, resume=resume)
+    return run_training(cfg, stage, resume=resume, start=StartingPoint.of(ckpt))

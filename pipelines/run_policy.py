@@ -1,29 +1,88 @@
 """What a stage may do with its output_dir: write there, continue a run there, change which settings on a resume.
 
 A run holds an exclusive lock on its output_dir; a resume may change only the config fields marked resumable
-(mpp.config.RESUMABLE), each applied from the resumed step on.
+(mpp.config.RESUMABLE), each applied from the resumed step on, and a fine-tuning resumes only from the weights it
+started from (its StartingPoint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from omegaconf import OmegaConf
 
+from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, dotted, resumable_keys
 from mpp.errors import UserError
 from mpp.resume import resumable_checkpoint
-from mpp.rundir import CONFIG, complete_checkpoints, too_long
+from mpp.rundir import CONFIG, STARTED_FROM, complete_checkpoints, sha256, too_long
+from pipelines.invocation import resume_command
 
 
-def check_output_dir(cfg: Config, resume: bool) -> list[str]:
+@dataclass(frozen=True)
+class StartingPoint:
+    """Where a fine-tuning's weights start: `--ckpt` as given and the sha256 of the weights file it names, or a fresh
+    backbone (all None).
+
+    The file's content is the starting point, not its path: a checkpoint moved or named another way is the same start,
+    and a run directory whose weights were rewritten since (a pretraining resumed for longer) is another one.
+    """
+
+    ckpt: str | None = None
+    weights: str | None = None  # the .safetensors file `ckpt` resolves to, absolute
+    sha256: str | None = None
+
+    @classmethod
+    def of(cls, ckpt: str | None) -> StartingPoint:
+        if ckpt is None:
+            return cls()
+        weights = resolve_checkpoint(ckpt).absolute()
+        return cls(str(ckpt), str(weights), sha256(weights))
+
+    def __str__(self) -> str:
+        return "a fresh backbone (no --ckpt)" if self.ckpt is None else self.ckpt
+
+    def record(self, accelerator: Accelerator, output_dir: str | Path) -> None:
+        """Write it into output_dir as the run starts (under the run's lock, before its first checkpoint)."""
+        if accelerator.is_main_process:
+            (Path(output_dir) / STARTED_FROM).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+
+def check_starting_point(out: Path, start: StartingPoint) -> None:
+    """Refuse a resume of the fine-tuning in `out` from other weights than it started from: its checkpoint holds
+    weights that came from the first, and results.json would name the second."""
+    recorded_file = out / STARTED_FROM
+    if not recorded_file.is_file():
+        return  # a run of an mpp that did not record where it started: nothing to hold the resume to
+    try:
+        recorded = StartingPoint(**json.loads(recorded_file.read_text()))
+    except (ValueError, TypeError):
+        raise UserError(f"{recorded_file} cannot be read, so where the fine-tuning in output_dir {out} started is not "
+                        f"known; set output_dir to a new directory to fine-tune afresh") from None
+    if recorded.sha256 == start.sha256:
+        return
+    if recorded.weights is not None and recorded.weights == start.weights:
+        raise UserError(f"output_dir {out} holds a fine-tuning that started from {recorded}, whose weights have changed "
+                        f"since ({start.weights} no longer has the sha256 recorded in {recorded_file}); a resume continues "
+                        f"from the earlier weights, so set output_dir to a new directory to fine-tune from the new ones")
+    fix = "drop --ckpt" if recorded.ckpt is None else f"pass --ckpt {recorded.ckpt}"
+    raise UserError(f"output_dir {out} holds a fine-tuning that started from {recorded}, and this resume names {start}; "
+                    f"its checkpoints continue the weights it started from, so {fix} to resume it, or set output_dir to "
+                    f"a new directory to fine-tune from {start}")
+
+
+def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None) -> list[str]:
     """Refuse an output_dir that cannot be written, that holds another run's checkpoints, or whose run a resume
-    would change in a way it cannot apply; returns what the resume changes, as `key before -> after`."""
+    would change in a way it cannot apply (for a fine-tuning, `start`: where its weights come from); returns what the
+    resume changes, as `key before -> after`."""
     out = Path(cfg.output_dir)
     if (reason := too_long(out)) is not None:
         raise UserError(f"output_dir {out} cannot be created: {reason}; set output_dir to a shorter path")
@@ -37,6 +96,8 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
         return []
     if not resume:
         raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
+    if start is not None:
+        check_starting_point(out, start)
     saved = out / CONFIG
     if not saved.is_file():
         return []
@@ -99,7 +160,7 @@ def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: l
     """The checkpoint to continue from (None: a fresh start), saying what the resume changes."""
     if not resume:
         return None
-    latest = resumable_checkpoint(accelerator, cfg.output_dir)
+    latest = resumable_checkpoint(accelerator, cfg.output_dir, relaunch=resume_command)
     if latest is not None and changes:
         accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
     return latest

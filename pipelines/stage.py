@@ -24,7 +24,7 @@ from mpp.runtime import explained_out_of_memory
 from mpp.train import Evaluator, train
 from pipelines.evaluators import Stage, build_evaluators
 from pipelines.invocation import command_line, resume_command
-from pipelines.run_policy import OutputDirLock, check_output_dir, resume_point
+from pipelines.run_policy import OutputDirLock, StartingPoint, check_output_dir, resume_point
 from pipelines.start import Run, run_settings, start_run
 from pipelines.tracking import end_tracking, stage_objective, start_tracking
 
@@ -44,16 +44,20 @@ class TrainingStage:
     checkpointed: tuple = field(default_factory=tuple)  # more state saved with every checkpoint (state_dict/load_state_dict)
 
 
-def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool = False) -> dict:
-    """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started. Writes
-    output_dir/results.json and returns what it holds."""
-    changes = check_output_dir(cfg, resume)
+def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool = False,
+                 start: StartingPoint | None = None) -> dict:
+    """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started; `start` is where
+    a fine-tuning's weights come from (None for a stage that starts from nothing else, pretraining), recorded when
+    the run starts and held to on a resume. Writes output_dir/results.json and returns what it holds."""
+    changes = check_output_dir(cfg, resume, start)
     started = time.perf_counter()
     run = start_run(cfg)
     accelerator, cfg = run.accelerator, run.cfg
     stage = build(run)
     with OutputDirLock(accelerator, cfg.output_dir):
         resume_from = resume_point(accelerator, cfg, resume, changes)
+        if start is not None and resume_from is None:
+            start.record(accelerator, cfg.output_dir)
         evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective))))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)

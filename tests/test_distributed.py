@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -113,6 +114,69 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, make_shards)
     stops = re.findall(r"stopped at step (\d+) of 100000", stderr)
     assert len(stops) == 2 and stops[0] == stops[1], stderr[-3000:]
     assert complete_checkpoints(tmp_path / "run")[-1].name == f"step_{int(stops[0]):08d}"
+
+
+def test_sigterm_to_the_launcher_prints_a_resume_command_with_its_processes_and_one_process_is_told_to_relaunch(tmp_path, make_shards):
+    # A rank sees only `launch.py pretrain ...`: its resume command used to drop `--multi_gpu --num_processes 2`, and
+    # following it met "none of the checkpoint(s) verifies ...; move them aside to start afresh".
+    make_shards([40] * 2, size=32)
+    args = ["launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+            "train.steps=100000", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=5"]
+    proc = subprocess.Popen([*TWO_PROCESSES, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not complete_checkpoints(tmp_path / "run"):  # both ranks are in the loop
+            time.sleep(0.2)
+        assert len(psutil.Process(proc.pid).children()) == 2
+        proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it on to its ranks
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert "with 2 process(es)" in stdout, stdout[-2000:]
+    stopped = re.findall(r"stopped at step (\d+) of 100000 on a signal; checkpoint saved in \S+; continue with `([^`]*)`", stderr)
+    assert stopped and len(set(stopped)) == 1, stderr[-3000:]  # every rank that says it names the same step and command
+    step, command = int(stopped[0][0]), shlex.split(stopped[0][1])
+    assert command[:7] == ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "launch.py", "pretrain"]
+    assert command[7:] == ["--resume", *args[2:]]
+
+    one = subprocess.run([sys.executable, *command[5:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert one.returncode == 2 and one.stderr.strip().splitlines() == [one.stderr.strip()], one.stderr[-2000:]
+    assert one.stderr.strip() == (f"error: checkpoint {complete_checkpoints(tmp_path / 'run')[-1]} was saved by 2 process(es) "
+                                  f"and this run has 1; each process resumes its own random state and data stream position "
+                                  f"from it, so relaunch the run with 2: `{stopped[0][1]}`")
+
+    resumed = run([*TWO_PROCESSES, *command[5:], f"train.steps={step + 2}"])  # the printed command, run to an end
+    assert "with 2 process(es)" in resumed.stdout and f"at step {step}" in resumed.stdout, resumed.stdout[-2000:]
+    assert complete_checkpoints(tmp_path / "run")[-1].name == f"step_{step + 2:08d}"
+
+
+def test_the_command_of_a_rank_names_its_launcher_and_process_count(monkeypatch):
+    # What the launchers set in every rank (read from a rank of `accelerate launch --multi_gpu --num_processes 2`).
+    from pipelines.invocation import command_line, resume_command
+
+    monkeypatch.setattr(sys, "argv", ["launch.py", "pretrain", "train.steps=9"])
+    for name in ("ACCELERATE_MIXED_PRECISION", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "GROUP_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert command_line() == "python launch.py pretrain train.steps=9"
+    assert resume_command(2) == "`accelerate launch --multi_gpu --num_processes 2 launch.py pretrain --resume train.steps=9`"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch, one process
+    assert command_line() == "accelerate launch launch.py pretrain train.steps=9"
+    for name, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
+                        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert resume_command() == "`accelerate launch --multi_gpu --num_processes 2 launch.py pretrain --resume train.steps=9`"
+    assert resume_command(1) == "`accelerate launch launch.py pretrain --resume train.steps=9`"
+    monkeypatch.setenv("WORLD_SIZE", "16")  # two machines of 8, this rank on the second
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert command_line() == ("accelerate launch --multi_gpu --num_machines 2 --machine_rank 1 --main_process_ip 127.0.0.1 "
+                              "--main_process_port 29500 --num_processes 16 launch.py pretrain train.steps=9")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")  # torchrun
+    assert command_line() == ("torchrun --nnodes 2 --node_rank 1 --master_addr 127.0.0.1 --master_port 29500 "
+                              "--nproc_per_node 8 launch.py pretrain train.steps=9")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert command_line() == "torchrun --nproc_per_node 2 launch.py pretrain train.steps=9"
 
 
 def test_compare_over_two_processes_runs_its_stages_one_after_another_in_each(tmp_path):

@@ -310,7 +310,9 @@ def test_resume_command_puts_resume_after_the_stage(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py", "x=1"])
     assert resume_command() == "`python train.py x=1 --resume`"
     monkeypatch.setattr(sys, "argv", ["launch.py", "compare", "--config", "plan.yaml", "arms=[mpp]"])
-    assert resume_command() == "`python launch.py compare --config plan.yaml arms=[mpp]`"  # compare takes no --resume
+    assert resume_command() == "`python launch.py compare --config plan.yaml 'arms=[mpp]'`"  # compare takes no --resume
+    monkeypatch.setattr(sys, "argv", ["launch.py", "pretrain", "data.shards=pipe:curl -s URL/{0..9}.tar"])
+    assert resume_command() == "`python launch.py pretrain --resume 'data.shards=pipe:curl -s URL/{0..9}.tar'`"  # as typed in a shell
 
 
 def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_shards):

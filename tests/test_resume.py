@@ -2,14 +2,20 @@
 that cannot be used (docs/reliability.md lists them)."""
 
 import contextlib
+import errno
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -27,7 +33,7 @@ from pipelines.loaders import train_loader
 from pipelines.tracking import start_tracking
 from mpp.objectives import MaskedPatchPrediction
 
-from conftest import ROOT, TINY, read_only, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, exported_card, read_only, reset_accelerator, write_test_shards
 from test_reliability import Watched
 
 
@@ -85,6 +91,108 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, make_shards, capsys):
     make_shards([40], size=32)
     pretrain.run(pretrain_config(tmp_path, "train.steps=2"), resume=True)
     assert "holds no checkpoint yet, so this run starts at step 0" in capsys.readouterr().out
+
+
+def fill_the_disk_at(monkeypatch, tmp_path, written_file, directory=".partial-step_00000004"):
+    """Writing `written_file` into `directory` (by default the save of step 4) fails as it does on a full disk, raised
+    the way the library that writes it raises it, and from then on the file system reports no space left under tmp_path."""
+    real_statvfs = os.statvfs
+
+    def fill():
+        monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((*real_statvfs(path)[:3], 0, 0, *real_statvfs(path)[5:]))
+                            if str(tmp_path) in str(path) else real_statvfs(path))
+
+    filling = lambda path: Path(path).parent.name == directory and Path(path).name == written_file
+    if written_file == "model.safetensors":  # safetensors' serializer, whatever imported save_file
+        real = safetensors.torch.serialize_file
+
+        def serialize_file(tensors, filename, *args, **kwargs):
+            if filling(filename):
+                fill()
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            return real(tensors, filename, *args, **kwargs)
+
+        monkeypatch.setattr(safetensors.torch, "serialize_file", serialize_file)
+    elif written_file == "optimizer.bin":  # torch.save names no cause: the file system says it is full
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if filling(f):
+                fill()
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+    else:  # a rank's stream position, written by mpp itself
+        real_write = Path.write_text
+
+        def write_text(path, *args, **kwargs):
+            if filling(path):
+                fill()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_write(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("written_file", ["model.safetensors", "optimizer.bin", "stream_state_0.json"])
+def test_a_full_disk_during_a_checkpoint_save_keeps_the_earlier_one_and_says_how_to_continue(
+        tmp_path, finished_run, monkeypatch, capsys, written_file):
+    import launch as cli
+
+    args = [arg for arg in pretrain_args(tmp_path) if not arg.startswith("output_dir=")] + [f"output_dir={tmp_path / 'full'}"]
+    (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
+    with monkeypatch.context() as patched:
+        fill_the_disk_at(patched, tmp_path, written_file)
+        capsys.readouterr()
+        command = ["pretrain", "--config", str(tmp_path / "defaults.yaml"), *args]
+        patched.setattr(sys, "argv", ["launch.py", *command])
+        assert cli.main(command) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and [line for line in error.splitlines() if "error: " in line] == [error.strip().splitlines()[-1]]
+    checkpoints = tmp_path / "full" / "checkpoints"
+    assert re.fullmatch(
+        rf"error: cannot save the checkpoint of step 4: the disk holding {checkpoints} is full \(0\.0 MB left, a checkpoint of "
+        rf"this run takes 1\.7 MB; the write failed with: .*\); the partial checkpoint was removed and the newest "
+        rf"checkpoint that survives is {checkpoints / 'step_00000002'}; free some space, then continue with "
+        rf"`python launch.py pretrain --resume --config {tmp_path / 'defaults.yaml'} .*`", error.strip().splitlines()[-1]), error
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"]  # the partial one removed, the earlier intact
+    assert not (tmp_path / "full" / "results.json").exists()
+
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={tmp_path / 'full'}"), resume=True)  # space freed
+    resumed = load_file(tmp_path / "full" / "model.safetensors")
+    assert all(torch.equal(finished_run[k], resumed[k]) for k in finished_run)  # nothing lost
+
+
+def test_a_full_disk_at_the_final_weights_names_the_checkpoint_that_holds_them_and_a_resume_writes_them(
+        tmp_path, finished_run, monkeypatch, capsys):
+    import launch as cli
+
+    full = tmp_path / "full"
+    command = ["pretrain", "--config", str(tmp_path / "defaults.yaml"),
+               *[arg for arg in pretrain_args(tmp_path) if not arg.startswith("output_dir=")], f"output_dir={full}"]
+    (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
+    with monkeypatch.context() as patched:
+        fill_the_disk_at(patched, tmp_path, "model.safetensors", directory="full")
+        patched.setattr(sys, "argv", ["launch.py", *command])
+        capsys.readouterr()
+        assert cli.main(command) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and error.strip().splitlines()[-1] == (
+        f"error: cannot write the run's weights {full / 'model.safetensors'}: the disk holding it is full (Error while "
+        f"serializing: I/O error: No space left on device (os error 28)); its last checkpoint {full / 'checkpoints' / 'step_00000004'} "
+        f"holds them: free some space, then continue with `python launch.py {shlex.join(command).replace('pretrain', 'pretrain --resume', 1)}`, "
+        f"which writes them from it")
+    assert not (full / "model.safetensors").exists() and not (full / "results.json").exists()
+
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={full}"), resume=True)  # space freed
+    resumed = load_file(full / "model.safetensors")
+    assert all(torch.equal(finished_run[k], resumed[k]) for k in finished_run)
+    # The finished run resumed trained nothing and logged nothing: its final metrics come from its last checkpoint.
+    first = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert json.loads((full / "results.json").read_text())["final"] == first["final"]
 
 
 # ---------------------------------------------------------------- what a resume may change
@@ -230,6 +338,67 @@ def test_a_finished_finetuning_resumed_rewrites_its_results(tmp_path, make_shard
     assert after["top1"] == before["top1"] and after["history"] == before["history"] == [[3, before["history"][0][1]], [6, before["top1"]]]
 
 
+def run_files(directory):
+    """Every file under `directory` with its bytes: what a refused command must leave as it was."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_finetuning_resumes_only_from_the_weights_it_started_from(tmp_path, finished_run, capsys):
+    # The checkpoint's weights came from the first --ckpt; a resume naming another used to continue them and write
+    # the other one into results.json as the backbone.
+    other = tmp_path / "other"
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={other}", "train.steps=2", "train.seed=1"))
+    reset_accelerator()
+    write_test_shards(tmp_path / "val", [7, 5], size=32)
+    finetune.run(finetune_config(tmp_path, "train.keep_checkpoints=5"), ckpt=str(tmp_path / "run"))
+    started = json.loads((tmp_path / "ft" / "started_from.json").read_text())
+    assert started["ckpt"] == str(tmp_path / "run") and len(started["sha256"]) == 64
+    shutil.rmtree(complete_checkpoints(tmp_path / "ft")[-1])  # as if it had died after step 3's checkpoint
+    for written_at_the_end in ("model.safetensors", "results.json"):
+        (tmp_path / "ft" / written_at_the_end).unlink()
+    before = run_files(tmp_path / "ft")
+
+    args = ["finetune", "--resume", *finetune_args(tmp_path)]
+    refused = launch(*args, "--ckpt", str(other))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr[-2000:]
+    assert refused.stderr.strip() == (
+        f"error: output_dir {tmp_path / 'ft'} holds a fine-tuning that started from {tmp_path / 'run'}, and this resume "
+        f"names {other}; its checkpoints continue the weights it started from, so pass --ckpt {tmp_path / 'run'} to "
+        f"resume it, or set output_dir to a new directory to fine-tune from {other}")
+    reset_accelerator()
+    with pytest.raises(UserError, match=rf"started from {tmp_path / 'run'}, and this resume names a fresh backbone "
+                                        rf"\(no --ckpt\); .* so pass --ckpt {tmp_path / 'run'} to resume it"):
+        finetune.run(finetune_config(tmp_path), ckpt=None, resume=True)
+    assert run_files(tmp_path / "ft") == before  # nothing written
+
+    # The same weights named another way are the same start.
+    capsys.readouterr()
+    finetune.run(finetune_config(tmp_path, "train.keep_checkpoints=5"), ckpt=str(tmp_path / "run" / "model.safetensors"), resume=True)
+    assert "step_00000003 at step 3" in capsys.readouterr().out
+    assert (tmp_path / "ft" / "started_from.json").read_bytes() == before["started_from.json"]
+
+    # A fine-tuning from scratch is a starting point too; so are weights rewritten in place since it started.
+    for start, out in ((None, "scratch"), (str(other), "from_other")):
+        reset_accelerator()
+        finetune.run(finetune_config(tmp_path, f"output_dir={tmp_path / out}", "train.steps=3"), ckpt=start)
+    reset_accelerator()
+    with pytest.raises(UserError, match=rf"started from a fresh backbone \(no --ckpt\), and this resume names "
+                                        rf"{tmp_path / 'run'}; .* so drop --ckpt to resume it"):
+        finetune.run(finetune_config(tmp_path, f"output_dir={tmp_path / 'scratch'}", "train.steps=3"), ckpt=str(tmp_path / "run"), resume=True)
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, f"output_dir={other}", "train.steps=4", "train.seed=1"), resume=True)  # rewrites its weights
+    reset_accelerator()
+    with pytest.raises(UserError, match=rf"started from {other}, whose weights have changed since \({other / 'model.safetensors'} "
+                                        r"no longer has the sha256 recorded in .*started_from.json\); .* set output_dir to a new directory"):
+        finetune.run(finetune_config(tmp_path, f"output_dir={tmp_path / 'from_other'}", "train.steps=3"), ckpt=str(other), resume=True)
+
+
+def finetune_args(tmp_path):
+    return [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}", f"output_dir={tmp_path / 'ft'}",
+            *TINY, "model.num_classes=10", "train.steps=6", "train.warmup_steps=1", "train.batch_size=8",
+            "train.checkpoint_every=3", "finetune.eval_every=3", "train.keep_checkpoints=5"]
+
+
 def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_the_rerun(tmp_path):
     from pipelines import compare
     from test_compare import tiny
@@ -243,11 +412,20 @@ def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_
     assert compare.run(cc)["arms"]["scratch"]["test"]["top1"] == first
 
 
-def test_a_finished_pretraining_resumed_exits_0_saying_so(tmp_path, finished_run):
+def test_a_finished_pretraining_resumed_exits_0_saying_so_and_keeps_its_final_metrics(tmp_path, finished_run):
+    # Scripts that always pass --resume: the rerun trains nothing and logs no training metric, and it used to rewrite
+    # results.json with "final": {}, so a later export's card said the metrics were "not recorded".
+    first = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {"train/loss", "train/color_acc"} <= first["final"].keys()
     (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
     result = launch("pretrain", "--resume", "--config", str(tmp_path / "defaults.yaml"), *pretrain_args(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "at step 4: the run is finished (train.steps=4), nothing to train" in result.stdout
+    again = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert again["final"] == first["final"] and again["final_shown"] == first["final_shown"]
+    assert again["wall_time_s"] == first["wall_time_s"] and again["images_per_sec"] == first["images_per_sec"]
+    card = exported_card(tmp_path / "run", tmp_path / "hf")
+    assert f"- **Final metrics**: train/loss {first['final_shown']['train/loss']}, train/color_acc " in card
 
 
 def pretrain_args(tmp_path):
