@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from mpp.errors import UserError
+from mpp.errors import UserError, command
 from mpp.model import Variant, parse_model_name, resolve_variant
 from mpp.objectives import OBJECTIVES
 from mpp.targets import TARGETS
@@ -343,7 +343,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if top is not None and not isinstance(top, dict):
             held = "a list" if isinstance(top, list) else f"the single value {top!r}"
             raise ConfigError(f"config file {path} holds {held} at its top level; it must be a mapping of sections "
-                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
+                              f"(train:, model:, ...) as in the shipped configs (`{command('--list-configs')}` shows where they are)")
         try:
             layer = OmegaConf.load(path)
         except Exception as exc:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import base_plus_ext
 
 from mpp.config import DataConfig
-from mpp.errors import DataError
+from mpp.errors import DataError, command
 from mpp.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
@@ -44,7 +44,7 @@ def expand_shards(spec: str) -> list[str]:
         shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
         if not shards:
             raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files; "
-                            f"write shards into it with `launch.py prepare SOURCE --out {spec}`")
+                            f"write shards into it with `{command(f'prepare SOURCE --out {spec}')}`")
         check_local_shards(shards)
         return shards
     shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
@@ -65,7 +65,7 @@ def check_local_shards(paths: list[str]) -> None:
     for problem, found in problems.items():
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `launch.py prepare`")
+            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `{command('prepare')}`")
 
 
 @dataclass
@@ -236,7 +236,7 @@ class LabelReader:
 
 
 class ShardSummary(BaseModel):
-    """What reading shards takes from the summary.json that `launch.py prepare` writes beside them (other fields are
+    """What reading shards takes from the summary.json that `mpp prepare` writes beside them (other fields are
     left alone); strict, so that `"class_names": "abc"` is refused rather than read as three names."""
 
     model_config = ConfigDict(strict=True, extra="allow")
@@ -261,7 +261,7 @@ def shard_summary(urls: Sequence[str]) -> ShardSummary | None:
         what = (f"it is not JSON ({error['msg']})" if error["type"] == "json_invalid"
                 else f"{'.'.join(map(str, error['loc'])) or 'the whole file'}: {error['msg'].lower()}")
         raise DataError(f"{path} cannot be read: {what}; correct it, or delete it to have the shards' labels scanned "
-                        f"instead (`launch.py prepare` writes it)") from None
+                        f"instead (`{command('prepare')}` writes it)") from None
 
 
 @dataclass(frozen=True)
@@ -275,7 +275,7 @@ class LabelSpace:
 
 @functools.lru_cache(maxsize=8)
 def label_space(urls: tuple[str, ...]) -> LabelSpace:
-    """The summary.json that `launch.py prepare` writes beside the shards, else a scan of the shards' label fields.
+    """The summary.json that `mpp prepare` writes beside the shards, else a scan of the shards' label fields.
 
     The scan (local shards only) reads tar headers and the small label members, not the images; the class names
     it finds are sorted, so every process and every run over the same shards maps a name to the same id. Integer

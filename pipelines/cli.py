@@ -1,5 +1,6 @@
-"""mpp's one command line: `mpp STAGE [--config FILE] [key=value ...]` (in a checkout: `python launch.py STAGE ...`;
-for several processes: `accelerate launch launch.py STAGE ...`, or `accelerate launch -m launch STAGE ...` installed)."""
+"""mpp's one command line: `mpp STAGE [--config FILE|NAME] [key=value ...]` (in a checkout: `python launch.py STAGE
+...`; for several processes: `accelerate launch -m mpp.pipelines STAGE ...` installed, `accelerate launch launch.py
+STAGE ...` in a checkout)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,53 @@ import sys
 import time
 from pathlib import Path
 
-from mpp.errors import UserError
+from mpp.config import ConfigError
+from mpp.errors import UserError, command
 from mpp.runtime import compile_failure, out_of_memory
 from mpp.train import Preempted
 
 
 def shipped_configs() -> Path:
-    """The configs/ directory shipped with mpp: package data in an installed wheel, the top-level configs/ of a
-    checkout (what pyproject.toml packages as pipelines/configs)."""
+    """The configs/ directory shipped with mpp: package data in an installed wheel (mpp/pipelines/configs), the
+    top-level configs/ of a checkout (what pyproject.toml installs there)."""
     here = Path(__file__).resolve().parent
     packaged = here / "configs"
     return packaged if packaged.is_dir() else here.parent / "configs"
 
 
 CONFIGS = shipped_configs()
+CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
+
+
+def shipped(kind: str) -> list[str]:
+    """The names of the configs shipped for `kind` (`default`, `supervised`, ...), what --config takes bare."""
+    return sorted(path.stem for path in (CONFIGS / kind).glob("*.yaml"))
+
+
+def config_file(kind: str, value: str) -> str:
+    """--config as given: a YAML file, or the bare name of a config shipped for `kind` (`tiny` for compare's
+    configs/compare/tiny.yaml), so the shipped configs are at hand without a checkout."""
+    if Path(value).is_file():
+        return value
+    bare = CONFIGS / kind / f"{value.removesuffix('.yaml')}.yaml"
+    if "/" not in value and bare.is_file():
+        return str(bare)
+    raise ConfigError(f"config file {value} does not exist; pass a YAML file or the name of a shipped {kind} config "
+                      f"({', '.join(shipped(kind))}; `{command('--list-configs')}` shows where they are)")
+
+
+class ListConfigs(argparse.Action):
+    """--list-configs: print the shipped configs by stage, with their folder, and exit (as --version does)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="list the configs shipped with mpp, which --config takes by name, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("configs shipped with mpp (--config takes a name or a path):")
+        for kind in CONFIG_KINDS:
+            print(f"  {kind}: {', '.join(shipped(kind))}  (in {CONFIGS / kind})")
+        parser.exit()
 RANK_ERROR_GRACE_S = 20
 
 
@@ -36,11 +70,13 @@ def class_ids(text: str) -> list[int]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--list-configs", action=ListConfigs)
     stages = parser.add_subparsers(dest="stage", required=True)
 
     pretrain = stages.add_parser("pretrain", help="masked patch prediction pretraining")
     pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
-                          help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
+                          help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
+                               "keys it leaves unset take the defaults in README.md")
     pretrain.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
@@ -48,7 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
                                          "from pretrain (either objective) or finetune; omit it to train from scratch")
     finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
-                          help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
+                          help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
+                               "keys it leaves unset take the defaults in README.md")
     finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
@@ -69,7 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     export.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.image_size=64")
 
     compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
-    compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML (default: %(default)s)")
+    compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
@@ -97,40 +134,41 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stage == "pretrain":
             from mpp.config import load_config
-            from pipelines import pretrain
+            from . import pretrain
 
-            pretrain.run(load_config(args.config, args.overrides), resume=args.resume)
+            pretrain.run(load_config(config_file("pretrain", args.config), args.overrides), resume=args.resume)
         elif args.stage == "finetune":
             from mpp.config import load_config
-            from pipelines import finetune
+            from . import finetune
 
-            finetune.run(load_config(args.config, args.overrides), ckpt=args.ckpt, resume=args.resume)
+            finetune.run(load_config(config_file("finetune", args.config), args.overrides), ckpt=args.ckpt, resume=args.resume)
         elif args.stage == "fewshot":
-            from pipelines import fewshot
-            from pipelines.start import checkpoint_config
+            from . import fewshot
+            from .start import checkpoint_config
 
             fewshot.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
         elif args.stage == "knn":
-            from pipelines import knn
-            from pipelines.start import checkpoint_config
+            from . import knn
+            from .start import checkpoint_config
 
             knn.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
         elif args.stage == "export":
-            from pipelines import export
-            from pipelines.start import checkpoint_config
+            from . import export
+            from .start import checkpoint_config
 
             export.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
         elif args.stage == "compare":
-            from pipelines import compare
+            plan = config_file("compare", args.config)
+            from . import compare
 
-            compare.run(compare.load_compare_config(args.config, args.overrides))
+            compare.run(compare.load_compare_config(plan, args.overrides))
         elif args.stage == "prepare":
-            from pipelines import prepare
+            from . import prepare
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
                         quality=args.quality, classes=args.classes)
-        from pipelines.tracking import end_process
+        from .tracking import end_process
 
         end_process()
     except UserError as err:

@@ -15,7 +15,7 @@ from mpp.model import VisionTransformer
 from mpp.objectives import OBJECTIVES
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long
 from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
-from pipelines.invocation import command_line
+from .invocation import command_line
 
 FORMATS = ("hf",)
 

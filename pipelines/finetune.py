@@ -12,9 +12,9 @@ from mpp.metrics import TOP1, TOP5
 from mpp.model import build_backbone
 from mpp.objectives import Classification, finetuning_head
 from mpp.train import Evaluator
-from pipelines.loaders import class_names, labelled, num_classes, resolve_shards, train_loader
-from pipelines.stage import TrainingStage, run_training
-from pipelines.start import Run
+from .loaders import class_names, labelled, num_classes, resolve_shards, train_loader
+from .stage import TrainingStage, run_training
+from .start import Run
 
 
 class History:

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from mpp.errors import program
+
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command that runs `argv` (default: this process's) again, as the user typed it."""
@@ -13,6 +15,9 @@ def command_line(argv: list[str] | None = None) -> str:
     if Path(args[0]).name == "mpp":  # the installed console script runs as itself
         return " ".join(["mpp", *args[1:]])
     runner = "accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python"
+    started = program(args[0])
+    if started.startswith("python -m "):  # argv[0] is the package's __main__.py: name the module, as it was typed
+        return f"{runner} {started.removeprefix('python ')} {' '.join(args[1:])}"
     return f"{runner} {' '.join(args)}"
 
 

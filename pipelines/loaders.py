@@ -10,6 +10,7 @@ from accelerate import Accelerator
 
 from mpp.config import Config
 from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
+from mpp.errors import command
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer
 from mpp.shards import synthetic_samples, write_shards
@@ -90,7 +91,7 @@ def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tu
 
 
 def num_classes(cfg: Config, urls: list[str]) -> int:
-    """model.num_classes, else the class count of the shards: from the summary.json that `launch.py prepare` wrote
+    """model.num_classes, else the class count of the shards: from the summary.json that `mpp prepare` wrote
     beside them, or without one from a scan of their labels (cls, json or txt; class names count once each)."""
     if cfg.model.num_classes:
         return cfg.model.num_classes
@@ -100,7 +101,7 @@ def num_classes(cfg: Config, urls: list[str]) -> int:
                         f"set model.num_classes")
     if not space.count:
         raise DataError(f"the shards of {cfg.data.shards} have no labels ({space.source} finds no cls, json label "
-                        f"or txt); supervised training needs labelled shards (write them with `launch.py prepare` "
+                        f"or txt); supervised training needs labelled shards (write them with `{command('prepare')}` "
                         f"from labelled images), or set model.num_classes if they are labelled after all")
     return space.count
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpp.errors import command
 from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, cifar_samples, folder_samples, hf_samples, idx_samples, is_cifar, is_saved_dataset, select_classes, synthetic_samples, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
@@ -48,18 +49,23 @@ def run(
     return summary
 
 
-FASHION_MNIST_FIX = ("on Debian or Ubuntu `apt-get install dataset-fashion-mnist` puts its IDX files in "
-                     "/usr/share/datasets/fashion-mnist/; online, `launch.py prepare zalando-datasets/fashion_mnist "
-                     "--split train` (or `--split test`) reads the same images from the Hugging Face hub")
-CIFAR_FIX = ("CIFAR-10 and CIFAR-100 come in no Debian or PyPI package: download the python version "
-             "(cifar-10-python.tar.gz or cifar-100-python.tar.gz) from https://www.cs.toronto.edu/~kriz/cifar.html and "
-             "pass the archive or the folder it unpacks to; online, `launch.py prepare uoft-cs/cifar10 --split train` "
-             "(or `--split test`) reads CIFAR-10 from the Hugging Face hub")
+def fashion_mnist_fix() -> str:
+    return ("on Debian or Ubuntu `apt-get install dataset-fashion-mnist` puts its IDX files in "
+            "/usr/share/datasets/fashion-mnist/; online, "
+            f"`{command('prepare zalando-datasets/fashion_mnist --split train')}` (or `--split test`) reads the same "
+            "images from the Hugging Face hub")
+
+
+def cifar_fix() -> str:
+    return ("CIFAR-10 and CIFAR-100 come in no Debian or PyPI package: download the python version "
+            "(cifar-10-python.tar.gz or cifar-100-python.tar.gz) from https://www.cs.toronto.edu/~kriz/cifar.html and "
+            f"pass the archive or the folder it unpacks to; online, `{command('prepare uoft-cs/cifar10 --split train')}` "
+            "(or `--split test`) reads CIFAR-10 from the Hugging Face hub")
 
 
 @dataclass(frozen=True)
 class SourceRequest:
-    """What `launch.py prepare` was asked to read: the source argument and the options a source may use."""
+    """What `mpp prepare` was asked to read: the source argument and the options a source may use."""
 
     source: str
     size: int = 64  # side of generated 'synthetic' images
@@ -91,7 +97,7 @@ SOURCES: list[tuple[Callable[[SourceRequest], bool], Callable[[SourceRequest], S
 def open_source(source: str, *, size: int = 64, count: int = 20000, split: str = "train") -> Source:
     request = SourceRequest(source, size, count, split)
     if not request.path.exists() and "fashion-mnist" in source.lower():
-        raise SourceNotFoundError(f"{source} does not exist; {FASHION_MNIST_FIX}")
+        raise SourceNotFoundError(f"{source} does not exist; {fashion_mnist_fix()}")
     if not request.path.exists() and _CIFAR_NAMES.search(source):
-        raise SourceNotFoundError(f"{source} does not exist; {CIFAR_FIX}")
+        raise SourceNotFoundError(f"{source} does not exist; {cifar_fix()}")
     return next(open_ for recognises, open_ in SOURCES if recognises(request))(request)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from mpp.config import Config
 from mpp.model import build_backbone
 from mpp.objectives import OBJECTIVES, Objective
-from pipelines.loaders import labelled, num_classes, resolve_shards, train_loader
-from pipelines.stage import TrainingStage, run_training
-from pipelines.start import Run
+from .loaders import labelled, num_classes, resolve_shards, train_loader
+from .stage import TrainingStage, run_training
+from .start import Run
 
 
 def build_objective(cfg: Config, classes: int | None) -> Objective:

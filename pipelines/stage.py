@@ -22,11 +22,11 @@ from mpp.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
 from mpp.runtime import explained_out_of_memory
 from mpp.train import Evaluator, train
-from pipelines.evaluators import Stage, build_evaluators
-from pipelines.invocation import command_line, resume_command
-from pipelines.run_policy import OutputDirLock, check_output_dir, resume_point
-from pipelines.start import Run, run_settings, start_run
-from pipelines.tracking import end_tracking, start_tracking
+from .evaluators import Stage, build_evaluators
+from .invocation import command_line, resume_command
+from .run_policy import OutputDirLock, check_output_dir, resume_point
+from .start import Run, run_settings, start_run
+from .tracking import end_tracking, start_tracking
 
 
 @dataclass

@@ -78,7 +78,7 @@ def test_yaml_holding_a_single_value_is_refused_as_such(tmp_path, text, held):
     with pytest.raises(ConfigError) as err:  # was "not valid YAML (OSError)", or "unknown config key 'hello'"
         load_config(path)
     assert str(err.value) == (f"config file {path} holds {held} at its top level; it must be a mapping of sections "
-                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
+                              f"(train:, model:, ...) as in the shipped configs (`mpp --list-configs` shows where they are)")
 
 
 @pytest.mark.parametrize("steps, warmup", [(1, 0), (20, 2), (600, 60), (5000, 100)])

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import struct
+import sys
 import tarfile
 from pathlib import Path
 
@@ -369,12 +370,13 @@ def test_a_damaged_or_code_running_cifar_file_is_refused_before_it_runs(tmp_path
     assert not (tmp_path / "out").exists()
 
 
-def test_a_missing_cifar_path_is_one_line_naming_how_to_get_it(tmp_path, capsys):
+def test_a_missing_cifar_path_is_one_line_naming_how_to_get_it(tmp_path, capsys, monkeypatch):
     missing = tmp_path / "data" / "cifar-10-python.tar.gz"
+    monkeypatch.setattr(sys, "argv", ["launch.py", "prepare", str(missing)])  # the advice names the command that ran
     assert launch.main(["prepare", str(missing), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and err.startswith(f"error: {missing} does not exist; CIFAR-10 and CIFAR-100 come in no Debian or PyPI package")
-    assert "https://www.cs.toronto.edu/~kriz/cifar.html" in err and "launch.py prepare uoft-cs/cifar10 --split train" in err
+    assert "https://www.cs.toronto.edu/~kriz/cifar.html" in err and "`python launch.py prepare uoft-cs/cifar10 --split train`" in err
 
 
 def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, capsys):
