@@ -7,6 +7,7 @@
       tensorboard/<stage>/          event files
       checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it) and manifest.json
       checkpoints/.partial-step_*   a checkpoint being written; renamed to step_* once complete
+      .lock                         the pid of the run working there (locked while it runs)
 
 Everything that reads or writes these names goes through this module; it knows nothing of Accelerate or the loop.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -25,6 +27,26 @@ TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
 MANIFEST = "manifest.json"
+
+
+LOCK = ".lock"
+RUN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, WEIGHTS)  # what a run writes in output_dir, besides its LOCK
+
+
+def remove_run_outputs(output_dir: str | Path) -> list[str]:
+    """Delete what a run wrote in output_dir (RUN_OUTPUTS) and nothing else, for a run that starts over there;
+    returns the names it deleted. The caller holds the run's LOCK, which stays."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = Path(output_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

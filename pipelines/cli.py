@@ -68,6 +68,16 @@ def class_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of class ids (e.g. 0,2,4)") from None
 
 
+def add_run_choice(stage: argparse.ArgumentParser) -> None:
+    """What a training stage does with a run already in its output_dir: continue it or start over."""
+    choice = stage.add_mutually_exclusive_group()
+    choice.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
+    choice.add_argument("--overwrite", action="store_true",
+                        help="start over in an output_dir that holds a run: delete its checkpoints/, tensorboard/, "
+                             "config.yaml, results.json and model.safetensors (other files stay); refused while "
+                             "another run works there")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--list-configs", action=ListConfigs)
@@ -77,7 +87,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
                           help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
                                "keys it leaves unset take the defaults in README.md")
-    pretrain.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
+    add_run_choice(pretrain)
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
     finetune = stages.add_parser("finetune", help="fine-tune a pretrained backbone (or a fresh one) with a linear head")
@@ -86,7 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
                           help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
                                "keys it leaves unset take the defaults in README.md")
-    finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
+    add_run_choice(finetune)
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
     fewshot = stages.add_parser("fewshot", help="few-shot linear evaluation of a backbone's frozen features")
@@ -136,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
             from mpp.config import load_config
             from . import pretrain
 
-            pretrain.run(load_config(config_file("pretrain", args.config), args.overrides), resume=args.resume)
+            pretrain.run(load_config(config_file("pretrain", args.config), args.overrides), resume=args.resume,
+                         overwrite=args.overwrite)
         elif args.stage == "finetune":
             from mpp.config import load_config
             from . import finetune
 
-            finetune.run(load_config(config_file("finetune", args.config), args.overrides), ckpt=args.ckpt, resume=args.resume)
+            finetune.run(load_config(config_file("finetune", args.config), args.overrides), ckpt=args.ckpt, resume=args.resume,
+                         overwrite=args.overwrite)
         elif args.stage == "fewshot":
             from . import fewshot
             from .start import checkpoint_config

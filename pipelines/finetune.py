@@ -66,7 +66,7 @@ def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tup
                                 f"(0 to {classes - 1}); set model.num_classes or fix the evaluation shards")
 
 
-def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict:
+def run(cfg: Config, *, ckpt: str | None, resume: bool = False, overwrite: bool = False) -> dict:
     """Fine-tune the backbone in `ckpt` (None: a fresh one, same recipe) and write output_dir/results.json; returns
     what it holds (top1, top5, the evaluation history, ...)."""
     if cfg.data.val_shards is None:
@@ -92,4 +92,4 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict:
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
                              recording=history.recording, checkpointed=(history,))
 
-    return run_training(cfg, stage, resume=resume)
+    return run_training(cfg, stage, resume=resume, overwrite=overwrite)

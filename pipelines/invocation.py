@@ -22,9 +22,10 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def resume_command() -> str:
-    """This process's command line with --resume right after the stage name (or at the end if there is none);
+    """This process's command line with --resume right after the stage name (or at the end if there is none) and
+    without --overwrite;
     under compare, its command line as it is: compare resumes its stages itself and takes no --resume."""
-    args = [a for a in sys.argv if a != "--resume"]
+    args = [a for a in sys.argv if a not in ("--resume", "--overwrite")]
     if "compare" not in args:
         stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
         args.insert(stage + 1, "--resume")

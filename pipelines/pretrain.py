@@ -14,8 +14,9 @@ def build_objective(cfg: Config, classes: int | None) -> Objective:
     return OBJECTIVES[cfg.objective].build(build_backbone(cfg.model), cfg, classes)
 
 
-def run(cfg: Config, *, resume: bool = False) -> dict:
-    """Pretrain and write output_dir/results.json; returns what it holds."""
+def run(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
+    """Pretrain and write output_dir/results.json; returns what it holds. `resume` continues the run in output_dir,
+    `overwrite` starts over there."""
 
     def stage(run: Run) -> TrainingStage:
         accelerator, cfg = run.accelerator, run.cfg
@@ -29,4 +30,4 @@ def run(cfg: Config, *, resume: bool = False) -> dict:
         return TrainingStage("pretrain", build_objective(cfg, classes), batches, len(urls),
                              f"{cfg.objective} pretraining of a ViT", classes)
 
-    return run_training(cfg, stage, resume=resume)
+    return run_training(cfg, stage, resume=resume, overwrite=overwrite)

@@ -18,12 +18,13 @@ from omegaconf import OmegaConf
 from mpp.config import Config, dotted, resumable_keys
 from mpp.errors import UserError
 from mpp.resume import resumable_checkpoint
-from mpp.rundir import CONFIG, complete_checkpoints, too_long
+from mpp.rundir import CONFIG, LOCK, complete_checkpoints, remove_run_outputs, too_long
 
 
-def check_output_dir(cfg: Config, resume: bool) -> list[str]:
-    """Refuse an output_dir that cannot be written, that holds another run's checkpoints, or whose run a resume
-    would change in a way it cannot apply; returns what the resume changes, as `key before -> after`."""
+def check_output_dir(cfg: Config, resume: bool, overwrite: bool = False) -> list[str]:
+    """Refuse an output_dir that cannot be written, that holds another run's checkpoints (unless the run starts over
+    there, `overwrite`), or whose run a resume would change in a way it cannot apply; returns what the resume changes,
+    as `key before -> after`."""
     out = Path(cfg.output_dir)
     if (reason := too_long(out)) is not None:
         raise UserError(f"output_dir {out} cannot be created: {reason}; set output_dir to a shorter path")
@@ -33,10 +34,11 @@ def check_output_dir(cfg: Config, resume: bool) -> list[str]:
             pass
     except OSError as exc:
         raise UserError(f"output_dir {out} cannot be written ({exc.strerror}); set output_dir to a writable directory") from None
-    if not complete_checkpoints(out):
+    if overwrite or not complete_checkpoints(out):
         return []
     if not resume:
-        raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
+        raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it, --overwrite "
+                        f"to start over there, or set output_dir to a new directory")
     saved = out / CONFIG
     if not saved.is_file():
         return []
@@ -67,7 +69,7 @@ class OutputDirLock:
     """
 
     def __init__(self, accelerator: Accelerator, output_dir: str | Path):
-        self.accelerator, self.path, self.file = accelerator, Path(output_dir) / ".lock", None
+        self.accelerator, self.path, self.file = accelerator, Path(output_dir) / LOCK, None
 
     def __enter__(self) -> OutputDirLock:
         holder = [None]
@@ -93,6 +95,16 @@ class OutputDirLock:
     def __exit__(self, *exc) -> None:
         if self.file is not None:
             self.file.close()  # releases the lock
+
+
+def start_over(accelerator: Accelerator, output_dir: str | Path) -> None:
+    """--overwrite: delete what an earlier run wrote in output_dir (its checkpoints, TensorBoard events, config.yaml,
+    results.json and model.safetensors; other files stay), once this run holds the lock there."""
+    if accelerator.is_main_process:
+        removed = remove_run_outputs(output_dir)
+        if removed:
+            accelerator.print(f"--overwrite: removed the earlier run's {', '.join(removed)} from {output_dir}")
+    accelerator.wait_for_everyone()
 
 
 def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: list[str]) -> Path | None:

@@ -24,7 +24,7 @@ from mpp.runtime import explained_out_of_memory
 from mpp.train import Evaluator, train
 from .evaluators import Stage, build_evaluators
 from .invocation import command_line, resume_command
-from .run_policy import OutputDirLock, check_output_dir, resume_point
+from .run_policy import OutputDirLock, check_output_dir, resume_point, start_over
 from .start import Run, run_settings, start_run
 from .tracking import end_tracking, start_tracking
 
@@ -44,15 +44,18 @@ class TrainingStage:
     checkpointed: tuple = field(default_factory=tuple)  # more state saved with every checkpoint (state_dict/load_state_dict)
 
 
-def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool = False) -> dict:
+def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool = False,
+                 overwrite: bool = False) -> dict:
     """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started. Writes
-    output_dir/results.json and returns what it holds."""
-    changes = check_output_dir(cfg, resume)
+    output_dir/results.json and returns what it holds. `overwrite` starts over in an output_dir holding a run."""
+    changes = check_output_dir(cfg, resume, overwrite)
     started = time.perf_counter()
     run = start_run(cfg)
     accelerator, cfg = run.accelerator, run.cfg
     stage = build(run)
     with OutputDirLock(accelerator, cfg.output_dir):
+        if overwrite:
+            start_over(accelerator, cfg.output_dir)
         resume_from = resume_point(accelerator, cfg, resume, changes)
         evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective))))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
