@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -14,6 +16,7 @@ from mpp.model import Variant, parse_model_name, resolve_variant
 from mpp.objectives import OBJECTIVES
 from mpp.targets import TARGETS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 
 MAX_HEAD_BYTES = 10**9  # a larger MPP head (e.g. color4x4 at 8 bits: 268M outputs) only exhausts memory
@@ -103,12 +106,12 @@ class ModelConfig(Section):
 
 
 class MPPConfig(Section):
-    target: str = Field("color", description="What a corrupted patch predicts: its 3-bit mean colour (512 classes), its 4x4-downsized 3-bit colours (16 x 512), or its pixels (L2).")
+    target: str = Field("color", description="What a corrupted patch predicts: color, its mean colour at mpp.color_bits per channel (512 classes at 3 bits, the paper); color4x4, the colours of its 4x4 downsizing (16 x 512); or pixels, its pixel values (L2 loss).")
     corrupt_rate: float = Field(0.5, gt=0, lt=1, description="Fraction of patch positions corrupted per image (paper: 0.5; 0.15 also tried).")
     mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
     random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
     color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
-    masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: uniformly at random (the paper) or in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
+    masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: random, uniformly at random (the paper), or block, in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
 
     @field_validator("target")
     @classmethod
@@ -137,10 +140,10 @@ class TrainConfig(Section):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Label smoothing of the classification loss (supervised pretraining, fine-tuning); 0 = off.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.", json_schema_extra=RESUMABLE)
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).", json_schema_extra=RESUMABLE)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 where the hardware computes it (Ampere and newer GPUs, CPUs with AVX512-BF16 or AMX), fp16 with a loss scaler on older GPUs, fp32 on other CPUs.")
-    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model; auto: on GPUs that Triton supports (compute capability 7.0 and newer), where it pays for its compile time, never on a CPU.", json_schema_extra=RESUMABLE)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="Precision of the forward and backward pass: auto, no (fp32), bf16 or fp16 (GPUs only, with a loss scaler); auto: bf16 where the hardware computes it (Ampere and newer GPUs, CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, fp32 on other CPUs.")
+    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model: true, false or auto; auto: on GPUs that Triton supports (compute capability 7.0 and newer), where it pays for its compile time, never on a CPU.", json_schema_extra=RESUMABLE)
     compile_backend: str = Field("inductor", description="torch.compile backend when compiling: inductor generates fused kernels; aot_eager traces without generating code (to tell a compile problem from a model one).", json_schema_extra=RESUMABLE)
-    cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU; auto: the CPUs this process may use divided by the processes on this machine.", json_schema_extra=RESUMABLE)
+    cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU: a count, or auto: the CPUs this process may use divided by the processes on this machine.", json_schema_extra=RESUMABLE)
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).", json_schema_extra=RESUMABLE)
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.", json_schema_extra=RESUMABLE)
@@ -288,15 +291,23 @@ def dotted(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def resumable_keys(section: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
-    """The dotted keys of the fields marked RESUMABLE."""
-    keys = set()
+def settings(section: type[BaseModel] | None = None, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """Every setting of the run config as (dotted key, its field), section by section in the order declared."""
     for name, field in (section or Config).model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            keys |= resumable_keys(field.annotation, f"{prefix}{name}.")
-        elif (field.json_schema_extra or {}).get("resumable"):
-            keys.add(f"{prefix}{name}")
-    return keys
+            yield from settings(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field
+
+
+def resumable_keys() -> set[str]:
+    """The dotted keys of the fields marked RESUMABLE."""
+    return {key for key, field in settings() if (field.json_schema_extra or {}).get("resumable")}
+
+
+def config_reference() -> list[tuple[str, str, str]]:
+    """(key, default as JSON, description) of every setting: what `--help` lists and README's config reference shows."""
+    return [(key, json.dumps(field.get_default(call_default_factory=True)), field.description) for key, field in settings()]
 
 
 def _closest_key(section: type[BaseModel], prefix: str, key: str) -> str:

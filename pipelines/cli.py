@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 
-from mpp.config import ConfigError
+from omegaconf import OmegaConf
+
+from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config
 from mpp.errors import UserError, command
 from mpp.runtime import compile_failure, out_of_memory
 from mpp.train import Preempted
@@ -58,6 +62,7 @@ class ListConfigs(argparse.Action):
             print(f"  {kind}: {', '.join(shipped(kind))}  (in {CONFIGS / kind})")
         parser.exit()
 RANK_ERROR_GRACE_S = 20
+RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "export")  # the stages that take a run config
 
 
 def class_ids(text: str) -> list[int]:
@@ -66,6 +71,35 @@ def class_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of class ids (e.g. 0,2,4)") from None
+
+
+def run_config(args: argparse.Namespace) -> Config:
+    """The run config of a stage that takes one: --config (a training stage's default, or the run that wrote --ckpt),
+    then the key=value overrides."""
+    if args.stage in ("pretrain", "finetune"):
+        return load_config(config_file(args.stage, args.config), args.overrides)
+    from .start import checkpoint_config
+
+    return checkpoint_config(args.ckpt, args.config, args.overrides)
+
+
+def config_keys_help() -> str:
+    """The --help of a stage that takes a run config: every key with its default and meaning, from the schema."""
+    width = max(60, shutil.get_terminal_size().columns - 2)
+    lines = textwrap.wrap("config keys, set in the --config file or as key=value (the defaults are the schema's; a "
+                          "--config file sets its own, and --print-config shows what a run gets):", width)
+    for key, default, meaning in config_reference():
+        lines += [f"  {key} = {default}", *textwrap.wrap(meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+    return "\n".join(lines)
+
+
+def stage_parser(stages, name: str, help: str) -> argparse.ArgumentParser:
+    """A stage that takes a run config: its --help lists the config keys, and --print-config shows the config."""
+    parser = stages.add_parser(name, help=help, description=help, epilog=config_keys_help(),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the config the stage would run with (the file, then the overrides) and exit")
+    return parser
 
 
 def add_run_choice(stage: argparse.ArgumentParser) -> None:
@@ -83,33 +117,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--list-configs", action=ListConfigs)
     stages = parser.add_subparsers(dest="stage", required=True)
 
-    pretrain = stages.add_parser("pretrain", help="masked patch prediction pretraining")
+    pretrain = stage_parser(stages, "pretrain", "masked patch prediction pretraining")
     pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
                           help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
-                               "keys it leaves unset take the defaults in README.md")
+                               "keys it leaves unset take the defaults below")
     add_run_choice(pretrain)
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
-    finetune = stages.add_parser("finetune", help="fine-tune a pretrained backbone (or a fresh one) with a linear head")
+    finetune = stage_parser(stages, "finetune", "fine-tune a pretrained backbone (or a fresh one) with a linear head")
     finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
                                          "from pretrain (either objective) or finetune; omit it to train from scratch")
     finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
                           help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
-                               "keys it leaves unset take the defaults in README.md")
+                               "keys it leaves unset take the defaults below")
     add_run_choice(finetune)
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
-    fewshot = stages.add_parser("fewshot", help="few-shot linear evaluation of a backbone's frozen features")
+    fewshot = stage_parser(stages, "fewshot", "few-shot linear evaluation of a backbone's frozen features")
     fewshot.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     fewshot.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     fewshot.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR fewshot.shots=[5]")
 
-    knn = stages.add_parser("knn", help="k-nearest-neighbour evaluation of a backbone's frozen features")
+    knn = stage_parser(stages, "knn", "k-nearest-neighbour evaluation of a backbone's frozen features")
     knn.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     knn.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     knn.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR knn.features=mean")
 
-    export = stages.add_parser("export", help="write a checkpoint as a Hugging Face transformers ViT")
+    export = stage_parser(stages, "export", "write a checkpoint as a Hugging Face transformers ViT")
     export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
     export.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
@@ -117,6 +151,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
     compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)")
+    compare.add_argument("--print-config", action="store_true", help="print the plan as loaded (the file, then the overrides) and exit")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
@@ -142,38 +177,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.stage in RUN_CONFIG_STAGES:
+            cfg = run_config(args)
+            if args.print_config:
+                print(config_to_yaml(cfg), end="")
+                return 0
         if args.stage == "pretrain":
-            from mpp.config import load_config
             from . import pretrain
 
-            pretrain.run(load_config(config_file("pretrain", args.config), args.overrides), resume=args.resume,
-                         overwrite=args.overwrite)
+            pretrain.run(cfg, resume=args.resume, overwrite=args.overwrite)
         elif args.stage == "finetune":
-            from mpp.config import load_config
             from . import finetune
 
-            finetune.run(load_config(config_file("finetune", args.config), args.overrides), ckpt=args.ckpt, resume=args.resume,
-                         overwrite=args.overwrite)
+            finetune.run(cfg, ckpt=args.ckpt, resume=args.resume, overwrite=args.overwrite)
         elif args.stage == "fewshot":
             from . import fewshot
-            from .start import checkpoint_config
 
-            fewshot.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+            fewshot.run(cfg, ckpt=args.ckpt)
         elif args.stage == "knn":
             from . import knn
-            from .start import checkpoint_config
 
-            knn.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+            knn.run(cfg, ckpt=args.ckpt)
         elif args.stage == "export":
             from . import export
-            from .start import checkpoint_config
 
-            export.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
+            export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
         elif args.stage == "compare":
             plan = config_file("compare", args.config)
             from . import compare
 
-            compare.run(compare.load_compare_config(plan, args.overrides))
+            cc = compare.load_compare_config(plan, args.overrides)
+            if args.print_config:
+                print(OmegaConf.to_yaml(cc.model_dump(mode="json")), end="")
+                return 0
+            compare.run(cc)
         elif args.stage == "prepare":
             from . import prepare
 

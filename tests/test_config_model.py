@@ -1,12 +1,16 @@
+import re
+import typing
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from pydantic import BaseModel
-
-from mpp.config import Config, ConfigError, TrainConfig, load_config
+from mpp.config import ConfigError, TrainConfig, config_reference, load_config, settings, validate_config
 from mpp.model import VIT_SIZES, build_vit
+from mpp.objectives import OBJECTIVES
+from mpp.targets import TARGETS
+from pipelines import cli
 
 ROOT = Path(__file__).parents[1]
 # configs/compare/ holds comparison plans (their own schema, with run configs inside); the rest are run configs.
@@ -109,20 +113,55 @@ def test_vit_shapes_and_init():
     assert build_vit("vit_b16", 224).num_patches == 196
 
 
-def dotted_keys(section, prefix=""):
-    for name, field in section.model_fields.items():
-        inner = field.annotation
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            yield from dotted_keys(inner, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", field.description
-
-
 def test_readme_documents_every_config_key():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    for key, description in dotted_keys(Config):
+    for key, default, description in config_reference():
         assert description, f"{key} has no description"
-        assert f"| `{key}` |" in readme and description in readme, f"README's config reference lacks {key}"
+        assert f"| `{key}` | `{default}` | {description} |" in readme, f"README's config reference lacks {key} as the schema has it"
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune", "knn"])
+def test_help_lists_every_config_key_with_its_default_and_meaning(stage, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per meaning
+    with pytest.raises(SystemExit) as done:
+        cli.main([stage, "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    for key, default, meaning in config_reference():
+        assert f"\n  {key} = {default}\n      {meaning}\n" in shown, key
+    assert "train.optimizer = \"adamw\"\n      Optimiser: adam, adamw or sgd (with momentum).\n" in shown
+
+
+def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsys):
+    args = ["--config", "supervised", "train.global_batch_size=128", f"output_dir={tmp_path / 'run'}"]
+    assert cli.main(["pretrain", *args, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    resolved = load_config(ROOT / "configs" / "pretrain" / "supervised.yaml", args[2:])
+    assert validate_config(printed) == resolved
+    assert printed["objective"] == "supervised" and printed["train"]["steps"] == 600  # from the file
+    assert (printed["train"]["global_batch_size"], printed["train"]["batch_size"]) == (128, 64)  # as held, not split
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["compare", "--config", "tiny", "arms=[mpp]", "--print-config"]) == 0
+    plan = yaml.safe_load(capsys.readouterr().out)
+    assert plan["arms"] == ["mpp"] and plan["output_dir"] == "runs/compare/tiny"
+
+
+def allowed_values(annotation) -> list[str]:
+    """The words a key with a Literal among its types admits, as YAML spells them (with bool: true, false); [] for a
+    key without one (a number, a path, a plain flag)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(v) for v in typing.get_args(annotation)]
+    options = typing.get_args(annotation)
+    words = [v for arg in options if typing.get_origin(arg) is typing.Literal for v in typing.get_args(arg)]
+    return [*map(str, words), *(["true", "false"] if words and bool in options else [])]
+
+
+def test_every_enumerated_key_names_its_values_in_its_description():
+    registries = {"objective": OBJECTIVES, "mpp.target": TARGETS}  # validated against a registry, not a Literal
+    for key, field in settings():
+        values = list(registries.get(key, ())) or allowed_values(field.annotation)
+        missing = [v for v in values if not re.search(rf"\b{re.escape(v)}\b", field.description)]
+        assert not missing, f"{key}'s description does not name {missing}"
 
 
 def test_a_micro_batch_splits_the_global_batch_into_accumulation_steps():
