@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal
@@ -125,8 +126,14 @@ class MPPConfig(Section):
         return self
 
 
+def default_warmup(steps: int) -> int:
+    """train.warmup_steps when unset: 10% of the run, at most 100 steps."""
+    return min(100, steps // 10)
+
+
 class TrainConfig(Section):
-    steps: int = Field(1000, gt=0, description="Optimiser steps in the whole run.", json_schema_extra=RESUMABLE)
+    steps: int | None = Field(1000, gt=0, description="Optimiser steps in the whole run (replaced by the steps train.epochs comes to when that is set).", json_schema_extra=RESUMABLE)
+    epochs: float | None = Field(None, gt=0, description="The run's length in passes over the training set, instead of train.steps: at the start the run sets train.steps to ceil(epochs x samples / global batch), samples from the summary.json beside data.shards (shards without one need train.steps), and config.yaml records both. A resume may change it as it may train.steps; a comparison plan sets train.steps instead (its lengths multiply them).", json_schema_extra=RESUMABLE)
     batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")
     global_batch_size: int | None = Field(None, gt=0, description="Images per optimiser step over all processes; when set, it replaces train.batch_size, which becomes global / (processes x grad_accum), or with train.micro_batch_size set, it fixes train.grad_accum instead; either must come out whole.")
     micro_batch_size: int | None = Field(None, gt=0, description="With train.global_batch_size: the images per process per forward pass (what must fit in memory); train.grad_accum becomes global / (processes x micro_batch_size), so the global batch holds on any number of GPUs. Null: train.grad_accum as given.")
@@ -157,11 +164,12 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _default_warmup(cls, raw: dict) -> dict:
-        # Resolved here, not where it is used, so config.yaml records the warmup the run really had.
-        if not isinstance(raw, dict) or raw.get("warmup_steps") is not None:
+        # Resolved here, not where it is used, so config.yaml records the warmup the run really had; with
+        # train.epochs, once the steps are known (with_epochs).
+        if not isinstance(raw, dict) or raw.get("warmup_steps") is not None or raw.get("epochs") is not None:
             return raw
         steps = raw.get("steps", cls.model_fields["steps"].default)
-        return {**raw, "warmup_steps": min(100, steps // 10)} if isinstance(steps, int) and steps > 0 else raw
+        return {**raw, "warmup_steps": default_warmup(steps)} if isinstance(steps, int) and steps > 0 else raw
 
     @field_validator("betas")
     @classmethod
@@ -172,9 +180,26 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        if self.epochs is not None:
+            return self  # the length is known at the start of the run: with_epochs checks the warmup against it
+        if self.steps is None:
+            raise ValueError("train.steps is null and train.epochs is not set; set one of them to give the run a length")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be smaller than train.steps ({self.steps})")
         return self
+
+    def with_epochs(self, samples: int, processes: int) -> TrainConfig:
+        """This config with train.steps from train.epochs over `samples` training images at the global batch of
+        `processes` processes, and an unset warmup from those steps; itself without train.epochs."""
+        if self.epochs is None:
+            return self
+        split = self.for_processes(processes)
+        steps = math.ceil(self.epochs * samples / (split.batch_size * processes * split.grad_accum))
+        warmup = default_warmup(steps) if self.warmup_steps is None else self.warmup_steps
+        if warmup >= steps:
+            raise ConfigError(f"train.warmup_steps ({warmup}) must be smaller than the {steps} steps train.epochs "
+                              f"({self.epochs:g}) comes to over {samples} images; lower it or raise train.epochs")
+        return self.model_copy(update={"steps": steps, "warmup_steps": warmup})
 
     def for_processes(self, processes: int) -> TrainConfig:
         """This config with train.global_batch_size split over `processes`: into train.batch_size per process and

@@ -83,6 +83,15 @@ def run_config(args: argparse.Namespace) -> Config:
     return checkpoint_config(args.ckpt, args.config, args.overrides)
 
 
+def refuse_epochs(compare, cc) -> None:
+    """A comparison gives its lengths in train.steps: its `lengths` multiply them, its `checkpoints` name steps."""
+    configs = [compare.stage_config(cc, "pretrain"),
+               *(compare.stage_config(cc, "finetune", **recipe) for recipe in compare.recipes(cc).values())]
+    if any(c.train.epochs is not None for c in configs):
+        raise ConfigError("a comparison plan gives its runs' lengths in train.steps (its lengths multiply them and its "
+                          "checkpoints name pretraining steps); set train.steps in the plan instead of train.epochs")
+
+
 def config_keys_help() -> str:
     """The --help of a stage that takes a run config: every key with its default and meaning, from the schema."""
     width = max(60, shutil.get_terminal_size().columns - 2)
@@ -207,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             from . import compare
 
             cc = compare.load_compare_config(plan, args.overrides)
+            refuse_epochs(compare, cc)
             if args.print_config:
                 print(OmegaConf.to_yaml(cc.model_dump(mode="json")), end="")
                 return 0

@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from mpp.config import Config
-from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
+from mpp.config import Config, ConfigError
+from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shard_summary, shared_label_names
 from mpp.errors import command
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer
+from mpp.runtime import process_state
 from mpp.shards import synthetic_samples, write_shards
 
 SYNTHETIC_ROOT = Path("data")
@@ -28,6 +29,30 @@ def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str
                 write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True, progress=True)
         spec = str(out)
     return expand_shards(spec)
+
+
+def with_run_length(cfg: Config) -> Config:
+    """`cfg` with train.steps from train.epochs, over the training set's size (itself when train.epochs is unset)."""
+    if cfg.train.epochs is None:
+        return cfg
+    state = process_state()
+    samples = training_samples(cfg)
+    train = cfg.train.with_epochs(samples, state.num_processes)
+    state.print(f"train.epochs {cfg.train.epochs:g} over {samples} training images: {train.steps} steps")
+    return cfg.model_copy(update={"train": train})
+
+
+def training_samples(cfg: Config) -> int:
+    """The training set's size, for train.epochs: the samples of the summary.json beside data.shards (`prepare`
+    writes it), or of the embedded corpus."""
+    if cfg.data.shards == "synthetic":
+        return cfg.data.synthetic_size
+    summary = shard_summary(expand_shards(cfg.data.shards))
+    if summary is None or summary.samples is None:
+        raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) has "
+                          f"no summary.json giving its samples beside it; give the length in train.steps instead (with "
+                          f"train.epochs=null), or write the shards with `{command('prepare')}`, which writes one")
+    return summary.samples
 
 
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):

@@ -52,7 +52,7 @@ def check_output_dir(cfg: Config, resume: bool, overwrite: bool = False) -> list
     if refused:
         key = refused[0]
         raise UserError(f"output_dir {out} holds a run with a different '{key.split('.')[0]}' config ({key}: {before.get(key)} "
-                        f"in its config.yaml, {now.get(key)} now); a resume may change only train.steps, the learning-rate "
+                        f"in its config.yaml, {now.get(key)} now); a resume may change only the length (train.steps, train.epochs), the learning-rate "
                         f"schedule, the optimiser's hyperparameters and how the run logs, evaluates and saves; resume with the "
                         f"saved value or set output_dir to a new directory")
     return [f"{key} {before.get(key)} -> {now.get(key)}" for key in changed if key != "output_dir"]

@@ -24,6 +24,7 @@ from mpp.runtime import explained_out_of_memory
 from mpp.train import Evaluator, train
 from .evaluators import Stage, build_evaluators
 from .invocation import command_line, resume_command
+from .loaders import with_run_length
 from .run_policy import OutputDirLock, check_output_dir, resume_point, start_over
 from .start import Run, run_settings, start_run
 from .tracking import end_tracking, start_tracking
@@ -48,6 +49,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
                  overwrite: bool = False) -> dict:
     """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started. Writes
     output_dir/results.json and returns what it holds. `overwrite` starts over in an output_dir holding a run."""
+    cfg = with_run_length(cfg)
     changes = check_output_dir(cfg, resume, overwrite)
     started = time.perf_counter()
     run = start_run(cfg)

@@ -178,6 +178,18 @@ def test_a_micro_batch_splits_the_global_batch_into_accumulation_steps():
         TrainConfig(micro_batch_size=32).for_processes(1)
 
 
+def test_epochs_come_to_steps_at_the_global_batch_and_leave_an_unset_warmup_to_them():
+    paper = TrainConfig(epochs=2, global_batch_size=64, micro_batch_size=16)
+    assert paper.warmup_steps is None  # unknown until the steps are
+    run = paper.with_epochs(1000, processes=2)  # 2 x 1000 / 64 = 31.25 -> 32 steps, 2 x 16 images x 2 accumulations
+    assert (run.steps, run.warmup_steps, run.epochs) == (32, 3, 2)
+    assert TrainConfig(steps=70).with_epochs(1000, processes=1).steps == 70  # without epochs: as it is
+    with pytest.raises(ConfigError, match=r"train.warmup_steps \(40\) must be smaller than the 32 steps train.epochs \(2\)"):
+        TrainConfig(epochs=2, global_batch_size=64, warmup_steps=40).with_epochs(1000, processes=1)
+    shipped = load_config(ROOT / "configs" / "pretrain" / "default.yaml", ["train.epochs=3"])
+    assert (shipped.train.epochs, shipped.train.warmup_steps) == (3, None)  # its steps: 600 no longer set the length
+
+
 def test_grad_checkpointing_gives_the_same_loss_and_gradients():
     # Stochastic depth on: the recomputed forward must drop the same residual branches as the first one.
     results = []
