@@ -121,6 +121,18 @@ def add_run_choice(stage: argparse.ArgumentParser) -> None:
                              "another run works there")
 
 
+def class_name_list(text: str) -> list[str]:
+    """'cat,dog' -> ['cat', 'dog']; '@names.txt' -> the file's lines (one name each, blank lines skipped), for
+    prepare --class-names."""
+    if not text.startswith("@"):
+        return [name.strip() for name in text.split(",")]
+    try:
+        lines = Path(text[1:]).read_text().splitlines()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the class names in {text[1:]} ({exc.strerror})") from None
+    return [line.strip() for line in lines if line.strip()]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--list-configs", action=ListConfigs)
@@ -180,6 +192,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--classes", type=class_ids, default=None,
                          help="keep only these class ids, comma-separated, relabelled 0..k-1 in the order given "
                               "(e.g. 1,3,5,7,9 upstream and 0,2,4,6,8 downstream for a transfer split)")
+    prepare.add_argument("--class-names", type=class_name_list, default=None, metavar="NAMES",
+                         help="the names of the source's class ids 0, 1, ... (before --classes picks and relabels "
+                              "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
+                              "IDX files store none: MNIST's and Fashion-MNIST's are known when a folder or the file "
+                              "name says which (mnist, fashion-mnist)")
     return parser.parse_args(argv)
 
 
@@ -226,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
-                        quality=args.quality, classes=args.classes)
+                        quality=args.quality, classes=args.classes, class_names=args.class_names)
         from .tracking import end_process
 
         end_process()

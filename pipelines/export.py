@@ -58,7 +58,13 @@ def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
     """The class names of the training shards, if they name as many classes as the classifier has outputs."""
     names = class_names(cfg)
     outputs = head["weight"].shape[0]
-    if names is not None and len(names) != outputs:
+    if names is None:
+        warnings.warn(f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
+                      f"them), so the classifier's labels are exported as LABEL_0 to LABEL_{outputs - 1}; prepare the "
+                      f"shards with --class-names, or set data.shards to shards whose summary.json names them",
+                      stacklevel=2)
+        return None
+    if len(names) != outputs:
         warnings.warn(f"the training shards ({cfg.data.shards}) name {len(names)} classes but the classifier has {outputs} "
                       f"outputs, so its labels are exported as LABEL_0 to LABEL_{outputs - 1}; set data.shards to the "
                       f"fine-tuning's shards to export their names", stacklevel=2)

@@ -145,6 +145,41 @@ def test_classes_keeps_the_names_of_the_classes_it_keeps(tmp_path):
         prepare.run(str(tmp_path / "images"), str(tmp_path / "bad"), classes=[3])
 
 
+def test_idx_files_get_the_class_names_their_folder_names(tmp_path, capsys):
+    # MNIST and Fashion-MNIST ship the same file names: the folder says which (Debian's fashion-mnist/, torchvision's
+    # FashionMNIST/raw/ and MNIST/raw/); files elsewhere get no names. --classes carries the names it keeps.
+    images, labels = np.zeros((12, 2, 2), np.uint8), np.array([*range(10), 0, 2], np.uint8)
+    for folder in ("fashion-mnist", "FashionMNIST/raw", "MNIST/raw", "kmnist", "idx"):
+        (tmp_path / folder).mkdir(parents=True)
+        write_idx(tmp_path / folder / "train-images-idx3-ubyte.gz", images, compress=True)
+        write_idx(tmp_path / folder / "train-labels-idx1-ubyte.gz", labels, compress=True)
+
+    def names(folder, *args):
+        out = tmp_path / "out" / folder.replace("/", "-") / "-".join(args)
+        assert launch.main(["prepare", str(tmp_path / folder / "train-images-idx3-ubyte.gz"), "--out", str(out), *args]) == 0
+        return json.loads((out / "summary.json").read_text()).get("class_names")
+
+    fashion = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt", "Sandal", "Sneaker", "Bag", "Ankle boot"]
+    assert names("fashion-mnist") == names("FashionMNIST/raw") == fashion
+    assert names("MNIST/raw") == [str(d) for d in range(10)]
+    assert names("kmnist") is None and names("idx") is None  # Kuzushiji's classes are not digits; unknown files: none
+    assert names("fashion-mnist", "--classes", "4,0") == ["Coat", "T-shirt/top"]
+
+    (tmp_path / "names.txt").write_text("".join(f"kind {i}\n" for i in range(10)) + "\n")
+    assert names("idx", "--class-names", "@" + str(tmp_path / "names.txt")) == [f"kind {i}" for i in range(10)]
+    assert names("MNIST/raw", "--class-names", ",".join("abcdefghij"), "--classes", "2,9") == ["c", "j"]  # replaces the digits
+    capsys.readouterr()
+    assert launch.main(["prepare", str(tmp_path / "idx" / "train-images-idx3-ubyte.gz"), "--out", str(tmp_path / "few"),
+                        "--class-names", "a,b,c"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"error: sample 00000003 of idx {tmp_path / 'idx' / 'train-images-idx3-ubyte.gz'} "
+                                               f"has label 3, but --class-names names 3 classes (ids 0 to 2); name every class")
+    assert not (tmp_path / "few").exists()
+    write_idx(tmp_path / "MNIST/raw" / "train-labels-idx1-ubyte.gz", np.array([*range(10), 0, 46], np.uint8), compress=True)
+    with pytest.raises(SourceError, match=r"holds label 46, but its path names it MNIST, which has 10 classes; pass the "
+                                          r"class names of its labels with --class-names"):
+        prepare.run(str(tmp_path / "MNIST/raw" / "train-images-idx3-ubyte.gz"), str(tmp_path / "emnist"))
+
+
 def test_idx_count_mismatch_is_refused(tmp_path):
     write_idx(tmp_path / "images", np.zeros((3, 2, 2), np.uint8), compress=False)
     write_idx(tmp_path / "labels", np.zeros(2, np.uint8), compress=False)
