@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from mpp.errors import UserError, command
 from mpp.model import VisionTransformer, resize_pos_embed, resolve_variant
-from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of
+from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
 
 if TYPE_CHECKING:
     from mpp.objectives import Objective
@@ -60,6 +60,7 @@ def save_weights(objective: Objective, path: str | Path) -> None:
     about = {"width": b.width, "depth": b.depth, "heads": b.heads, "patch_size": b.patch_size, "image_size": b.image_size,
              "holds": CLASSIFIER if LINEAR_HEAD <= set(weights) else BACKBONE}
     save_file(weights, str(path), metadata={METADATA_KEY: json.dumps(about)})
+    usual_mode(Path(path))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from mpp.data import StreamState
 from mpp.errors import UserError
-from mpp.rundir import checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, write_manifest
+from mpp.rundir import checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints, usual_mode, write_manifest
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
 
@@ -81,6 +81,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     stream_state_file(partial, accelerator.process_index).write_text(json.dumps(stream.state_dict()) + "\n")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        usual_mode(*(p for p in partial.iterdir() if p.is_file()))  # Accelerate's model.safetensors included
         write_manifest(partial, accelerator.num_processes)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)

@@ -87,6 +87,16 @@ def run_config_of(weights_file: Path) -> Path | None:
     return config if config.is_file() else None
 
 
+def usual_mode(*paths: Path) -> None:
+    """Give files the mode a new file gets from this process (0o666 less its umask). safetensors (0.8) writes a file
+    through a temporary one made 0600 and renames it, which left model.safetensors readable by its owner alone
+    while every other file of a run is as readable as the umask allows."""
+    umask = os.umask(0)  # the umask can only be read by setting it: put it back at once
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
+
+
 def sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

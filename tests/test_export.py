@@ -192,6 +192,7 @@ def test_class_names_from_idx_files_and_from_class_names_reach_the_export(tmp_pa
     def exported_labels(shards):
         out = tmp_path / "hf" / shards
         assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(out), f"data.shards={tmp_path / shards}"]) == 0
+        assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode  # not 0600 beside 0644
         return json.loads((out / "config.json").read_text())["id2label"]
 
     assert exported_labels("fashion") == {"0": "T-shirt/top", "1": "Pullover", "2": "Coat"}  # relabelled by --classes
