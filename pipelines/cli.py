@@ -30,6 +30,8 @@ def shipped_configs() -> Path:
 
 CONFIGS = shipped_configs()
 CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
+RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "export")  # the stages that take a run config
+RANK_ERROR_GRACE_S = 20
 
 
 def shipped(kind: str) -> list[str]:
@@ -61,8 +63,6 @@ class ListConfigs(argparse.Action):
         for kind in CONFIG_KINDS:
             print(f"  {kind}: {', '.join(shipped(kind))}  (in {CONFIGS / kind})")
         parser.exit()
-RANK_ERROR_GRACE_S = 20
-RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "export")  # the stages that take a run config
 
 
 def class_ids(text: str) -> list[int]:
@@ -102,9 +102,9 @@ def config_keys_help() -> str:
     return "\n".join(lines)
 
 
-def stage_parser(stages, name: str, help: str) -> argparse.ArgumentParser:
+def stage_parser(stages, name: str, summary: str) -> argparse.ArgumentParser:
     """A stage that takes a run config: its --help lists the config keys, and --print-config shows the config."""
-    parser = stages.add_parser(name, help=help, description=help, epilog=config_keys_help(),
+    parser = stages.add_parser(name, help=summary, description=summary, epilog=config_keys_help(),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print-config", action="store_true",
                         help="print the config the stage would run with (the file, then the overrides) and exit")
