@@ -53,7 +53,7 @@ RESUMABLE = {"resumable": True}
 class DataConfig(Section):
     shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
     val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.", json_schema_extra=RESUMABLE)
-    synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated under data/synthetic on first use.")
+    synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated on first use into data/synthetic-<size> (data/synthetic-20000 by default) under the working directory.")
     num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank that decode images.")
     shuffle_buffer: int = Field(2000, ge=0, description="Samples held in the shuffle buffer of each worker (0 disables shuffling).")
     resampled: bool = Field(True, description="Draw shards with replacement forever (no rank ever runs dry); false streams each pass over the shards exactly once per rank.")

@@ -33,6 +33,11 @@ def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
     head = classifier_head(ckpt)
     kind = export_hf(backbone, out_dir, head, id2label=label_names(cfg, head) if head is not None else None,
                      pool=cfg.finetune.pool)
+    if head is not None and class_names(cfg) is None:  # said once the export is written (a refused one says why)
+        warnings.warn(f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
+                      f"them), so the classifier's labels were exported as LABEL_0 to LABEL_{head['weight'].shape[0] - 1}; "
+                      f"prepare the shards with --class-names, or set data.shards to shards whose summary.json names them",
+                      stacklevel=2)
     (Path(out_dir) / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
     print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
           f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")
@@ -58,13 +63,7 @@ def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
     """The class names of the training shards, if they name as many classes as the classifier has outputs."""
     names = class_names(cfg)
     outputs = head["weight"].shape[0]
-    if names is None:
-        warnings.warn(f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
-                      f"them), so the classifier's labels are exported as LABEL_0 to LABEL_{outputs - 1}; prepare the "
-                      f"shards with --class-names, or set data.shards to shards whose summary.json names them",
-                      stacklevel=2)
-        return None
-    if len(names) != outputs:
+    if names is not None and len(names) != outputs:
         warnings.warn(f"the training shards ({cfg.data.shards}) name {len(names)} classes but the classifier has {outputs} "
                       f"outputs, so its labels are exported as LABEL_0 to LABEL_{outputs - 1}; set data.shards to the "
                       f"fine-tuning's shards to export their names", stacklevel=2)

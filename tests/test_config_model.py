@@ -146,6 +146,14 @@ def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsy
     assert plan["arms"] == ["mpp"] and plan["output_dir"] == "runs/compare/tiny"
 
 
+def test_readme_contents_link_every_section_by_its_github_anchor():
+    readme = (ROOT / "README.md").read_text()
+    headings = [h for h in re.findall(r"^## (.+)$", readme, re.M) if h != "Contents"]
+    contents = readme.split("## Contents\n", 1)[1].split("\n## ", 1)[0]
+    anchor = lambda heading: re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")  # GitHub's rule
+    assert re.findall(r"^- \[(.+)\]\(#(.+)\)$", contents, re.M) == [(h, anchor(h)) for h in headings]
+
+
 def allowed_values(annotation) -> list[str]:
     """The words a key with a Literal among its types admits, as YAML spells them (with bool: true, false); [] for a
     key without one (a number, a path, a plain flag)."""

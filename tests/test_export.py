@@ -201,5 +201,5 @@ def test_class_names_from_idx_files_and_from_class_names_reach_the_export(tmp_pa
         assert exported_labels("plain") == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
     assert [str(w.message) for w in warned] == [
         f"the training shards ({tmp_path / 'plain'}) name no classes (no class_names in a summary.json beside them), so "
-        f"the classifier's labels are exported as LABEL_0 to LABEL_2; prepare the shards with --class-names, or set "
+        f"the classifier's labels were exported as LABEL_0 to LABEL_2; prepare the shards with --class-names, or set "
         f"data.shards to shards whose summary.json names them"]
