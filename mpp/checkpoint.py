@@ -20,9 +20,9 @@ from omegaconf import OmegaConf
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from mpp.errors import UserError
+from mpp.errors import UserError, command
 from mpp.model import VisionTransformer, resize_pos_embed, resolve_variant
-from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of
+from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
 
 if TYPE_CHECKING:
     from mpp.objectives import Objective
@@ -60,6 +60,7 @@ def save_weights(objective: Objective, path: str | Path) -> None:
     about = {"width": b.width, "depth": b.depth, "heads": b.heads, "patch_size": b.patch_size, "image_size": b.image_size,
              "holds": CLASSIFIER if LINEAR_HEAD <= set(weights) else BACKBONE}
     save_file(weights, str(path), metadata={METADATA_KEY: json.dumps(about)})
+    usual_mode(Path(path))
 
 
 @dataclass(frozen=True)
@@ -156,17 +157,17 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
     missing = [k for k in VIT_KEYS if k not in weights]
     if missing:
         found = ", ".join(list(weights)[:3]) or "no tensors"
-        raise CheckpointError(f"{path} is not a ViT of this project: it lacks {', '.join(missing)} (it holds {found}, ...); pass a checkpoint written by launch.py pretrain or finetune")
+        raise CheckpointError(f"{path} is not a ViT of this project: it lacks {', '.join(missing)} (it holds {found}, ...); pass a checkpoint written by `{command('pretrain')}` or `{command('finetune')}`")
 
     if not any(k.startswith("blocks.") for k in weights):
         raise CheckpointError(f"{path} holds no Transformer blocks (no blocks.* tensors), so it is not a trained ViT; "
-                              f"pass a checkpoint written by launch.py pretrain or finetune")
+                              f"pass a checkpoint written by `{command('pretrain')}` or `{command('finetune')}`")
     check_finite(path, weights)
     proj = tuple(weights["patch_embed.proj.weight"].shape)  # (D, P*P*3)
     pos = tuple(weights["pos_embed"].shape)  # (1, 1 + N, D)
     if len(proj) != 2 or len(pos) != 3:
         raise CheckpointError(f"{path} has a patch projection of shape {proj} and position embeddings of shape {pos}; "
-                              f"a ViT of this project has (D, P*P*3) and (1, 1 + N, D): pass a checkpoint written by launch.py")
+                              f"a ViT of this project has (D, P*P*3) and (1, 1 + N, D): pass a checkpoint written by `{command('pretrain')}`")
     if math.isqrt(pos[1] - 1) ** 2 != pos[1] - 1:
         raise CheckpointError(f"{path} has {pos[1] - 1} patch positions, not a square grid, so they cannot be interpolated "
                               f"to model.image_size={model_cfg.image_size}; pass a checkpoint of a square-image ViT")

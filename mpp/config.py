@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import difflib
+import json
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from mpp.errors import UserError
+from mpp.errors import UserError, command
 from mpp.model import Variant, parse_model_name, resolve_variant
 from mpp.objectives import OBJECTIVES
 from mpp.targets import TARGETS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 
 MAX_HEAD_BYTES = 10**9  # a larger MPP head (e.g. color4x4 at 8 bits: 268M outputs) only exhausts memory
@@ -49,7 +53,7 @@ RESUMABLE = {"resumable": True}
 class DataConfig(Section):
     shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
     val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.", json_schema_extra=RESUMABLE)
-    synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated under data/synthetic on first use.")
+    synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated on first use into data/synthetic-<size> (data/synthetic-20000 by default) under the working directory.")
     num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank that decode images.")
     shuffle_buffer: int = Field(2000, ge=0, description="Samples held in the shuffle buffer of each worker (0 disables shuffling).")
     resampled: bool = Field(True, description="Draw shards with replacement forever (no rank ever runs dry); false streams each pass over the shards exactly once per rank.")
@@ -106,12 +110,12 @@ class ModelConfig(Section):
 
 
 class MPPConfig(Section):
-    target: str = Field("color", description="What a corrupted patch predicts: its 3-bit mean colour (512 classes), its 4x4-downsized 3-bit colours (16 x 512), or its pixels (L2).")
+    target: str = Field("color", description="What a corrupted patch predicts: color, its mean colour at mpp.color_bits per channel (512 classes at 3 bits, the paper); color4x4, the colours of its 4x4 downsizing (16 x 512); or pixels, its pixel values (L2 loss).")
     corrupt_rate: float = Field(0.5, gt=0, lt=1, description="Fraction of patch positions corrupted per image (paper: 0.5; 0.15 also tried).")
     mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
     random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
     color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
-    masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: uniformly at random (the paper) or in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
+    masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: random, uniformly at random (the paper), or block, in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
 
     @field_validator("target")
     @classmethod
@@ -125,8 +129,14 @@ class MPPConfig(Section):
         return self
 
 
+def default_warmup(steps: int) -> int:
+    """train.warmup_steps when unset: 10% of the run, at most 100 steps."""
+    return min(100, steps // 10)
+
+
 class TrainConfig(Section):
-    steps: int = Field(1000, gt=0, description="Optimiser steps in the whole run.", json_schema_extra=RESUMABLE)
+    steps: int | None = Field(1000, gt=0, description="Optimiser steps in the whole run (replaced by the steps train.epochs comes to when that is set).", json_schema_extra=RESUMABLE)
+    epochs: float | None = Field(None, gt=0, description="The run's length in passes over the training set, instead of train.steps: at the start the run sets train.steps to ceil(epochs x samples / global batch), samples from the summary.json beside data.shards (shards without one need train.steps), and config.yaml records both. A resume may change it as it may train.steps; a comparison plan sets train.steps instead (its lengths multiply them).", json_schema_extra=RESUMABLE)
     batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")
     global_batch_size: int | None = Field(None, gt=0, description="Images per optimiser step over all processes; when set, it replaces train.batch_size, which becomes global / (processes x grad_accum), or with train.micro_batch_size set, it fixes train.grad_accum instead; either must come out whole.")
     micro_batch_size: int | None = Field(None, gt=0, description="With train.global_batch_size: the images per process per forward pass (what must fit in memory); train.grad_accum becomes global / (processes x micro_batch_size), so the global batch holds on any number of GPUs. Null: train.grad_accum as given.")
@@ -144,10 +154,10 @@ class TrainConfig(Section):
     ema_decay: float | None = Field(None, ge=0, lt=1, description="Keep an exponential moving average of the weights, after every step decay x average + (1 - decay) x weights (timm's model EMA, e.g. 0.9999; about 1 / (1 - decay) steps are averaged): the evaluators score it and model.safetensors holds it; null = off.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps from 0 to train.lr; cosine decay to 0 afterwards; null: 10% of train.steps, at most 100.", json_schema_extra=RESUMABLE)
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null disables).", json_schema_extra=RESUMABLE)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 where the hardware computes it (Ampere and newer GPUs, CPUs with AVX512-BF16 or AMX), fp16 with a loss scaler on older GPUs, fp32 on other CPUs.")
-    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model; auto: on GPUs that Triton supports (compute capability 7.0 and newer), where it pays for its compile time, never on a CPU.", json_schema_extra=RESUMABLE)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="Precision of the forward and backward pass: auto, no (fp32), bf16 or fp16 (GPUs only, with a loss scaler); auto: bf16 where the hardware computes it (Ampere and newer GPUs, CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, fp32 on other CPUs.")
+    compile: bool | Literal["auto"] = Field("auto", description="torch.compile the model: true, false or auto; auto: on GPUs that Triton supports (compute capability 7.0 and newer), where it pays for its compile time, never on a CPU.", json_schema_extra=RESUMABLE)
     compile_backend: str = Field("inductor", description="torch.compile backend when compiling: inductor generates fused kernels; aot_eager traces without generating code (to tell a compile problem from a model one).", json_schema_extra=RESUMABLE)
-    cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU; auto: the CPUs this process may use divided by the processes on this machine.", json_schema_extra=RESUMABLE)
+    cpu_threads: Annotated[int, Field(gt=0)] | Literal["auto"] = Field("auto", description="Torch threads per process when training on CPU: a count, or auto: the CPUs this process may use divided by the processes on this machine.", json_schema_extra=RESUMABLE)
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).", json_schema_extra=RESUMABLE)
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.", json_schema_extra=RESUMABLE)
@@ -161,11 +171,12 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _default_warmup(cls, raw: dict) -> dict:
-        # Resolved here, not where it is used, so config.yaml records the warmup the run really had.
-        if not isinstance(raw, dict) or raw.get("warmup_steps") is not None:
+        # Resolved here, not where it is used, so config.yaml records the warmup the run really had; with
+        # train.epochs, once the steps are known (with_epochs).
+        if not isinstance(raw, dict) or raw.get("warmup_steps") is not None or raw.get("epochs") is not None:
             return raw
         steps = raw.get("steps", cls.model_fields["steps"].default)
-        return {**raw, "warmup_steps": min(100, steps // 10)} if isinstance(steps, int) and steps > 0 else raw
+        return {**raw, "warmup_steps": default_warmup(steps)} if isinstance(steps, int) and steps > 0 else raw
 
     @field_validator("betas")
     @classmethod
@@ -176,9 +187,26 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        if self.epochs is not None:
+            return self  # the length is known at the start of the run: with_epochs checks the warmup against it
+        if self.steps is None:
+            raise ValueError("train.steps is null and train.epochs is not set; set one of them to give the run a length")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be smaller than train.steps ({self.steps})")
         return self
+
+    def with_epochs(self, samples: int, processes: int) -> TrainConfig:
+        """This config with train.steps from train.epochs over `samples` training images at the global batch of
+        `processes` processes, and an unset warmup from those steps; itself without train.epochs."""
+        if self.epochs is None:
+            return self
+        split = self.for_processes(processes)
+        steps = math.ceil(self.epochs * samples / (split.batch_size * processes * split.grad_accum))
+        warmup = default_warmup(steps) if self.warmup_steps is None else self.warmup_steps
+        if warmup >= steps:
+            raise ConfigError(f"train.warmup_steps ({warmup}) must be smaller than the {steps} steps train.epochs "
+                              f"({self.epochs:g}) comes to over {samples} images; lower it or raise train.epochs")
+        return self.model_copy(update={"steps": steps, "warmup_steps": warmup})
 
     def for_processes(self, processes: int) -> TrainConfig:
         """This config with train.global_batch_size split over `processes`: into train.batch_size per process and
@@ -309,15 +337,23 @@ def dotted(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def resumable_keys(section: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
-    """The dotted keys of the fields marked RESUMABLE."""
-    keys = set()
+def settings(section: type[BaseModel] | None = None, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """Every setting of the run config as (dotted key, its field), section by section in the order declared."""
     for name, field in (section or Config).model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            keys |= resumable_keys(field.annotation, f"{prefix}{name}.")
-        elif (field.json_schema_extra or {}).get("resumable"):
-            keys.add(f"{prefix}{name}")
-    return keys
+            yield from settings(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field
+
+
+def resumable_keys() -> set[str]:
+    """The dotted keys of the fields marked RESUMABLE."""
+    return {key for key, field in settings() if (field.json_schema_extra or {}).get("resumable")}
+
+
+def config_reference() -> list[tuple[str, str, str]]:
+    """(key, default as JSON, description) of every setting: what `--help` lists and README's config reference shows."""
+    return [(key, json.dumps(field.get_default(call_default_factory=True)), field.description) for key, field in settings()]
 
 
 def _closest_key(section: type[BaseModel], prefix: str, key: str) -> str:
@@ -354,8 +390,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return validate_config(read_layers(path, overrides))
 
 
-def read_layers(path: str | Path | None, overrides: list[str], what: str = "config file",
-                example: str = "(train:, model:, ...) as in configs/pretrain/default.yaml") -> dict:
+def read_layers(path: str | Path | None, overrides: list[str], what: str = "config file", example: str | None = None) -> dict:
     """A YAML file (a mapping; none: {}) with dotted `key=value` overrides merged over it, as plain data. `what` and
     `example` name the kind of file in the one-line errors (a run config, a comparison plan)."""
     layers = []
@@ -370,6 +405,8 @@ def read_layers(path: str | Path | None, overrides: list[str], what: str = "conf
             raise ConfigError(not_yaml.format(exc.__class__.__name__)) from None
         if top is not None and not isinstance(top, dict):
             held = "a list" if isinstance(top, list) else f"the single value {top!r}"
+            example = example or (f"(train:, model:, ...) as in the shipped configs (`{command('--list-configs')}` shows "
+                                  f"where they are)")
             raise ConfigError(f"{what} {path} holds {held} at its top level; it must be a mapping of sections {example}")
         try:
             layers.append(OmegaConf.load(path))

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import base_plus_ext
 
 from mpp.config import DataConfig
-from mpp.errors import DataError
+from mpp.errors import DataError, command
 from mpp.randaugment import RandAugment
 from mpp.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary, summary_beside
 from mpp.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
@@ -43,7 +43,7 @@ def expand_shards(spec: str) -> list[str]:
         shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
         if not shards:
             raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files; "
-                            f"write shards into it with `launch.py prepare SOURCE --out {spec}`")
+                            f"write shards into it with `{command(f'prepare SOURCE --out {spec}')}`")
         check_local_shards(shards)
         return shards
     shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
@@ -64,7 +64,7 @@ def check_local_shards(paths: list[str]) -> None:
     for problem, found in problems.items():
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `launch.py prepare`")
+            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `{command('prepare')}`")
 
 
 @dataclass
@@ -249,7 +249,7 @@ class LabelSpace:
 
 @functools.lru_cache(maxsize=8)
 def label_space(urls: tuple[str, ...]) -> LabelSpace:
-    """The summary.json that `launch.py prepare` writes beside the shards, else a scan of the shards' label fields.
+    """The summary.json that `mpp prepare` writes beside the shards, else a scan of the shards' label fields.
 
     The scan (local shards only) reads tar headers and the small label members, not the images; the class names
     it finds are sorted, so every process and every run over the same shards maps a name to the same id. Integer

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 
 from mpp.data import Batch
-from mpp.errors import UserError
+from mpp.errors import UserError, command
 from mpp.model import VisionTransformer, normalize, pool
 
 
@@ -66,7 +66,7 @@ def check_pool(train_y: torch.Tensor, eval_y: torch.Tensor, shots: Iterable[int]
         raise FewShotError(f"the few-shot training pool holds examples of {len(evaluated) - len(missing)} of the "
                            f"{len(evaluated)} classes of the evaluation images (none of class {listed}), so it could "
                            f"never predict the others; raise fewshot.train_images or use shards that mix classes "
-                           f"(launch.py prepare shuffles them)")
+                           f"(`{command('prepare')}` shuffles them)")
     for n in shots:
         short = [(int(c), int(have)) for c, have in zip(classes, counts) if have < n]
         if short:

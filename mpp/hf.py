@@ -16,6 +16,7 @@ import torch
 
 from mpp.errors import UserError
 from mpp.model import PIXEL_MEAN, PIXEL_STD, VisionTransformer, unpatchify
+from mpp.rundir import usual_mode
 
 MLP_RATIO = 4  # Block's hidden width over the model width
 
@@ -107,5 +108,6 @@ def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, 
     model.load_state_dict({k: v.detach().float().contiguous() for k, v in hf_state_dict(backbone, head).items()}, strict=True)
     out = Path(out_dir)
     model.save_pretrained(out)
+    usual_mode(*out.glob("*.safetensors"))  # safetensors writes them 0600
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(backbone.image_size), indent=2) + "\n")
     return type(model).__name__

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from mpp.data import StreamState
 from mpp.errors import UserError
 from mpp.rundir import (WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints,
-                        newest_verified, saved_processes, write_manifest)
+                        newest_verified, saved_processes, usual_mode, write_manifest)
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -104,6 +104,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
         raise not_saved(accelerator, output_dir, step, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        usual_mode(*(p for p in partial.iterdir() if p.is_file()))  # Accelerate's model.safetensors included
         try:
             write_manifest(partial, accelerator.num_processes)
         except OSError as exc:

@@ -9,6 +9,7 @@
       tensorboard/<stage>/          event files
       checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it) and manifest.json
       checkpoints/.partial-step_*   a checkpoint being written; renamed to step_* once complete
+      .lock                         the pid of the run working there (locked while it runs)
 
 Everything that reads or writes these names goes through this module; it knows nothing of Accelerate or the loop.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -29,6 +31,26 @@ TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
 MANIFEST = "manifest.json"
+
+
+LOCK = ".lock"
+RUN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, PREDICTIONS, STARTED_FROM, WEIGHTS)  # what a run writes in output_dir, besides its LOCK
+
+
+def remove_run_outputs(output_dir: str | Path) -> list[str]:
+    """Delete what a run wrote in output_dir (RUN_OUTPUTS) and nothing else, for a run that starts over there;
+    returns the names it deleted. The caller holds the run's LOCK, which stays."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = Path(output_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -67,6 +89,16 @@ def run_config_of(weights_file: Path) -> Path | None:
     """The config.yaml of the run that wrote `weights_file`, if there is one."""
     config = run_dir_of(weights_file) / CONFIG
     return config if config.is_file() else None
+
+
+def usual_mode(*paths: Path) -> None:
+    """Give files the mode a new file gets from this process (0o666 less its umask). safetensors (0.8) writes a file
+    through a temporary one made 0600 and renames it, which left model.safetensors readable by its owner alone
+    while every other file of a run is as readable as the umask allows."""
+    umask = os.umask(0)  # the umask can only be read by setting it: put it back at once
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
 
 
 def sha256(path: Path) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpp.errors import DataError
+from mpp.errors import DataError, command
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # the members a sample's image is read from, in this order
 IMAGE_EXTS = ("jpg", "png", "webp")  # what `prepare` writes; the reader converts every image to RGB
@@ -33,7 +33,7 @@ def summary_beside(url: str) -> str:
 
 
 class ShardSummary(BaseModel):
-    """What reading shards takes from the summary.json that `launch.py prepare` writes beside them (other fields are
+    """What reading shards takes from the summary.json that `mpp prepare` writes beside them (other fields are
     left alone); strict, so that `"class_names": "abc"` is refused rather than read as three names."""
 
     model_config = ConfigDict(strict=True, extra="allow")
@@ -58,4 +58,4 @@ def shard_summary(urls: Sequence[str]) -> ShardSummary | None:
         what = (f"it is not JSON ({error['msg']})" if error["type"] == "json_invalid"
                 else f"{'.'.join(map(str, error['loc'])) or 'the whole file'}: {error['msg'].lower()}")
         raise DataError(f"{path} cannot be read: {what}; correct it, or delete it to have the shards' labels scanned "
-                        f"instead (`launch.py prepare` writes it)") from None
+                        f"instead (`{command('prepare')}` writes it)") from None

@@ -422,13 +422,18 @@ def synthetic_samples(n: int, size: int = 64) -> Source:
     return Source(f"synthetic ({n} images, {size} px)", n, read, class_names=list(CLASS_NAMES))
 
 
-def idx_samples(images_idx_path: str | os.PathLike, labels_idx_path: str | os.PathLike) -> Source:
-    """MNIST-style IDX files (raw or gzip), each image stored as a grayscale PNG."""
+def idx_samples(images_idx_path: str | os.PathLike, labels_idx_path: str | os.PathLike, class_names: list[str] | None = None,
+                dataset: str = "") -> Source:
+    """MNIST-style IDX files (raw or gzip), each image stored as a grayscale PNG. IDX files hold no class names:
+    `class_names` are those of the `dataset` the files were recognised as (or None), checked against the labels."""
     images, labels = _read_idx(Path(images_idx_path), ndim=3), _read_idx(Path(labels_idx_path), ndim=1)
     if len(images) != len(labels):
         raise SourceError(f"{images_idx_path} holds {len(images)} images but {labels_idx_path} holds {len(labels)} labels; pass the matching pair")
     if not len(images):
         raise SourceError(f"{images_idx_path} holds no images; pass a non-empty IDX file")
+    if class_names is not None and int(labels.max()) >= len(class_names):
+        raise SourceError(f"{labels_idx_path} holds label {int(labels.max())}, but its path names it {dataset}, which has "
+                          f"{len(class_names)} classes; pass the class names of its labels with --class-names")
 
     def read() -> Iterator[Sample]:
         for i, (pixels, label) in enumerate(zip(images, labels.tolist())):
@@ -436,7 +441,23 @@ def idx_samples(images_idx_path: str | os.PathLike, labels_idx_path: str | os.Pa
             Image.fromarray(pixels, "L").save(buffer, "PNG")
             yield Sample(f"{i:08d}", buffer.getvalue(), "png", label)
 
-    return Source(f"idx {images_idx_path}", len(images), read)
+    return Source(f"idx {images_idx_path}", len(images), read, class_names)
+
+
+def name_classes(source: Source, names: list[str]) -> Source:
+    """`source` with its class ids named (id i is names[i]): for a source that stores no names (IDX files, shards of
+    ids), or to rename the classes of one that does. Every label must have a name."""
+    if not names or not all(names) or len(set(names)) != len(names):
+        raise SourceError(f"--class-names must list distinct, non-empty class names, got {names}")
+
+    def read() -> Iterator[Sample | None]:
+        for sample in source.read():
+            if sample is not None and sample.label is not None and sample.label >= len(names):
+                raise SourceError(f"sample {sample.key} of {source.name} has label {sample.label}, but --class-names "
+                                  f"names {len(names)} classes (ids 0 to {len(names) - 1}); name every class")
+            yield sample
+
+    return Source(source.name, source.length, read, list(names))
 
 
 def _read_idx(path: Path, ndim: int) -> np.ndarray:

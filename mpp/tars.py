@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from webdataset.gopen import Pipe, gopen
 from webdataset.tariterators import base_plus_ext
 
-from mpp.errors import DataError
+from mpp.errors import DataError, command
 
 BLOCK = tarfile.BLOCKSIZE  # 512: tar headers and member data start on block boundaries
 # What an unreadable, damaged or cut-short shard raises; anything else (a bug, a signal) is not the shard's.
@@ -94,7 +94,7 @@ def tar_samples(stream, end: ShardEnd) -> Iterator[dict]:
         ext = ext.lower()
         if ext in sample:
             raise DataError(f"shard {end.url} holds two members for {ext!r} of sample {key} ({member.name}), as a tar "
-                            f"appended to with `tar rf` does; rewrite it with each member once (`launch.py prepare`)")
+                            f"appended to with `tar rf` does; rewrite it with each member once (`{command('prepare')}`)")
         sample[ext] = tar.extractfile(member).read()
     end.good_bytes = stop
     if sample:
@@ -108,7 +108,7 @@ def members_apart(url: str, key: str, detail: str) -> str:
     return (f"shard {url} holds the members of sample {key} apart ({detail}): a sample is read from consecutive "
             f"members of one tar, so a tar made with `tar cf x.tar *.png *.cls` (every image, then every label) or a "
             f"sample split over two shards cannot be read; write each sample's files next to each other, e.g. "
-            f"`tar cf x.tar --sort=name -C DIR .` with GNU tar, or write the shards with `launch.py prepare`")
+            f"`tar cf x.tar --sort=name -C DIR .` with GNU tar, or write the shards with `{command('prepare')}`")
 
 
 def archive_end(tar_bytes: TarBytes, stop: int) -> tuple[str | None, int | None]:
@@ -263,8 +263,8 @@ def end_commands_on_sigterm(worker_id: int) -> None:
 
 
 def _end_commands_and_exit(signum: int, frame) -> None:
-    for command in list(CommandOutput.running):
-        command.signal(signum)
+    for running in list(CommandOutput.running):
+        running.signal(signum)
     os._exit(0)
 
 

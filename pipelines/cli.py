@@ -1,11 +1,14 @@
-"""mpp's one command line: `mpp STAGE [--config FILE] [key=value ...]` (in a checkout: `python launch.py STAGE ...`;
-for several processes: `accelerate launch launch.py STAGE ...`, or `accelerate launch -m launch STAGE ...` installed)."""
+"""mpp's one command line: `mpp STAGE [--config FILE|NAME] [key=value ...]` (in a checkout: `python launch.py STAGE
+...`; for several processes: `accelerate launch -m mpp.pipelines STAGE ...` installed, `accelerate launch launch.py
+STAGE ...` in a checkout)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -14,21 +17,57 @@ from pathlib import Path
 # 3-20 s per step without it and 0.25-1.1 s with it (docs/benchmarks.md). A value the user exported wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from mpp.errors import UserError  # noqa: E402 (after the OpenMP setting above)
+from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
+
+from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
+from mpp.errors import UserError, command  # noqa: E402
 from mpp.runtime import compile_failure, out_of_memory  # noqa: E402
 from mpp.train import Preempted  # noqa: E402
 
 
 def shipped_configs() -> Path:
-    """The configs/ directory shipped with mpp: package data in an installed wheel, the top-level configs/ of a
-    checkout (what pyproject.toml packages as pipelines/configs)."""
+    """The configs/ directory shipped with mpp: package data in an installed wheel (mpp/pipelines/configs), the
+    top-level configs/ of a checkout (what pyproject.toml installs there)."""
     here = Path(__file__).resolve().parent
     packaged = here / "configs"
     return packaged if packaged.is_dir() else here.parent / "configs"
 
 
 CONFIGS = shipped_configs()
+CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
+RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "export")  # the stages that take a run config
 RANK_ERROR_GRACE_S = 20
+
+
+def shipped(kind: str) -> list[str]:
+    """The names of the configs shipped for `kind` (`default`, `supervised`, ...), what --config takes bare."""
+    return sorted(path.stem for path in (CONFIGS / kind).glob("*.yaml"))
+
+
+def config_file(kind: str, value: str) -> str:
+    """--config as given: a YAML file, or the bare name of a config shipped for `kind` (`tiny` for compare's
+    configs/compare/tiny.yaml), so the shipped configs are at hand without a checkout."""
+    if Path(value).is_file():
+        return value
+    bare = CONFIGS / kind / f"{value.removesuffix('.yaml')}.yaml"
+    if "/" not in value and bare.is_file():
+        return str(bare)
+    raise ConfigError(f"config file {value} does not exist; pass a YAML file or the name of a shipped {kind} config "
+                      f"({', '.join(shipped(kind))}; `{command('--list-configs')}` shows where they are)")
+
+
+class ListConfigs(argparse.Action):
+    """--list-configs: print the shipped configs by stage, with their folder, and exit (as --version does)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="list the configs shipped with mpp, which --config takes by name, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("configs shipped with mpp (--config takes a name or a path):")
+        for kind in CONFIG_KINDS:
+            print(f"  {kind}: {', '.join(shipped(kind))}  (in {CONFIGS / kind})")
+        parser.exit()
 
 
 def class_ids(text: str) -> list[int]:
@@ -39,47 +78,102 @@ def class_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of class ids (e.g. 0,2,4)") from None
 
 
+def run_config(args: argparse.Namespace) -> Config:
+    """The run config of a stage that takes one: --config (a training stage's default, or the run that wrote --ckpt),
+    then the key=value overrides."""
+    if args.stage in ("pretrain", "finetune"):
+        return load_config(config_file(args.stage, args.config), args.overrides)
+    from .start import checkpoint_config
+
+    return checkpoint_config(args.ckpt, args.config, args.overrides)
+
+
+def config_keys_help() -> str:
+    """The --help of a stage that takes a run config: every key with its default and meaning, from the schema."""
+    width = max(60, shutil.get_terminal_size().columns - 2)
+    lines = textwrap.wrap("config keys, set in the --config file or as key=value (the defaults are the schema's; a "
+                          "--config file sets its own, and --print-config shows what a run gets):", width)
+    for key, default, meaning in config_reference():
+        lines += [f"  {key} = {default}", *textwrap.wrap(meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+    return "\n".join(lines)
+
+
+def stage_parser(stages, name: str, summary: str) -> argparse.ArgumentParser:
+    """A stage that takes a run config: its --help lists the config keys, and --print-config shows the config."""
+    parser = stages.add_parser(name, help=summary, description=summary, epilog=config_keys_help(),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the config the stage would run with (the file, then the overrides) and exit")
+    return parser
+
+
+def add_run_choice(stage: argparse.ArgumentParser) -> None:
+    """What a training stage does with a run already in its output_dir: continue it or start over."""
+    choice = stage.add_mutually_exclusive_group()
+    choice.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
+    choice.add_argument("--overwrite", action="store_true",
+                        help="start over in an output_dir that holds a run: delete its checkpoints/, tensorboard/, "
+                             "config.yaml, results.json and model.safetensors (other files stay); refused while "
+                             "another run works there")
+
+
+def class_name_list(text: str) -> list[str]:
+    """'cat,dog' -> ['cat', 'dog']; '@names.txt' -> the file's lines (one name each, blank lines skipped), for
+    prepare --class-names."""
+    if not text.startswith("@"):
+        return [name.strip() for name in text.split(",")]
+    try:
+        lines = Path(text[1:]).read_text().splitlines()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the class names in {text[1:]} ({exc.strerror})") from None
+    return [line.strip() for line in lines if line.strip()]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--list-configs", action=ListConfigs)
     stages = parser.add_subparsers(dest="stage", required=True)
 
-    pretrain = stages.add_parser("pretrain", help="masked patch prediction pretraining")
+    pretrain = stage_parser(stages, "pretrain", "masked patch prediction pretraining")
     pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
-                          help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
-    pretrain.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
+                          help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
+                               "keys it leaves unset take the defaults below")
+    add_run_choice(pretrain)
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
-    finetune = stages.add_parser("finetune", help="fine-tune a pretrained backbone (or a fresh one) with a linear head")
+    finetune = stage_parser(stages, "finetune", "fine-tune a pretrained backbone (or a fresh one) with a linear head")
     finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
                                          "from pretrain (either objective) or finetune; omit it to train from scratch")
     finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
-                          help="YAML config (default: %(default)s); keys it leaves unset take the defaults in README.md")
-    finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
+                          help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
+                               "keys it leaves unset take the defaults below")
+    add_run_choice(finetune)
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
-    fewshot = stages.add_parser("fewshot", help="few-shot linear evaluation of a backbone's frozen features")
+    fewshot = stage_parser(stages, "fewshot", "few-shot linear evaluation of a backbone's frozen features")
     fewshot.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     fewshot.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     fewshot.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR fewshot.shots=[5]")
 
-    knn = stages.add_parser("knn", help="k-nearest-neighbour evaluation of a backbone's frozen features")
+    knn = stage_parser(stages, "knn", "k-nearest-neighbour evaluation of a backbone's frozen features")
     knn.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     knn.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     knn.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR knn.features=mean")
 
-    probe = stages.add_parser("probe", help="linear probe (SGD on frozen features, as MAE evaluates) of a backbone")
+    probe = stage_parser(stages, "probe", "linear probe (SGD on frozen features, as MAE evaluates) of a backbone")
     probe.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     probe.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     probe.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR probe.epochs=30")
 
-    export = stages.add_parser("export", help="write a checkpoint as a Hugging Face transformers ViT")
+    export = stage_parser(stages, "export", "write a checkpoint as a Hugging Face transformers ViT")
     export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
     export.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     export.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.image_size=64")
 
     compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
-    compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML (default: %(default)s)")
+    compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)")
+    compare.add_argument("--print-config", action="store_true", help="print the plan as loaded (the file, then the overrides) and exit")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
@@ -99,53 +193,61 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--classes", type=class_ids, default=None,
                          help="keep only these class ids, comma-separated, relabelled 0..k-1 in the order given "
                               "(e.g. 1,3,5,7,9 upstream and 0,2,4,6,8 downstream for a transfer split)")
+    prepare.add_argument("--class-names", type=class_name_list, default=None, metavar="NAMES",
+                         help="the names of the source's class ids 0, 1, ... (before --classes picks and relabels "
+                              "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
+                              "IDX files store none: MNIST's and Fashion-MNIST's are known when a folder or the file "
+                              "name says which (mnist, fashion-mnist)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.stage in RUN_CONFIG_STAGES:
+            cfg = run_config(args)
+            if args.print_config:
+                print(config_to_yaml(cfg), end="")
+                return 0
         if args.stage == "pretrain":
-            from mpp.config import load_config
-            from pipelines import pretrain
+            from . import pretrain
 
-            pretrain.run(load_config(args.config, args.overrides), resume=args.resume)
+            pretrain.run(cfg, resume=args.resume, overwrite=args.overwrite)
         elif args.stage == "finetune":
-            from mpp.config import load_config
-            from pipelines import finetune
+            from . import finetune
 
-            finetune.run(load_config(args.config, args.overrides), ckpt=args.ckpt, resume=args.resume)
+            finetune.run(cfg, ckpt=args.ckpt, resume=args.resume, overwrite=args.overwrite)
         elif args.stage == "fewshot":
-            from pipelines import fewshot
-            from pipelines.start import checkpoint_config
+            from . import fewshot
 
-            fewshot.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+            fewshot.run(cfg, ckpt=args.ckpt)
         elif args.stage == "knn":
-            from pipelines import knn
-            from pipelines.start import checkpoint_config
+            from . import knn
 
-            knn.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+            knn.run(cfg, ckpt=args.ckpt)
         elif args.stage == "probe":
-            from pipelines import probe
-            from pipelines.start import checkpoint_config
+            from . import probe
 
-            probe.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt)
+            probe.run(cfg, ckpt=args.ckpt)
         elif args.stage == "export":
-            from pipelines import export
-            from pipelines.start import checkpoint_config
+            from . import export
 
-            export.run(checkpoint_config(args.ckpt, args.config, args.overrides), ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
+            export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
         elif args.stage == "compare":
-            from pipelines import compare, plan
+            from . import compare, plan
 
-            compare.run(plan.load_compare_config(args.config, args.overrides))
+            cc = plan.load_compare_config(config_file("compare", args.config), args.overrides)
+            if args.print_config:
+                print(OmegaConf.to_yaml(cc.model_dump(mode="json")), end="")
+                return 0
+            compare.run(cc)
         elif args.stage == "prepare":
-            from pipelines import prepare
+            from . import prepare
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
-                        quality=args.quality, classes=args.classes)
-        from pipelines.tracking import end_process
+                        quality=args.quality, classes=args.classes, class_names=args.class_names)
+        from .tracking import end_process
 
         end_process()
     except UserError as err:

@@ -52,16 +52,16 @@ from mpp.shardformat import IMAGE_KEYS
 from mpp.shards import Sample, Source, write_shards
 from mpp.stats import Candidate, dev_resolution, mcnemar, paired_bootstrap_gap, pick_recipe, stratified_folds
 from mpp.tars import ShardEnd, shard_samples
-from pipelines import finetune, pretrain
-from pipelines.evaluators import Stage, TopK
-from pipelines.fewshot import FewShot
-from pipelines.knn import Knn
-from pipelines.loaders import class_names, num_classes, resolve_shards
-from pipelines.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config
-from pipelines.plots import comparison_figure
-from pipelines.report import PRETRAIN_CURVES, report_markdown, scalar_history
-from pipelines.run_policy import RunInUse
-from pipelines.start import start_run
+from . import finetune, pretrain
+from .evaluators import Stage, TopK
+from .fewshot import FewShot
+from .knn import Knn
+from .loaders import class_names, num_classes, resolve_shards
+from .plan import Arm, CompareConfig, pretrain_config, recipes, stage_config
+from .plots import comparison_figure
+from .report import PRETRAIN_CURVES, report_markdown, scalar_history
+from .run_policy import RunInUse
+from .start import start_run
 
 STAGE_DONE = "stage.json"
 # Fewer dev images of a class than this and the pick is noise: one image moves that class's accuracy by over 10

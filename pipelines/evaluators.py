@@ -27,10 +27,10 @@ from mpp.metrics import EVALUATION, TOP1, TOP5, Metric
 from mpp.objectives import Objective
 from mpp.train import Evaluator
 from mpp.validation import PretextValidation
-from pipelines.fewshot import FewShot
-from pipelines.knn import Knn
-from pipelines.loaders import eval_batches, labelled
-from pipelines.probe import LinearProbe
+from .fewshot import FewShot
+from .knn import Knn
+from .loaders import eval_batches, labelled
+from .probe import LinearProbe
 
 
 class Evaluate(Protocol):

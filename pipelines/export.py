@@ -16,7 +16,7 @@ from mpp.model import VisionTransformer
 from mpp.objectives import OBJECTIVES
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long
 from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
-from pipelines.invocation import command_line
+from .invocation import command_line
 
 FORMATS = ("hf",)
 
@@ -34,6 +34,11 @@ def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
     head = classifier_head(ckpt)
     kind = export_hf(backbone, out_dir, head, id2label=label_names(cfg, head) if head is not None else None,
                      pool=cfg.finetune.pool)
+    if head is not None and class_names(cfg) is None:  # said once the export is written (a refused one says why)
+        warnings.warn(f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
+                      f"them), so the classifier's labels were exported as LABEL_0 to LABEL_{head['weight'].shape[0] - 1}; "
+                      f"prepare the shards with --class-names, or set data.shards to shards whose summary.json names them",
+                      stacklevel=2)
     (Path(out_dir) / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
     print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
           f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")

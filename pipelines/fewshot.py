@@ -1,4 +1,4 @@
-"""Few-shot linear evaluation stage: of a saved backbone (`launch.py fewshot`) or periodically during pretraining."""
+"""Few-shot linear evaluation stage: of a saved backbone (`mpp fewshot`) or periodically during pretraining."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from mpp.config import Config
 from mpp.fewshot import check_pool, few_shot_accuracy
 from mpp.metrics import FEWSHOT, Metric
 from mpp.model import VisionTransformer
-from pipelines.loaders import FrozenFeatureSets
-from pipelines.frozen import evaluate_checkpoint
+from .loaders import FrozenFeatureSets
+from .frozen import evaluate_checkpoint
 
 
 class FewShot:

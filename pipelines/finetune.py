@@ -17,10 +17,10 @@ from mpp.shardformat import is_remote
 from mpp.model import build_backbone
 from mpp.objectives import Classification, batch_mixing, finetuning_head
 from mpp.train import Evaluator
-from pipelines.loaders import class_names, labelled, num_classes, resolve_shards, train_loader
-from pipelines.run_policy import StartingPoint
-from pipelines.stage import TrainingStage, run_training
-from pipelines.start import Run
+from .loaders import class_names, labelled, num_classes, resolve_shards, train_loader
+from .run_policy import StartingPoint
+from .stage import TrainingStage, run_training
+from .start import Run
 
 
 class History:
@@ -75,7 +75,7 @@ def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tup
                                 f"(0 to {classes - 1}); set model.num_classes or fix the evaluation shards")
 
 
-def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict:
+def run(cfg: Config, *, ckpt: str | None, resume: bool = False, overwrite: bool = False) -> dict:
     """Fine-tune the backbone in `ckpt` (None: a fresh one, same recipe) and write output_dir/results.json; returns
     what it holds (top1, top5, the evaluation history, ...)."""
     if cfg.data.val_shards is None:
@@ -103,4 +103,4 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False) -> dict:
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
                              recording=history.recording, checkpointed=(history,))
 
-    return run_training(cfg, stage, resume=resume, start=StartingPoint.of(ckpt))
+    return run_training(cfg, stage, resume=resume, start=StartingPoint.of(ckpt), overwrite=overwrite)

@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from mpp.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.model import VisionTransformer
-from pipelines.start import start_run
+from .start import start_run
 
 
 def evaluate_checkpoint(cfg: Config, ckpt: str, file_name: str,

@@ -15,6 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from mpp.errors import program
+
 
 def launcher(processes: int | None = None) -> str:
     """The launcher part of this process's command line, for `processes` processes (default: this run's)."""
@@ -42,14 +44,17 @@ def command_line(argv: list[str] | None = None, processes: int | None = None) ->
     run_by = launcher(processes)
     if Path(args[0]).name == "mpp" and run_by == "python":  # the installed console script runs as itself
         return shlex.join(["mpp", *args[1:]])
+    started = program(args[0])
+    if started.startswith("python -m "):  # argv[0] is the package's __main__.py: name the module, as it was typed
+        return f"{run_by} {started.removeprefix('python ')} {shlex.join(args[1:])}"
     return f"{run_by} {shlex.join(args)}"
 
 
 def resume_command(processes: int | None = None) -> str:
-    """This process's command line with --resume right after the stage name (or at the end if there is none), for
-    `processes` processes (default: as many as this run has); under compare, its command line as it is: compare
-    resumes its stages itself and takes no --resume."""
-    args = [a for a in sys.argv if a != "--resume"]
+    """This process's command line with --resume right after the stage name (or at the end if there is none) and
+    without --overwrite, for `processes` processes (default: as many as this run has); under compare, its command
+    line as it is: compare resumes its stages itself and takes no --resume."""
+    args = [a for a in sys.argv if a not in ("--resume", "--overwrite")]
     if "compare" not in args:
         stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
         args.insert(stage + 1, "--resume")

@@ -1,4 +1,4 @@
-"""kNN evaluation stage: of a saved backbone (`launch.py knn`) or periodically during pretraining (`knn/top1`)."""
+"""kNN evaluation stage: of a saved backbone (`mpp knn`) or periodically during pretraining (`knn/top1`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from accelerate import Accelerator
 from torch import nn
 
 from mpp.config import Config
+from mpp.errors import command
 from mpp.knn import knn_accuracy, missing_classes
 from mpp.metrics import KNN, KNN_TOP1, Metric
 from mpp.model import VisionTransformer
-from pipelines.loaders import FrozenFeatureSets
-from pipelines.frozen import evaluate_checkpoint
+from .loaders import FrozenFeatureSets
+from .frozen import evaluate_checkpoint
 
 
 class Knn:
@@ -38,7 +39,7 @@ class Knn:
                           f"images) holds no image of {len(missing)} of the {len(torch.unique(eval_y))} classes of the "
                           f"evaluation images (class {listed}); the {share:.0%} of them in those classes can never be "
                           f"classified right, so kNN top-1 is at most {1 - share:.1%}; "
-                          f"raise knn.train_images or use shards that mix classes (launch.py prepare shuffles them)",
+                          f"raise knn.train_images or use shards that mix classes (`{command('prepare')}` shuffles them)",
                           stacklevel=2)
 
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:

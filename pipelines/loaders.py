@@ -8,12 +8,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from mpp.config import Config
+from mpp.config import Config, ConfigError
 from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
+from mpp.errors import command
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.model import VisionTransformer
 from mpp.randaugment import RandAugment
-from mpp.shardformat import SUMMARY
+from mpp.runtime import process_state
+from mpp.shardformat import SUMMARY, shard_summary
 from mpp.shards import synthetic_samples, write_shards
 
 SYNTHETIC_ROOT = Path("data")
@@ -35,6 +37,30 @@ def train_transform(cfg: Config) -> TrainTransform:
     d = cfg.data
     randaugment = RandAugment(d.randaugment_ops, d.randaugment_magnitude, d.randaugment_magnitude_std) if d.randaugment_ops else None
     return TrainTransform(cfg.model.image_size, d.crop_scale, d.hflip, randaugment)
+
+
+def with_run_length(cfg: Config) -> Config:
+    """`cfg` with train.steps from train.epochs, over the training set's size (itself when train.epochs is unset)."""
+    if cfg.train.epochs is None:
+        return cfg
+    state = process_state()
+    samples = training_samples(cfg)
+    train = cfg.train.with_epochs(samples, state.num_processes)
+    state.print(f"train.epochs {cfg.train.epochs:g} over {samples} training images: {train.steps} steps")
+    return cfg.model_copy(update={"train": train})
+
+
+def training_samples(cfg: Config) -> int:
+    """The training set's size, for train.epochs: the samples of the summary.json beside data.shards (`prepare`
+    writes it), or of the embedded corpus."""
+    if cfg.data.shards == "synthetic":
+        return cfg.data.synthetic_size
+    summary = shard_summary(expand_shards(cfg.data.shards))
+    if summary is None or summary.samples is None:
+        raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) has "
+                          f"no summary.json giving its samples beside it; give the length in train.steps instead (with "
+                          f"train.epochs=null), or write the shards with `{command('prepare')}`, which writes one")
+    return summary.samples
 
 
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
@@ -98,7 +124,7 @@ def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tu
 
 
 def num_classes(cfg: Config, urls: list[str]) -> int:
-    """model.num_classes, else the class count of the shards: from the summary.json that `launch.py prepare` wrote
+    """model.num_classes, else the class count of the shards: from the summary.json that `mpp prepare` wrote
     beside them, or without one from a scan of their labels (cls, json or txt; class names count once each)."""
     if cfg.model.num_classes:
         return cfg.model.num_classes
@@ -108,7 +134,7 @@ def num_classes(cfg: Config, urls: list[str]) -> int:
                         f"set model.num_classes")
     if not space.count:
         raise DataError(f"the shards of {cfg.data.shards} have no labels ({space.source} finds no cls, json label "
-                        f"or txt); supervised training needs labelled shards (write them with `launch.py prepare` "
+                        f"or txt); supervised training needs labelled shards (write them with `{command('prepare')}` "
                         f"from labelled images), or set model.num_classes if they are labelled after all")
     return space.count
 

@@ -98,6 +98,9 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         steps = pretrain_config(cc, arm).train.steps if arm.objective else None
         if steps and any(not 0 < step < steps for step in cc.checkpoints):
             raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
+    if any(c.train.epochs is not None for c in stages.values()):
+        raise ConfigError("a comparison plan gives its runs' lengths in train.steps (its lengths multiply them and its "
+                          "checkpoints name pretraining steps); set train.steps in the plan instead of train.epochs")
     check_one_process(stages)
     return cc
 

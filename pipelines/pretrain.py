@@ -5,17 +5,18 @@ from __future__ import annotations
 from mpp.config import Config
 from mpp.model import build_backbone
 from mpp.objectives import OBJECTIVES, Objective
-from pipelines.loaders import labelled, num_classes, resolve_shards, train_loader
-from pipelines.stage import TrainingStage, run_training
-from pipelines.start import Run
+from .loaders import labelled, num_classes, resolve_shards, train_loader
+from .stage import TrainingStage, run_training
+from .start import Run
 
 
 def build_objective(cfg: Config, classes: int | None) -> Objective:
     return OBJECTIVES[cfg.objective].build(build_backbone(cfg.model), cfg, classes)
 
 
-def run(cfg: Config, *, resume: bool = False) -> dict:
-    """Pretrain and write output_dir/results.json; returns what it holds."""
+def run(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
+    """Pretrain and write output_dir/results.json; returns what it holds. `resume` continues the run in output_dir,
+    `overwrite` starts over there."""
 
     def stage(run: Run) -> TrainingStage:
         accelerator, cfg = run.accelerator, run.cfg
@@ -29,4 +30,4 @@ def run(cfg: Config, *, resume: bool = False) -> dict:
         return TrainingStage("pretrain", build_objective(cfg, classes), batches, len(urls),
                              f"{cfg.objective} pretraining of a ViT", classes)
 
-    return run_training(cfg, stage, resume=resume)
+    return run_training(cfg, stage, resume=resume, overwrite=overwrite)

@@ -10,8 +10,8 @@ from mpp.config import Config
 from mpp.metrics import PROBE, PROBE_TOP1, Metric
 from mpp.model import VisionTransformer
 from mpp.probe import linear_probe_accuracy
-from pipelines.loaders import FrozenFeatureSets
-from pipelines.frozen import evaluate_checkpoint
+from .loaders import FrozenFeatureSets
+from .frozen import evaluate_checkpoint
 
 
 class LinearProbe:

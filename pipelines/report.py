@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mpp.config import Config
 from mpp.metrics import KNN_TOP1, LR, VAL_LOSS
-from pipelines.plan import CompareConfig
+from .plan import CompareConfig
 
 PRIOR = "_prior"  # a metric's baseline that knows nothing (the batch's most frequent colour, its mean pixels)
 PAPER = ("The paper (Dosovitskiy et al., 2021, section 4.6): ViT-B/16 pretrained with MPP on JFT-300M for 1M steps at "

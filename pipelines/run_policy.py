@@ -23,8 +23,8 @@ from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, dotted, resumable_keys
 from mpp.errors import UserError
 from mpp.resume import resumable_checkpoint
-from mpp.rundir import CONFIG, STARTED_FROM, complete_checkpoints, sha256, too_long
-from pipelines.invocation import resume_command
+from mpp.rundir import CONFIG, LOCK, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256, too_long
+from .invocation import resume_command
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,10 @@ def check_starting_point(out: Path, start: StartingPoint) -> None:
                     f"a new directory to fine-tune from {start}")
 
 
-def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None) -> list[str]:
-    """Refuse an output_dir that cannot be written, that holds another run's checkpoints, or whose run a resume
-    would change in a way it cannot apply (for a fine-tuning, `start`: where its weights come from); returns what the
-    resume changes, as `key before -> after`."""
+def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None, overwrite: bool = False) -> list[str]:
+    """Refuse an output_dir that cannot be written, that holds another run's checkpoints (unless the run starts over
+    there, `overwrite`), or whose run a resume would change in a way it cannot apply (for a fine-tuning, `start`:
+    where its weights come from); returns what the resume changes, as `key before -> after`."""
     out = Path(cfg.output_dir)
     if (reason := too_long(out)) is not None:
         raise UserError(f"output_dir {out} cannot be created: {reason}; set output_dir to a shorter path")
@@ -92,10 +92,11 @@ def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = No
             pass
     except OSError as exc:
         raise UserError(f"output_dir {out} cannot be written ({exc.strerror}); set output_dir to a writable directory") from None
-    if not complete_checkpoints(out):
+    if overwrite or not complete_checkpoints(out):
         return []
     if not resume:
-        raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it or set output_dir to a new directory")
+        raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it, --overwrite "
+                        f"to start over there, or set output_dir to a new directory")
     if start is not None:
         check_starting_point(out, start)
     saved = out / CONFIG
@@ -111,7 +112,7 @@ def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = No
     if refused:
         key = refused[0]
         raise UserError(f"output_dir {out} holds a run with a different '{key.split('.')[0]}' config ({key}: {before.get(key)} "
-                        f"in its config.yaml, {now.get(key)} now); a resume may change only train.steps, the learning-rate "
+                        f"in its config.yaml, {now.get(key)} now); a resume may change only the length (train.steps, train.epochs), the learning-rate "
                         f"schedule, the optimiser's hyperparameters and how the run logs, evaluates and saves; resume with the "
                         f"saved value or set output_dir to a new directory")
     return [f"{key} {before.get(key)} -> {now.get(key)}" for key in changed if key != "output_dir"]
@@ -128,7 +129,7 @@ class OutputDirLock:
     """
 
     def __init__(self, accelerator: Accelerator, output_dir: str | Path):
-        self.accelerator, self.path, self.file = accelerator, Path(output_dir) / ".lock", None
+        self.accelerator, self.path, self.file = accelerator, Path(output_dir) / LOCK, None
 
     def __enter__(self) -> OutputDirLock:
         holder = [None]
@@ -154,6 +155,16 @@ class OutputDirLock:
     def __exit__(self, *exc) -> None:
         if self.file is not None:
             self.file.close()  # releases the lock
+
+
+def start_over(accelerator: Accelerator, output_dir: str | Path) -> None:
+    """--overwrite: delete what an earlier run wrote in output_dir (its checkpoints, TensorBoard events, config.yaml,
+    results.json and model.safetensors; other files stay), once this run holds the lock there."""
+    if accelerator.is_main_process:
+        removed = remove_run_outputs(output_dir)
+        if removed:
+            accelerator.print(f"--overwrite: removed the earlier run's {', '.join(removed)} from {output_dir}")
+    accelerator.wait_for_everyone()
 
 
 def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: list[str]) -> Path | None:

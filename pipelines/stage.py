@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
 import torch
 
 from mpp.config import Config
@@ -22,11 +23,12 @@ from mpp.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
 from mpp.runtime import explained_out_of_memory
 from mpp.train import Evaluator, train
-from pipelines.evaluators import Stage, build_evaluators
-from pipelines.invocation import command_line, resume_command
-from pipelines.run_policy import OutputDirLock, StartingPoint, check_output_dir, resume_point
-from pipelines.start import Run, run_settings, start_run
-from pipelines.tracking import end_tracking, stage_objective, start_tracking
+from .evaluators import Stage, build_evaluators
+from .invocation import command_line, resume_command
+from .loaders import with_run_length
+from .run_policy import OutputDirLock, StartingPoint, check_output_dir, resume_point, start_over
+from .start import Run, run_settings, start_run
+from .tracking import end_tracking, stage_objective, start_tracking
 
 
 @dataclass
@@ -45,16 +47,20 @@ class TrainingStage:
 
 
 def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool = False,
-                 start: StartingPoint | None = None) -> dict:
+                 start: StartingPoint | None = None, overwrite: bool = False) -> dict:
     """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started; `start` is where
     a fine-tuning's weights come from (None for a stage that starts from nothing else, pretraining), recorded when
-    the run starts and held to on a resume. Writes output_dir/results.json and returns what it holds."""
-    changes = check_output_dir(cfg, resume, start)
+    the run starts and held to on a resume; `overwrite` starts over in an output_dir holding a run. Writes
+    output_dir/results.json and returns what it holds."""
+    cfg = with_run_length(cfg)
+    changes = check_output_dir(cfg, resume, start, overwrite)
     started = time.perf_counter()
     run = start_run(cfg)
     accelerator, cfg = run.accelerator, run.cfg
     stage = build(run)
     with OutputDirLock(accelerator, cfg.output_dir):
+        if overwrite:
+            start_over(accelerator, cfg.output_dir)
         resume_from = resume_point(accelerator, cfg, resume, changes)
         if start is not None and resume_from is None:
             start.record(accelerator, cfg.output_dir)

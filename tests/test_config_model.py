@@ -1,12 +1,16 @@
+import re
+import typing
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from pydantic import BaseModel
-
-from mpp.config import Config, ConfigError, TrainConfig, load_config
+from mpp.config import ConfigError, TrainConfig, config_reference, load_config, settings, validate_config
 from mpp.model import VIT_SIZES, build_vit
+from mpp.objectives import OBJECTIVES
+from mpp.targets import TARGETS
+from pipelines import cli
 
 ROOT = Path(__file__).parents[1]
 # configs/compare/ holds comparison plans (their own schema, with run configs inside); the rest are run configs.
@@ -78,7 +82,7 @@ def test_yaml_holding_a_single_value_is_refused_as_such(tmp_path, text, held):
     with pytest.raises(ConfigError) as err:  # was "not valid YAML (OSError)", or "unknown config key 'hello'"
         load_config(path)
     assert str(err.value) == (f"config file {path} holds {held} at its top level; it must be a mapping of sections "
-                              f"(train:, model:, ...) as in configs/pretrain/default.yaml")
+                              f"(train:, model:, ...) as in the shipped configs (`mpp --list-configs` shows where they are)")
 
 
 @pytest.mark.parametrize("steps, warmup", [(1, 0), (20, 2), (600, 60), (5000, 100)])
@@ -109,20 +113,63 @@ def test_vit_shapes_and_init():
     assert build_vit("vit_b16", 224).num_patches == 196
 
 
-def dotted_keys(section, prefix=""):
-    for name, field in section.model_fields.items():
-        inner = field.annotation
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            yield from dotted_keys(inner, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", field.description
-
-
 def test_readme_documents_every_config_key():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    for key, description in dotted_keys(Config):
+    for key, default, description in config_reference():
         assert description, f"{key} has no description"
-        assert f"| `{key}` |" in readme and description in readme, f"README's config reference lacks {key}"
+        assert f"| `{key}` | `{default}` | {description} |" in readme, f"README's config reference lacks {key} as the schema has it"
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune", "knn"])
+def test_help_lists_every_config_key_with_its_default_and_meaning(stage, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per meaning
+    with pytest.raises(SystemExit) as done:
+        cli.main([stage, "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    for key, default, meaning in config_reference():
+        assert f"\n  {key} = {default}\n      {meaning}\n" in shown, key
+    assert "train.optimizer = \"adamw\"\n      Optimiser: adam, adamw or sgd (with momentum).\n" in shown
+
+
+def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsys):
+    args = ["--config", "supervised", "train.global_batch_size=128", f"output_dir={tmp_path / 'run'}"]
+    assert cli.main(["pretrain", *args, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    resolved = load_config(ROOT / "configs" / "pretrain" / "supervised.yaml", args[2:])
+    assert validate_config(printed) == resolved
+    assert printed["objective"] == "supervised" and printed["train"]["steps"] == 600  # from the file
+    assert (printed["train"]["global_batch_size"], printed["train"]["batch_size"]) == (128, 64)  # as held, not split
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["compare", "--config", "tiny", "arms=[mpp]", "--print-config"]) == 0
+    plan = yaml.safe_load(capsys.readouterr().out)
+    assert plan["arms"] == ["mpp"] and plan["output_dir"] == "runs/compare/tiny"
+
+
+def test_readme_contents_link_every_section_by_its_github_anchor():
+    readme = (ROOT / "README.md").read_text()
+    headings = [h for h in re.findall(r"^## (.+)$", readme, re.M) if h != "Contents"]
+    contents = readme.split("## Contents\n", 1)[1].split("\n## ", 1)[0]
+    anchor = lambda heading: re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")  # GitHub's rule
+    assert re.findall(r"^- \[(.+)\]\(#(.+)\)$", contents, re.M) == [(h, anchor(h)) for h in headings]
+
+
+def allowed_values(annotation) -> list[str]:
+    """The words a key with a Literal among its types admits, as YAML spells them (with bool: true, false); [] for a
+    key without one (a number, a path, a plain flag)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(v) for v in typing.get_args(annotation)]
+    options = typing.get_args(annotation)
+    words = [v for arg in options if typing.get_origin(arg) is typing.Literal for v in typing.get_args(arg)]
+    return [*map(str, words), *(["true", "false"] if words and bool in options else [])]
+
+
+def test_every_enumerated_key_names_its_values_in_its_description():
+    registries = {"objective": OBJECTIVES, "mpp.target": TARGETS}  # validated against a registry, not a Literal
+    for key, field in settings():
+        values = list(registries.get(key, ())) or allowed_values(field.annotation)
+        missing = [v for v in values if not re.search(rf"\b{re.escape(v)}\b", field.description)]
+        assert not missing, f"{key}'s description does not name {missing}"
 
 
 def test_a_micro_batch_splits_the_global_batch_into_accumulation_steps():
@@ -137,6 +184,18 @@ def test_a_micro_batch_splits_the_global_batch_into_accumulation_steps():
     assert (without.for_processes(4).batch_size, without.for_processes(4).grad_accum) == (512, 2)
     with pytest.raises(ConfigError, match=r"train.micro_batch_size splits train.global_batch_size, which is not set"):
         TrainConfig(micro_batch_size=32).for_processes(1)
+
+
+def test_epochs_come_to_steps_at_the_global_batch_and_leave_an_unset_warmup_to_them():
+    paper = TrainConfig(epochs=2, global_batch_size=64, micro_batch_size=16)
+    assert paper.warmup_steps is None  # unknown until the steps are
+    run = paper.with_epochs(1000, processes=2)  # 2 x 1000 / 64 = 31.25 -> 32 steps, 2 x 16 images x 2 accumulations
+    assert (run.steps, run.warmup_steps, run.epochs) == (32, 3, 2)
+    assert TrainConfig(steps=70).with_epochs(1000, processes=1).steps == 70  # without epochs: as it is
+    with pytest.raises(ConfigError, match=r"train.warmup_steps \(40\) must be smaller than the 32 steps train.epochs \(2\)"):
+        TrainConfig(epochs=2, global_batch_size=64, warmup_steps=40).with_epochs(1000, processes=1)
+    shipped = load_config(ROOT / "configs" / "pretrain" / "default.yaml", ["train.epochs=3"])
+    assert (shipped.train.epochs, shipped.train.warmup_steps) == (3, None)  # its steps: 600 no longer set the length
 
 
 def test_grad_checkpointing_gives_the_same_loss_and_gradients():

@@ -3,6 +3,7 @@ import logging
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -155,3 +156,50 @@ def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path
                  "**Steps**: 2 of 2", "**Final metrics**: train/loss ", "train/color_acc ", "train/color_acc_prior ",
                  "**Produced by**: `python launch.py pretrain train.steps=2`", "randomly initialised 2-class head"):
         assert fact in card, fact
+
+
+def test_class_names_from_idx_files_and_from_class_names_reach_the_export(tmp_path, capsys):
+    import gzip
+    import struct
+
+    import launch
+    from mpp.config import load_config
+    from pipelines import finetune
+    from conftest import TINY, reset_accelerator
+
+    def write_idx(path, array):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+        path.write_bytes(gzip.compress(header + array.tobytes()))
+
+    rng = np.random.default_rng(0)
+    for folder in ("fashion-mnist", "idx"):  # Fashion-MNIST's folder; files of a dataset mpp does not know
+        write_idx(tmp_path / folder / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (30, 16, 16), dtype=np.uint8))
+        write_idx(tmp_path / folder / "train-labels-idx1-ubyte.gz", np.arange(30, dtype=np.uint8) % 10)
+    (tmp_path / "names.txt").write_text("".join(f"kind {i}\n" for i in range(10)))
+    for folder, out, more in [("fashion-mnist", "fashion", []), ("idx", "named", ["--class-names", f"@{tmp_path / 'names.txt'}"]),
+                              ("idx", "plain", [])]:
+        assert launch.main(["prepare", str(tmp_path / folder / "train-images-idx3-ubyte.gz"), "--out", str(tmp_path / out),
+                            "--classes", "0,2,4", *more]) == 0
+    cfg = load_config(None, [f"data.shards={tmp_path / 'fashion'}", f"data.val_shards={tmp_path / 'fashion'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2", "train.warmup_steps=1",
+                             "train.batch_size=4", "finetune.eval_every=2"])
+    try:
+        finetune.run(cfg, ckpt=None)
+    finally:
+        reset_accelerator()
+
+    def exported_labels(shards):
+        out = tmp_path / "hf" / shards
+        assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(out), f"data.shards={tmp_path / shards}"]) == 0
+        assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode  # not 0600 beside 0644
+        return json.loads((out / "config.json").read_text())["id2label"]
+
+    assert exported_labels("fashion") == {"0": "T-shirt/top", "1": "Pullover", "2": "Coat"}  # relabelled by --classes
+    assert exported_labels("named") == {"0": "kind 0", "1": "kind 2", "2": "kind 4"}
+    with pytest.warns(UserWarning) as warned:
+        assert exported_labels("plain") == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
+    assert [str(w.message) for w in warned] == [
+        f"the training shards ({tmp_path / 'plain'}) name no classes (no class_names in a summary.json beside them), so "
+        f"the classifier's labels were exported as LABEL_0 to LABEL_2; prepare the shards with --class-names, or set "
+        f"data.shards to shards whose summary.json names them"]

@@ -72,7 +72,7 @@ def test_a_knn_pool_without_most_classes_is_scored_with_a_warning_giving_the_cou
     assert [str(w.message) for w in warned if w.category is UserWarning] == [
         f"the kNN neighbour pool ({tmp_path / 'two'}, first 20 images) holds no image of 8 of the 10 classes of the "
         f"evaluation images (class 2, 3, 4, 5, 6, ...); the 80% of them in those classes can never be classified right, "
-        f"so kNN top-1 is at most 20.0%; raise knn.train_images or use shards that mix classes (launch.py prepare "
+        f"so kNN top-1 is at most 20.0%; raise knn.train_images or use shards that mix classes (`mpp prepare` "
         f"shuffles them)"]
     assert result["top1"] <= 0.2 and json.loads((tmp_path / "run" / "knn.json").read_text())["top1"] == result["top1"]
 

@@ -1,6 +1,8 @@
 """Injected faults and what the pipeline does about them (docs/reliability.md lists them)."""
 
+import fcntl
 import io
+import json
 import os
 import resource
 from collections import Counter
@@ -315,9 +317,40 @@ def test_output_dir_of_another_run_is_refused(tmp_path, make_shards):
               "train.warmup_steps=1", "train.batch_size=4"]
     assert launch("pretrain", *common).returncode == 0
     again = launch("pretrain", *common)
-    assert again.returncode == 2 and "already holds checkpoints of a run; pass --resume" in again.stderr
+    assert again.returncode == 2 and ("already holds checkpoints of a run; pass --resume to continue it, --overwrite to "
+                                      "start over there, or set output_dir to a new directory") in again.stderr
     other_model = launch("pretrain", *common, "model.depth=3", "--resume")
     assert other_model.returncode == 2 and "holds a run with a different 'model' config" in other_model.stderr
+
+
+def test_overwrite_starts_over_removing_only_what_a_run_wrote_and_never_under_a_running_one(tmp_path, make_shards, capsys):
+    make_shards([20], size=32)
+    run = tmp_path / "run"
+    common = [f"data.shards={tmp_path / 'shards'}", f"output_dir={run}", *TINY, "train.warmup_steps=1", "train.batch_size=4"]
+    assert cli.main(["pretrain", *common, "train.steps=2"]) == 0  # the quick start, then the same command again
+    (run / "notes.md").write_text("mine\n")
+    (run / "plots").mkdir()
+    (run / "plots" / "loss.png").write_bytes(b"png")
+    old_events = sorted(run.rglob("events.out.tfevents*"))
+    capsys.readouterr()
+
+    with open(run / ".lock", "a+") as held:  # another run working there holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("4242\n")
+        held.flush()
+        assert cli.main(["pretrain", "--overwrite", *common, "train.steps=3"]) == 2
+        assert "is in use by another run (pid 4242)" in capsys.readouterr().err
+        assert [c.name for c in complete_checkpoints(run)] == ["step_00000002"]  # nothing removed under it
+
+    assert cli.main(["pretrain", "--overwrite", *common, "train.steps=3"]) == 0
+    assert "--overwrite: removed the earlier run's checkpoints, tensorboard, config.yaml, results.json, model.safetensors" in capsys.readouterr().out
+    assert [c.name for c in complete_checkpoints(run)] == ["step_00000003"]
+    assert json.loads((run / "results.json").read_text())["steps"] == 3
+    assert not set(old_events) & set(run.rglob("events.out.tfevents*"))  # TensorBoard shows the new run alone
+    assert (run / "notes.md").read_text() == "mine\n" and (run / "plots" / "loss.png").read_bytes() == b"png"
+    with pytest.raises(SystemExit):  # argparse: not allowed with argument --resume
+        cli.main(["pretrain", "--overwrite", "--resume", *common])
 
 
 def limit_address_space():

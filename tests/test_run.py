@@ -1,9 +1,11 @@
 """One way to start a run: start_run resolves the config once, for every stage, and changes nothing it is given."""
 
+import json
+
 import pytest
 
 from mpp.config import ConfigError, load_config
-from pipelines import compare, fewshot, knn
+from pipelines import cli, compare, fewshot, knn, pretrain
 from pipelines.start import Run, start_run
 
 from conftest import TINY
@@ -47,3 +49,35 @@ def test_stages_in_one_process_share_its_accelerate_state_so_compare_refuses_pla
     start_run(load_config(None, [f"output_dir={tmp_path / 'b'}", "train.mixed_precision=no", "train.grad_accum=2"]))
     with pytest.raises(ValueError, match="AcceleratorState has already been initialized"):
         start_run(load_config(None, [f"output_dir={tmp_path / 'c'}", "train.mixed_precision=bf16"]))
+
+
+def test_epochs_set_the_length_from_the_training_set_and_a_resume_keeps_it(tmp_path, make_shards, capsys):
+    make_shards([40], size=32)
+    (tmp_path / "shards" / "summary.json").write_text(json.dumps({"samples": 40, "labels": True, "classes": 10}))
+    args = [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY, "train.batch_size=8",
+            "train.steps=500", "train.epochs=1.5"]  # the length comes from the epochs, whatever train.steps says
+    assert pretrain.run(load_config(None, args))["steps"] == 8  # ceil(1.5 x 40 / 8)
+    assert "train.epochs 1.5 over 40 training images: 8 steps" in capsys.readouterr().out
+    saved = load_config(tmp_path / "run" / "config.yaml")  # as fewshot, knn and export read it back
+    assert (saved.train.steps, saved.train.epochs, saved.train.warmup_steps) == (8, 1.5, 0)
+
+    pretrain.run(load_config(None, args), resume=True)  # the same command again: the same length, nothing changed
+    out = capsys.readouterr().out
+    assert "the run is finished (train.steps=8), nothing to train" in out and "changed settings" not in out
+    pretrain.run(load_config(None, [*args, "train.epochs=2"]), resume=True)  # a longer run: 10 steps
+    assert "resuming with changed settings, applied from step_00000008 on: train.epochs 1.5 -> 2.0, train.steps 8 -> 10" in capsys.readouterr().out
+
+
+def test_epochs_without_the_training_set_size_or_in_a_comparison_are_refused(tmp_path, make_shards, capsys):
+    make_shards([20], size=32)  # no summary.json
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY, "train.epochs=2"])
+    with pytest.raises(ConfigError) as err:
+        pretrain.run(cfg)
+    assert str(err.value) == (f"train.epochs needs the number of training images, and data.shards ({tmp_path / 'shards'}) "
+                              f"has no summary.json giving its samples beside it; give the length in train.steps instead "
+                              f"(with train.epochs=null), or write the shards with `mpp prepare`, which writes one")
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["compare", "--config", "tiny", "finetune.train.epochs=2", f"output_dir={tmp_path / 'cmp'}"]) == 2
+    assert "set train.steps in the plan instead of train.epochs" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="train.steps is null and train.epochs is not set"):
+        load_config(None, ["train.steps=null"])

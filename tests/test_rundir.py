@@ -1,6 +1,13 @@
-"""The run directory's layout: checkpoint names, the run that wrote a file, the manifest."""
+"""The run directory's layout: checkpoint names, the run that wrote a file, the manifest, file modes."""
+
+import os
+import stat
 
 from mpp import rundir
+from mpp.config import load_config
+from pipelines import pretrain
+
+from conftest import TINY
 
 
 def test_checkpoints_sort_by_step_and_a_partial_save_is_not_listed(tmp_path):
@@ -34,3 +41,18 @@ def test_the_manifest_finds_damage_and_the_newest_verified_checkpoint_skips_it(t
     (new / rundir.WEIGHTS).write_bytes(b"weightz")
     assert rundir.checkpoint_fault(new) == "model.safetensors does not match the sha256 written with it (damaged)"
     assert rundir.newest_verified(tmp_path) == old
+
+
+def test_every_file_a_run_writes_has_the_mode_of_the_umask(tmp_path, make_shards):
+    # model.safetensors was 0600 (safetensors writes through a private temporary file) beside 0644 files.
+    make_shards([20], size=32)
+    umask = os.umask(0o022)
+    try:
+        pretrain.run(load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                                        "train.steps=2", "train.warmup_steps=1", "train.batch_size=4"]))
+    finally:
+        os.umask(umask)
+    modes = {str(p.relative_to(tmp_path / "run")): oct(stat.S_IMODE(p.stat().st_mode))
+             for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert {"model.safetensors", "checkpoints/step_00000002/model.safetensors", "results.json"} <= set(modes)
+    assert {name: mode for name, mode in modes.items() if mode != "0o644"} == {}

@@ -203,7 +203,7 @@ def test_a_tar_of_every_image_then_every_label_names_the_layout_and_the_fix(tmp_
     write_tar_of(apart, [(n, (tmp_path / "files" / n).read_bytes()) for n in order])
     for labels in (True, False):  # read at its first image (supervised), or where the first label comes (MPP)
         with pytest.raises(DataError, match=rf"shard {apart} holds the members of sample k000 apart.*next to each other.*"
-                                            r"`tar cf x.tar --sort=name -C DIR .` with GNU tar.*launch.py prepare"):
+                                            r"`tar cf x.tar --sort=name -C DIR .` with GNU tar.*`mpp prepare`"):
             labelled_stream([str(apart)], labels)
     if shutil.which("tar") is None:
         pytest.skip("no tar command to check the advice with")

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import struct
+import sys
 import tarfile
 from pathlib import Path
 
@@ -142,6 +143,41 @@ def test_classes_keeps_the_names_of_the_classes_it_keeps(tmp_path):
     assert summary["class_names"] == ["emu", "cat"] and summary["samples"] == 2
     with pytest.raises(SourceError, match="names class 3, but .* has 3 classes"):
         prepare.run(str(tmp_path / "images"), str(tmp_path / "bad"), classes=[3])
+
+
+def test_idx_files_get_the_class_names_their_folder_names(tmp_path, capsys):
+    # MNIST and Fashion-MNIST ship the same file names: the folder says which (Debian's fashion-mnist/, torchvision's
+    # FashionMNIST/raw/ and MNIST/raw/); files elsewhere get no names. --classes carries the names it keeps.
+    images, labels = np.zeros((12, 2, 2), np.uint8), np.array([*range(10), 0, 2], np.uint8)
+    for folder in ("fashion-mnist", "FashionMNIST/raw", "MNIST/raw", "kmnist", "idx"):
+        (tmp_path / folder).mkdir(parents=True)
+        write_idx(tmp_path / folder / "train-images-idx3-ubyte.gz", images, compress=True)
+        write_idx(tmp_path / folder / "train-labels-idx1-ubyte.gz", labels, compress=True)
+
+    def names(folder, *args):
+        out = tmp_path / "out" / folder.replace("/", "-") / "-".join(args)
+        assert launch.main(["prepare", str(tmp_path / folder / "train-images-idx3-ubyte.gz"), "--out", str(out), *args]) == 0
+        return json.loads((out / "summary.json").read_text()).get("class_names")
+
+    fashion = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt", "Sandal", "Sneaker", "Bag", "Ankle boot"]
+    assert names("fashion-mnist") == names("FashionMNIST/raw") == fashion
+    assert names("MNIST/raw") == [str(d) for d in range(10)]
+    assert names("kmnist") is None and names("idx") is None  # Kuzushiji's classes are not digits; unknown files: none
+    assert names("fashion-mnist", "--classes", "4,0") == ["Coat", "T-shirt/top"]
+
+    (tmp_path / "names.txt").write_text("".join(f"kind {i}\n" for i in range(10)) + "\n")
+    assert names("idx", "--class-names", "@" + str(tmp_path / "names.txt")) == [f"kind {i}" for i in range(10)]
+    assert names("MNIST/raw", "--class-names", ",".join("abcdefghij"), "--classes", "2,9") == ["c", "j"]  # replaces the digits
+    capsys.readouterr()
+    assert launch.main(["prepare", str(tmp_path / "idx" / "train-images-idx3-ubyte.gz"), "--out", str(tmp_path / "few"),
+                        "--class-names", "a,b,c"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"error: sample 00000003 of idx {tmp_path / 'idx' / 'train-images-idx3-ubyte.gz'} "
+                                               f"has label 3, but --class-names names 3 classes (ids 0 to 2); name every class")
+    assert not (tmp_path / "few").exists()
+    write_idx(tmp_path / "MNIST/raw" / "train-labels-idx1-ubyte.gz", np.array([*range(10), 0, 46], np.uint8), compress=True)
+    with pytest.raises(SourceError, match=r"holds label 46, but its path names it MNIST, which has 10 classes; pass the "
+                                          r"class names of its labels with --class-names"):
+        prepare.run(str(tmp_path / "MNIST/raw" / "train-images-idx3-ubyte.gz"), str(tmp_path / "emnist"))
 
 
 def test_idx_count_mismatch_is_refused(tmp_path):
@@ -369,12 +405,13 @@ def test_a_damaged_or_code_running_cifar_file_is_refused_before_it_runs(tmp_path
     assert not (tmp_path / "out").exists()
 
 
-def test_a_missing_cifar_path_is_one_line_naming_how_to_get_it(tmp_path, capsys):
+def test_a_missing_cifar_path_is_one_line_naming_how_to_get_it(tmp_path, capsys, monkeypatch):
     missing = tmp_path / "data" / "cifar-10-python.tar.gz"
+    monkeypatch.setattr(sys, "argv", ["launch.py", "prepare", str(missing)])  # the advice names the command that ran
     assert launch.main(["prepare", str(missing), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and err.startswith(f"error: {missing} does not exist; CIFAR-10 and CIFAR-100 come in no Debian or PyPI package")
-    assert "https://www.cs.toronto.edu/~kriz/cifar.html" in err and "launch.py prepare uoft-cs/cifar10 --split train" in err
+    assert "https://www.cs.toronto.edu/~kriz/cifar.html" in err and "`python launch.py prepare uoft-cs/cifar10 --split train`" in err
 
 
 def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, capsys):

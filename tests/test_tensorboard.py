@@ -4,6 +4,7 @@ typed values, the headline charts first, one aligned image panel, and a progress
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
@@ -12,12 +13,27 @@ from mpp.panel import PANEL_GAP, PANEL_IMAGES, panel_grid
 from pipelines import finetune, pretrain
 from pipelines.tracking import HPARAMS, hparams_summaries
 
-from conftest import TINY
+from conftest import ROOT, TINY, reset_accelerator
 
 
 def runs(run_dir):
     """Directories holding event files: what TensorBoard lists as runs."""
     return sorted({p.parent.relative_to(run_dir) for p in run_dir.rglob("events.out.tfevents*")})
+
+
+def test_the_run_names_tensorboard_lists_for_a_comparison_are_the_ones_the_readme_shows(tmp_path, make_shards):
+    # A comparison's layout: pretraining in pre/<arm>, fine-tuning in ft/<arm>/<recipe>, one logdir above them.
+    make_shards([40], size=32)
+    common = [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'shards'}", *TINY, "train.steps=2",
+              "train.warmup_steps=1", "train.batch_size=8", "model.num_classes=10", "finetune.eval_every=2"]
+    logdir = tmp_path / "compare"
+    pretrain.run(load_config(None, [*common, f"output_dir={logdir / 'pre' / 'mpp'}"]))
+    reset_accelerator()
+    finetune.run(load_config(None, [*common, f"output_dir={logdir / 'ft' / 'scratch' / 'sgd-0.03'}"]), ckpt=None)
+    listed = EventMultiplexer().AddRunsFromDirectory(str(logdir)).Runs()  # what `tensorboard --logdir` lists
+    assert set(listed) == {"pre/mpp/tensorboard/pretrain", "ft/scratch/sgd-0.03/tensorboard/finetune"}
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in listed)
 
 
 def hparams_content(accumulator, tag):
