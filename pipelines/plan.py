@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
 from mpp.config import Config, ConfigError, Section, dotted, read_layers, validate_config
 from mpp.objectives import OBJECTIVES
@@ -68,6 +68,11 @@ class CompareConfig(Section):
             if arm.objective is not None and arm.objective not in OBJECTIVES:
                 raise ValueError(f"arm '{arm.name}' names objective '{arm.objective}'; choose one of {', '.join(OBJECTIVES)} (or the arm {SCRATCH})")
         return resolved
+
+    @field_serializer("arms")
+    def _arms_as_written(self, arms: list[Arm]) -> list[str | dict]:
+        """An arm that is just an objective's name (or scratch) is written back as that name."""
+        return [arm.name if not arm.pretrain and arm.objective in (arm.name, None) else arm.model_dump() for arm in arms]
 
     @model_validator(mode="after")
     def _check(self) -> CompareConfig:
