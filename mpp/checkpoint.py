@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mpp.errors import UserError, command
+from mpp.hf import HF_CONFIG, from_hf_state_dict, hf_architecture, is_hf_vit
 from mpp.model import VisionTransformer, resize_pos_embed, resolve_variant
 from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
 
@@ -92,11 +93,28 @@ def read_weights(ckpt: str | Path) -> SavedWeights:
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"cannot read {path} as safetensors ({exc}); pass a model.safetensors written by this project") from None
+    if is_hf_vit(tensors):
+        return hf_weights(path, tensors)
     try:
         about = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
     except ValueError:
         raise CheckpointError(f"{path} has unreadable '{METADATA_KEY}' metadata (not JSON); pass a model.safetensors written by this project") from None
     return SavedWeights(path, tensors, about)
+
+
+def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
+    """A transformers ViT (as `export --to hf` or save_pretrained writes it) under our names, its architecture read
+    from the config.json beside it."""
+    architecture = hf_architecture(path)
+    if architecture is None:
+        raise CheckpointError(f"{path} holds a Hugging Face ViT but no ViT {HF_CONFIG} lies beside it to say its heads "
+                              f"and image size; pass the directory that save_pretrained wrote, with its {HF_CONFIG}")
+    try:
+        ours = from_hf_state_dict(tensors)
+    except KeyError as missing:
+        raise CheckpointError(f"{path} is not a complete Hugging Face ViT: it lacks {missing}; pass the directory that "
+                              f"`{command('export')} --to hf` or save_pretrained wrote") from None
+    return SavedWeights(path, ours, {**architecture, "holds": CLASSIFIER if LINEAR_HEAD <= set(ours) else BACKBONE})
 
 
 def check_finite(path: Path, tensors: dict[str, torch.Tensor]) -> None:

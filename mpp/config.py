@@ -295,6 +295,22 @@ class ProbeConfig(Section):
     seed: int = Field(0, description="Seed of the probe's initialisation and feature order (a private generator, independent of the training run's RNG).", json_schema_extra=RESUMABLE)
 
 
+class InspectConfig(Section):
+    every: int = Field(0, ge=0, description="During pretraining and fine-tuning, draw the inspection views (patch-embedding filters, position-embedding similarity, mean attention distance, attention rollout) in TensorBoard every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
+    shards: str | None = Field(None, description="Shards whose images the attention views are computed on; defaults to data.val_shards, else data.shards.", json_schema_extra=RESUMABLE)
+    images: int = Field(64, gt=0, description="Images read from the front of inspect.shards; the mean attention distance averages over all of them.", json_schema_extra=RESUMABLE)
+    rollout_images: int = Field(4, gt=0, description="How many of them the attention-rollout figure overlays.", json_schema_extra=RESUMABLE)
+    filters: int = Field(28, gt=0, description="Principal components of the patch embedding's filters shown (the paper's Figure 7 shows 28).", json_schema_extra=RESUMABLE)
+    batch_size: int = Field(64, gt=0, description="Images per forward pass of the explicit-attention path.", json_schema_extra=RESUMABLE)
+
+    @model_validator(mode="after")
+    def _rollout_among_images(self) -> InspectConfig:
+        if self.rollout_images > self.images:
+            raise ValueError(f"inspect.rollout_images={self.rollout_images} is more than the inspect.images={self.images} "
+                             f"read; lower it or raise inspect.images")
+        return self
+
+
 class Config(Section):
     objective: str = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
     output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.", json_schema_extra=RESUMABLE)
@@ -308,6 +324,7 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     knn: KnnConfig = Field(default_factory=KnnConfig)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    inspect: InspectConfig = Field(default_factory=InspectConfig)
 
     @field_validator("objective")
     @classmethod

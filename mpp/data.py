@@ -565,7 +565,8 @@ class Barren:
         else:
             what = f"no samples at all: {counts or 'the tars are empty'}"
         return (f"dataloader worker {worker} of rank {rank} read {span} over shard(s) {shards} and got {what}; "
-                f"fix or remove these shards, or point data.shards at usable ones")
+                f"fix or remove these shards, or point the setting that names them (data.shards, data.val_shards or an "
+                f"evaluator's shards) at usable ones")
 
 
 def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_size: int, *, rank: int = 0,

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 from mpp.errors import UserError
-from mpp.model import PIXEL_MEAN, PIXEL_STD, VisionTransformer, unpatchify
+from mpp.model import PIXEL_MEAN, PIXEL_STD, VisionTransformer, patchify, unpatchify
 from mpp.rundir import usual_mode
 
 MLP_RATIO = 4  # Block's hidden width over the model width
+HF_CONFIG = "config.json"  # what save_pretrained writes beside model.safetensors
 
 
 class ExportError(UserError):
@@ -68,6 +69,61 @@ def hf_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor] | N
     if head is None:
         return {**out, "pooler.dense.weight": torch.eye(backbone.width), "pooler.dense.bias": torch.zeros(backbone.width)}
     return {**{f"vit.{k}": v for k, v in out.items()}, "classifier.weight": head["weight"], "classifier.bias": head["bias"]}
+
+
+def is_hf_vit(tensors: dict[str, torch.Tensor]) -> bool:
+    """Tensors named as transformers names a ViTModel's (or a ViTForImageClassification's, under vit.)."""
+    return any(k in tensors for k in ("embeddings.cls_token", "vit.embeddings.cls_token"))
+
+
+# How save_pretrained names a ViT block's tensors on disk (the Hub's layout, unchanged since transformers 4; version 5
+# renames them in memory only), against ours.
+HF_BLOCK_NAMES = {
+    "attention.output.dense": "attn.proj", "layernorm_before": "norm1", "layernorm_after": "norm2",
+    "intermediate.dense": "mlp.0", "output.dense": "mlp.2",
+}
+
+
+def from_hf_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers ViT's weights as save_pretrained writes them (or the Hub holds them) under our names: the
+    classifier of a ViTForImageClassification as head.*; the pooler, which the paper's ViT has not, dropped."""
+    hf = {k.removeprefix("vit."): v for k, v in tensors.items()}
+    conv = hf["embeddings.patch_embeddings.projection.weight"]  # (D, C, P, P)
+    ours = {
+        "cls_token": hf["embeddings.cls_token"],
+        "pos_embed": hf["embeddings.position_embeddings"],
+        "patch_embed.proj.weight": patchify(conv, conv.shape[-1])[:, 0],  # each kernel flattened as one patch
+        "patch_embed.proj.bias": hf["embeddings.patch_embeddings.projection.bias"],
+        "norm.weight": hf["layernorm.weight"],
+        "norm.bias": hf["layernorm.bias"],
+    }
+    depth = len({k.split(".")[2] for k in hf if k.startswith("encoder.layer.")})
+    for i in range(depth):
+        hf_i = f"encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            attention = [hf[f"{hf_i}attention.attention.{x}.{kind}"] for x in ("query", "key", "value")]
+            ours[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(attention)
+            ours.update({f"blocks.{i}.{mine}.{kind}": hf[f"{hf_i}{theirs}.{kind}"] for theirs, mine in HF_BLOCK_NAMES.items()})
+    if "classifier.weight" in hf:
+        ours.update({"head.weight": hf["classifier.weight"], "head.bias": hf["classifier.bias"]})
+    return ours
+
+
+def hf_architecture(weights_file: Path) -> dict | None:
+    """What the transformers config.json beside `weights_file` says of the ViT ({width, depth, heads, patch_size,
+    image_size}, as our checkpoints' metadata says it); None where there is no ViT config beside it."""
+    config_file = weights_file.parent / HF_CONFIG
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") != "vit":
+        return None
+    keys = {"width": "hidden_size", "depth": "num_hidden_layers", "heads": "num_attention_heads",
+            "patch_size": "patch_size", "image_size": "image_size"}
+    if any(not isinstance(config.get(hf_key), int) for hf_key in keys.values()):
+        return None
+    return {ours: config[hf_key] for ours, hf_key in keys.items()}
 
 
 def preprocessor_config(image_size: int) -> dict:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 # Custom Scalars categories, in the order TensorBoard shows them: how the model does first, how the run runs last.
 TRAINING, VALIDATION, EVALUATION, KNN, PROBE, FEWSHOT = ("training", "pretext validation", "evaluation", "kNN evaluation",
                                                          "linear probe", "few-shot evaluation")
+INSPECTION = "inspection"  # what the model has learnt to attend to (pipelines/inspection.py)
 OPTIMISATION, SPEED, DATA = "optimisation", "speed", "data"
-CATEGORIES = (TRAINING, VALIDATION, EVALUATION, KNN, PROBE, FEWSHOT, OPTIMISATION, SPEED, DATA)
-MODEL_CATEGORIES = CATEGORIES[:6]  # what measures the model (results.json's final metrics), not the run
-HELD_OUT_FIRST = (EVALUATION, VALIDATION, KNN, PROBE, FEWSHOT, TRAINING)  # the order a model card lists them in
+CATEGORIES = (TRAINING, VALIDATION, EVALUATION, KNN, PROBE, FEWSHOT, INSPECTION, OPTIMISATION, SPEED, DATA)
+MODEL_CATEGORIES = CATEGORIES[:7]  # what measures the model (results.json's final metrics), not the run
+HELD_OUT_FIRST = (EVALUATION, VALIDATION, KNN, PROBE, FEWSHOT, TRAINING, INSPECTION)  # the order a model card lists them in
 
 # Tags that more than one module reads (the loop writes them, the report or a test reads them back).
 LOSS = "train/loss"

@@ -97,10 +97,21 @@ class Attention(nn.Module):
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         if q.is_cpu and q.dtype == torch.bfloat16:
             # torch's CPU flash-attention kernel is 5x to 7x slower in bf16 than this form (benchmarks/attention.py).
-            out = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(-1) @ v
+            out = attention_weights(q, k) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+
+    def forward_with_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, N, D), (B, heads, N, N)
+        """forward's output and the attention weights, which the fused kernel does not return: for inspection only."""
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        weights = attention_weights(q, k)
+        return self.proj(rearrange(weights @ v, "b h n d -> b n (h d)")), weights
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, h, N, d) x 2 -> (B, h, N, N)
+    """softmax(q k^T / sqrt(d)): row i is how query i spreads its attention over the keys."""
+    return (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(-1)
 
 
 class DropPath(nn.Module):
@@ -132,6 +143,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path(self.attn(self.norm1(x)))
         return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    def forward_with_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward through the explicit attention path, with its weights (B, heads, N, N): for inspection only."""
+        attended, weights = self.attn.forward_with_weights(self.norm1(x))
+        x = x + self.drop_path(attended)
+        return x + self.drop_path(self.mlp(self.norm2(x))), weights
 
 
 class VisionTransformer(nn.Module):
@@ -185,9 +202,13 @@ class VisionTransformer(nn.Module):
     def embed_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) float -> (B, N, D)
         return self.patch_embed(images)
 
-    def encode(self, patch_tokens: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 1 + N, D)
+    def tokens(self, patch_tokens: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 1 + N, D)
+        """The encoder's input: [class] before the patch tokens, position embeddings added."""
         cls = self.cls_token.expand(patch_tokens.shape[0], -1, -1)
-        x = torch.cat([cls, patch_tokens], dim=1) + self.pos_embed
+        return torch.cat([cls, patch_tokens], dim=1) + self.pos_embed
+
+    def encode(self, patch_tokens: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 1 + N, D)
+        x = self.tokens(patch_tokens)
         for block in self.blocks:
             # Recomputed in the backward pass with the RNG state of the forward, so stochastic depth drops alike.
             x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and self.training else block(x)
@@ -195,6 +216,15 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, 1 + N, D)
         return self.encode(self.embed_patches(images))
+
+    def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """forward's output and every block's attention weights [(B, heads, 1 + N, 1 + N)] * depth, through the
+        explicit attention path (mpp.inspection reads them); training never takes this path."""
+        x, maps = self.tokens(self.embed_patches(images)), []
+        for block in self.blocks:
+            x, weights = block.forward_with_weights(x)
+            maps.append(weights)
+        return self.norm(x), maps
 
 
 def pool(encoded: torch.Tensor, pooling: str) -> torch.Tensor:

@@ -88,6 +88,8 @@ class Objective(nn.Module, ABC):
 
 # ---------------------------------------------------------------- corruption
 
+PANEL_SEED = 0  # the panel's corruption, fixed (MaskedPatchPrediction.panel)
+
 
 @dataclass
 class Corruption:
@@ -246,8 +248,12 @@ class MaskedPatchPrediction(Objective):
 
     @torch.no_grad()
     def panel(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Images for TensorBoard (each (B, 3, H, W) uint8): crops, corrupted view, true and predicted targets."""
-        predictions, corruption = self.predict(images)
+        """Images for TensorBoard (each (B, 3, H, W) uint8): crops, corrupted view, true and predicted targets.
+
+        The corruption comes from a private generator, the same at every panel: drawing the panel leaves the
+        training's RNG alone, so log.images_every cannot change what a run learns."""
+        generator = torch.Generator().manual_seed(PANEL_SEED)
+        predictions, corruption = self.predict(images, self.draw_corruption(images.shape[0], "cpu", generator).to(images.device))
         p, grid = self.backbone.patch_size, self.backbone.grid
         true = self.target.render(self.targets(images))  # (B, N, P*P*3)
         predicted = self.target.render(self.target.decode(predictions.float()))  # (B, K, P*P*3)

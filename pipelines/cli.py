@@ -35,7 +35,7 @@ def shipped_configs() -> Path:
 
 CONFIGS = shipped_configs()
 CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
-RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "export")  # the stages that take a run config
+RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export")  # the stages that take a run config
 RANK_ERROR_GRACE_S = 20
 
 
@@ -160,6 +160,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     knn.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     knn.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR knn.features=mean")
 
+    inspect = stage_parser(stages, "inspect", "the paper's inspection views of a backbone (section 4.5): patch-embedding filters, "
+                           "position-embedding similarity, mean attention distance, attention rollout, as PNGs and JSON")
+    inspect.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory, a .safetensors file "
+                                                       "or a Hugging Face ViT directory (as `export --to hf` writes it)")
+    inspect.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    inspect.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. inspect.shards=DIR inspect.images=256")
+
     probe = stage_parser(stages, "probe", "linear probe (SGD on frozen features, as MAE evaluates) of a backbone")
     probe.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
     probe.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
@@ -229,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import probe
 
             probe.run(cfg, ckpt=args.ckpt)
+        elif args.stage == "inspect":
+            from . import inspection
+
+            inspection.run(cfg, ckpt=args.ckpt)
         elif args.stage == "export":
             from . import export
 

@@ -28,6 +28,7 @@ from mpp.objectives import Objective
 from mpp.train import Evaluator
 from mpp.validation import PretextValidation
 from .fewshot import FewShot
+from .inspection import Inspect
 from .knn import Knn
 from .loaders import eval_batches, labelled
 from .probe import LinearProbe
@@ -125,6 +126,7 @@ EVALUATORS: dict[str, Registration] = {
     "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: Knn(cfg, accelerator)),
     "probe": Registration(("pretrain",), lambda cfg: cfg.probe.every, lambda cfg, accelerator, stage: LinearProbe(cfg, accelerator)),
     "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext),
+    "inspect": Registration(("pretrain", "finetune"), lambda cfg: cfg.inspect.every, lambda cfg, accelerator, stage: Inspect(cfg, accelerator)),
 }
 
 

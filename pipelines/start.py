@@ -7,7 +7,7 @@ from typing import NamedTuple
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from mpp.checkpoint import resolve_checkpoint
+from mpp.checkpoint import read_weights, resolve_checkpoint
 from mpp.config import Config, load_config
 from mpp.rundir import run_config_of
 from mpp.runtime import Device, make_accelerator, precision_label, process_state, resolve_compile
@@ -52,8 +52,19 @@ def run_settings(accelerator: Accelerator, cfg: Config, global_batch: int) -> st
             f" x {t.grad_accum} accumulation step(s)")
 
 
+ARCHITECTURE = ("image_size", "patch_size", "width", "depth", "heads")  # the model.* keys a weights file can say
+
+
 def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
-    """--config if given, else the config.yaml of the run that wrote `ckpt` (its model and data carry over); then overrides."""
+    """--config if given, else the config.yaml of the run that wrote `ckpt` (its model and data carry over), else,
+    for weights outside a run (an exported .safetensors, a Hugging Face directory), the defaults with the model the
+    weights describe; then overrides."""
     if config is None:
-        config = run_config_of(resolve_checkpoint(ckpt))
+        weights = resolve_checkpoint(ckpt)
+        config = run_config_of(weights)
+        if config is None:
+            about = read_weights(weights).about
+            if all(key in about for key in ARCHITECTURE):
+                # A name without a patch size, so the file's own patch size is not contradicted by the default's.
+                overrides = ["model.name=vit_b", *(f"model.{key}={about[key]}" for key in ARCHITECTURE), *overrides]
     return load_config(config, overrides)
