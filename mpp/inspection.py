@@ -19,16 +19,21 @@ from einops import rearrange
 from mpp.model import VisionTransformer
 
 
-def patch_filters(backbone: VisionTransformer, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def patch_filters(backbone: VisionTransformer, count: int, grey: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` principal components of the patch projection's D filters, as patches (count, 3, P, P), and
-    the fraction of the filters' variance each explains (count,)."""
-    filters = backbone.patch_embed.proj.weight.detach().float().cpu()  # (D, P*P*3), one filter per output feature
-    centred = filters - filters.mean(dim=0, keepdim=True)
-    _, singular, components = torch.linalg.svd(centred, full_matrices=False)  # components: (min(D, P*P*3), P*P*3)
+    the fraction of the filters' variance each explains (count,).
+
+    grey=True (for a model trained on grey images, R = G = B): each filter summed over its colour channels first, the
+    only part of it a grey image meets; what varies between channels never got a gradient and is initial noise."""
+    p = backbone.patch_size
+    filters = rearrange(backbone.patch_embed.proj.weight.detach().float().cpu(), "d (p1 p2 c) -> d p1 p2 c", p1=p, p2=p)
+    if grey:
+        filters = filters.sum(dim=-1, keepdim=True)
+    centred = (filters - filters.mean(dim=0, keepdim=True)).flatten(1)  # (D, P*P*channels)
+    _, singular, components = torch.linalg.svd(centred, full_matrices=False)
     count = min(count, components.shape[0])
     variance = singular.square()
-    p = backbone.patch_size
-    patches = rearrange(components[:count], "k (p1 p2 c) -> k c p1 p2", p1=p, p2=p)  # patchify's layout
+    patches = rearrange(components[:count], "k (p1 p2 c) -> k c p1 p2", p1=p, p2=p).expand(-1, 3, -1, -1)
     return patches, variance[:count] / variance.sum().clamp_min(1e-12)
 
 

@@ -41,6 +41,7 @@ class Views:
     grid: int
     patch_size: int
     images_averaged: int  # how many images the mean attention distance averages over
+    grey: bool  # the images are grey (R = G = B), so the filters are shown as grey images meet them
 
     def scalars(self) -> dict[str, float]:
         """The first and the last layer's mean attention distance over their heads, in pixels."""
@@ -49,7 +50,7 @@ class Views:
     def figures(self) -> dict[str, object]:
         """{name: matplotlib Figure} of each view."""
         return {
-            "filters": inspection_figures.filters_figure(self.filters.numpy(), self.explained.numpy()),
+            "filters": inspection_figures.filters_figure(self.filters.numpy(), self.explained.numpy(), self.grey),
             "position_similarity": inspection_figures.similarity_figure(self.similarity.numpy(), self.grid),
             "attention_distance": inspection_figures.distance_figure(self.distance.numpy(), self.uniform_distance,
                                                                   self.grid * self.patch_size),
@@ -64,7 +65,7 @@ class Views:
 
         return {
             "image_size": self.grid * self.patch_size, "patch_size": self.patch_size, "grid": self.grid,
-            "images": self.images_averaged,
+            "images": self.images_averaged, "grey": self.grey,
             "attention_distance_px": rounded(self.distance, 3),  # [layer][head]
             "attention_distance_mean_px": rounded(self.distance.mean(dim=1), 3),  # [layer]
             "uniform_attention_distance_px": round(self.uniform_distance, 3),
@@ -83,9 +84,11 @@ class Inspector:
         spec = c.shards or cfg.data.val_shards or cfg.data.shards
         batches = eval_batches(spec, cfg, accelerator, c.batch_size, labels=False)
         self.images = LabelledImages(accelerator, batches, c.images, f"inspection shards {spec}", need_labels=False)
-        # The first few images, from whichever processes hold them, for the rollout figure.
+        # The first few images, from whichever processes hold them (a process may hold none), for the rollout figure.
         held = gather_object([self.images.images[: c.rollout_images]])
-        self.shown = torch.cat(held)[: c.rollout_images]
+        self.shown = torch.cat([part for part in held if len(part)])[: c.rollout_images]
+        coloured = (self.images.images != self.images.images[:, :1]).any()
+        self.grey = not accelerator.reduce(coloured.float().to(accelerator.device), reduction="sum").item()
         self.cfg, self.accelerator = c, accelerator
 
     @torch.no_grad()
@@ -101,12 +104,12 @@ class Inspector:
         distance = accelerator.reduce(sums, reduction="sum") / (self.images.total * backbone.num_patches)
         _, maps = backbone.forward_with_attention(normalize(self.shown.to(device)))
         rollout = attention_rollout(maps)
-        filters, explained = patch_filters(backbone, self.cfg.filters)
+        filters, explained = patch_filters(backbone, self.cfg.filters, self.grey)
         backbone.train(was_training)
         return Views(filters, explained, position_similarity(backbone.pos_embed).cpu(), distance.cpu(),
                      float(patch_distances(backbone.grid, backbone.patch_size).mean()), self.shown,
                      {pooling: rollout_to_patches(rollout, pooling).cpu() for pooling in POOLINGS},
-                     backbone.grid, backbone.patch_size, self.images.total)
+                     backbone.grid, backbone.patch_size, self.images.total, self.grey)
 
 
 class Inspect:

@@ -27,9 +27,9 @@ def mosaic(tiles: np.ndarray, columns: int, fill: float) -> np.ndarray:
     return out
 
 
-def filters_figure(components: np.ndarray, explained: np.ndarray) -> Figure:
+def filters_figure(components: np.ndarray, explained: np.ndarray, grey: bool) -> Figure:
     """Fig. 7 left: principal components (K, 3, P, P) of the patch-embedding filters as RGB tiles, each stretched to
-    its own range (a component's sign and scale are arbitrary)."""
+    its own range (a component's sign and scale are arbitrary); `grey`: of the filters summed over colour channels."""
     tiles = components.transpose(0, 2, 3, 1)
     low, high = tiles.min(axis=(1, 2, 3), keepdims=True), tiles.max(axis=(1, 2, 3), keepdims=True)
     tiles = (tiles - low) / np.maximum(high - low, 1e-12)
@@ -38,8 +38,9 @@ def filters_figure(components: np.ndarray, explained: np.ndarray) -> Figure:
     ax = figure.add_subplot()
     ax.imshow(mosaic(tiles, columns, fill=1.0), interpolation="nearest")
     ax.set_axis_off()
-    ax.set_title(f"RGB embedding filters: first {len(tiles)} principal components\n"
-                 f"({explained.sum():.0%} of the filters' variance)", fontsize=9)
+    kind = "embedding filters summed over R, G, B (grey images)" if grey else "RGB embedding filters"
+    ax.set_title(f"{kind}: first {len(tiles)} principal components\n({explained.sum():.0%} of the filters' variance)",
+                 fontsize=9)
     figure.tight_layout()
     return figure
 

@@ -84,7 +84,7 @@ def test_two_processes_compiled_with_accumulation_panels_and_evaluations_match_e
     write_test_shards(tmp_path / "val", [20], size=32)
     common = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "train.grad_accum=2", "train.checkpoint_every=6",
               "log.every=2", "log.images_every=2", "eval.every=2", "eval.images=8", f"data.val_shards={tmp_path / 'val'}",
-              "train.mixed_precision=no"]
+              "train.mixed_precision=no", "inspect.every=3", "inspect.images=20"]
     weights = {}
     for compile_model in ("false", "true"):
         out = f"output_dir={tmp_path / compile_model}"
@@ -93,6 +93,12 @@ def test_two_processes_compiled_with_accumulation_panels_and_evaluations_match_e
         weights[compile_model] = load_file(tmp_path / compile_model / "model.safetensors")
     worst = max((weights["true"][k] - weights["false"][k]).abs().max().item() for k in weights["false"])
     assert worst < 1e-4, worst
+
+    # The inspection split its images over the two ranks and summed; one process over all 20 gets the same distances.
+    run([sys.executable, "launch.py", "inspect", "--ckpt", str(tmp_path / "false"), f"output_dir={tmp_path / 'views'}"])
+    alone = json.loads((tmp_path / "views" / "inspect" / "inspect.json").read_text())["attention_distance_mean_px"]
+    final = json.loads((tmp_path / "false" / "results.json").read_text())["final"]
+    assert abs(final["inspect/attention_distance_first"] - alone[0]) < 1e-2 and abs(final["inspect/attention_distance_last"] - alone[-1]) < 1e-2
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, make_shards):

@@ -95,6 +95,21 @@ def test_filter_components_come_back_in_the_patch_layout_and_explain_the_varianc
     assert explained[0].item() == pytest.approx(1.0, abs=1e-5)
 
 
+def test_filters_of_a_grey_model_are_what_grey_images_meet():
+    # Red minus green at the top-left pixel varies most between filters, but a grey image (R = G = B) never sees it;
+    # summed over the channels, what is left is the grey pattern at pixel (1, 1).
+    backbone = VisionTransformer(image_size=8, patch_size=4, width=32, depth=1, heads=2)
+    colour, grey = torch.zeros(1, 3, 4, 4), torch.zeros(1, 3, 4, 4)
+    colour[0, 0, 0, 0], colour[0, 1, 0, 0] = 1.0, -1.0
+    grey[0, :, 1, 1] = 1.0
+    a, b = torch.linspace(-3, 3, 32), torch.linspace(-1, 1, 32).roll(7)
+    with torch.no_grad():
+        backbone.patch_embed.proj.weight.copy_(a[:, None] * patchify(colour, 4)[0] + b[:, None] * patchify(grey, 4)[0])
+    assert torch.allclose(patch_filters(backbone, count=1)[0][0].abs(), colour[0].abs() / math.sqrt(2), atol=0.02)
+    components, explained = patch_filters(backbone, count=1, grey=True)
+    assert torch.allclose(components[0].abs(), grey[0], atol=1e-5) and explained[0].item() == pytest.approx(1.0, abs=1e-5)
+
+
 def test_the_explicit_attention_path_matches_the_kernel():
     torch.manual_seed(0)
     attention = Attention(dim=32, heads=4)
