@@ -19,7 +19,6 @@ from mpp.inspection import (attention_distance_sums, attention_rollout, patch_di
                             position_similarity, rollout_to_patches)
 from mpp.metrics import INSPECTION, Metric
 from mpp.model import VisionTransformer, normalize
-from . import inspection_figures
 from .frozen import evaluate_checkpoint
 from .loaders import eval_batches
 
@@ -49,6 +48,8 @@ class Views:
 
     def figures(self) -> dict[str, object]:
         """{name: matplotlib Figure} of each view."""
+        from . import inspection_figures  # matplotlib (a third of a second) loads when a figure is drawn, not at every start
+
         return {
             "filters": inspection_figures.filters_figure(self.filters.numpy(), self.explained.numpy(), self.grey),
             "position_similarity": inspection_figures.similarity_figure(self.similarity.numpy(), self.grid),
@@ -125,9 +126,11 @@ class Inspect:
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
         views = self.inspector.views(objective.backbone)
         if self.accelerator.is_main_process:
+            from .inspection_figures import pixels
+
             tracker = self.accelerator.get_tracker("tensorboard", unwrap=True)
             for name, figure in views.figures().items():
-                tracker.add_image(f"inspect/{name}", inspection_figures.pixels(figure), global_step=step, dataformats="HWC")
+                tracker.add_image(f"inspect/{name}", pixels(figure), global_step=step, dataformats="HWC")
         return views.scalars()
 
 
@@ -140,7 +143,7 @@ def run(cfg: Config, *, ckpt: str) -> dict:
         if accelerator.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
             for name, figure in views.figures().items():
-                inspection_figures.save(figure, out / f"{name}.png")
+                figure.savefig(out / f"{name}.png", dpi=120)
         first, last = views.scalars().values()
         return views.numbers(), (f"mean attention distance {first:.1f} px in layer 1 and {last:.1f} px in layer "
                                  f"{backbone.depth} (uniform attention: {views.uniform_distance:.1f} px) over "

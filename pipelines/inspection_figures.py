@@ -6,8 +6,6 @@ global figure state left behind by an evaluator that draws every few hundred ste
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -117,9 +115,3 @@ def pixels(figure: Figure) -> np.ndarray:
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def save(figure: Figure, path: Path) -> Path:
-    FigureCanvasAgg(figure)
-    figure.savefig(path, dpi=120)
-    return path
