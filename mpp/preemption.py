@@ -56,9 +56,14 @@ class StopOnSignal:
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if self.pending is not None and (exc_type is None or issubclass(exc_type, Preempted)):
+            # Every rank posted this step's all-reduce, so it completes; a process that destroyed its process groups
+            # with it still in flight aborted in gloo ("terminate called without an active exception"), seen once
+            # in a two-process test. After an error on one rank the others may never post theirs: no wait then.
+            self.pending[0].wait()
 
     @contextlib.contextmanager
     def waiting_for_data(self) -> Iterator[None]:

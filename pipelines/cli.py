@@ -107,6 +107,14 @@ def stage_parser(stages, name: str, summary: str) -> argparse.ArgumentParser:
     return parser
 
 
+def checkpoint_stage(stages, name: str, summary: str, example: str, more_checkpoints: str = "") -> None:
+    """A stage that reads a saved backbone (`fewshot`, `knn`, `inspect`, `probe`): --ckpt, --config and overrides."""
+    stage = stage_parser(stages, name, summary)
+    stage.add_argument("--ckpt", required=True, help=f"a run directory, a checkpoints/step_N directory or a .safetensors file{more_checkpoints}")
+    stage.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    stage.add_argument("overrides", nargs="*", metavar="key=value", help=f"dotted overrides, e.g. {example}")
+
+
 def add_run_choice(stage: argparse.ArgumentParser) -> None:
     """What a training stage does with a run already in its output_dir: continue it or start over."""
     choice = stage.add_mutually_exclusive_group()
@@ -150,27 +158,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_run_choice(finetune)
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
-    fewshot = stage_parser(stages, "fewshot", "few-shot linear evaluation of a backbone's frozen features")
-    fewshot.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
-    fewshot.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    fewshot.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR fewshot.shots=[5]")
-
-    knn = stage_parser(stages, "knn", "k-nearest-neighbour evaluation of a backbone's frozen features")
-    knn.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
-    knn.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    knn.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR knn.features=mean")
-
-    inspect = stage_parser(stages, "inspect", "the paper's inspection views of a backbone (section 4.5): patch-embedding filters, "
-                           "position-embedding similarity, mean attention distance, attention rollout, as PNGs and JSON")
-    inspect.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory, a .safetensors file "
-                                                       "or a Hugging Face ViT directory (as `export --to hf` writes it)")
-    inspect.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    inspect.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. inspect.shards=DIR inspect.images=256")
-
-    probe = stage_parser(stages, "probe", "linear probe (SGD on frozen features, as MAE evaluates) of a backbone")
-    probe.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
-    probe.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    probe.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR probe.epochs=30")
+    checkpoint_stage(stages, "fewshot", "few-shot linear evaluation of a backbone's frozen features",
+                     "data.val_shards=DIR fewshot.shots=[5]")
+    checkpoint_stage(stages, "knn", "k-nearest-neighbour evaluation of a backbone's frozen features",
+                     "data.val_shards=DIR knn.features=mean")
+    checkpoint_stage(stages, "inspect", "the paper's inspection views of a backbone (section 4.5): patch-embedding "
+                     "filters, position-embedding similarity, mean attention distance, attention rollout, as PNGs and JSON",
+                     "inspect.shards=DIR inspect.images=256", " or a Hugging Face ViT directory (as `export --to hf` writes it)")
+    checkpoint_stage(stages, "probe", "linear probe (SGD on frozen features, as MAE evaluates) of a backbone",
+                     "data.val_shards=DIR probe.epochs=30")
 
     export = stage_parser(stages, "export", "write a checkpoint as a Hugging Face transformers ViT")
     export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")

@@ -58,6 +58,7 @@ def test_only_the_stages_evaluators_that_its_config_turns_on_are_built(monkeypat
 def test_todays_config_sections_turn_the_built_in_evaluators_on():
     on = lambda *overrides: [name for name, r in EVALUATORS.items() if r.every(load_config(None, list(overrides)))]  # noqa: E731
     assert on() == ["top1"]  # fine-tuning's top-1 always; pretext validation only with data.val_shards
-    assert on("data.val_shards=x", "fewshot.every=5", "knn.every=5", "probe.every=5") == ["top1", "fewshot", "knn", "probe", "pretext"]
+    assert on("data.val_shards=x", "fewshot.every=5", "knn.every=5", "probe.every=5", "inspect.every=5") == [
+        "top1", "fewshot", "knn", "probe", "pretext", "inspect"]
     assert on("data.val_shards=x", "eval.every=0") == ["top1"]
-    assert [n for n, r in EVALUATORS.items() if "finetune" in r.stages] == ["top1"]
+    assert [n for n, r in EVALUATORS.items() if "finetune" in r.stages] == ["top1", "inspect"]
