@@ -8,7 +8,7 @@
   layers' attention and residual connections (Fig. 6).
 
 The attention weights come from VisionTransformer.forward_with_attention, the explicit path kept for inspection.
-pipelines/inspect.py draws these views and logs them.
+pipelines/inspection.py draws these views and logs them.
 """
 
 from __future__ import annotations
@@ -57,17 +57,11 @@ def patch_attention(maps: torch.Tensor) -> torch.Tensor:  # (B, heads, 1 + N, 1 
     return among / among.sum(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def attention_distance_sums(maps: list[torch.Tensor], grid: int, patch_size: int) -> torch.Tensor:  # (depth, heads)
-    """Per head of each layer, the attention-weighted query-to-key distance in pixels, summed over the queries of
-    every image in the batch (divide by B * N for the mean; sums add up over batches and processes)."""
-    distances = patch_distances(grid, patch_size).to(maps[0].device)
-    return torch.stack([(patch_attention(layer) * distances).sum(dim=(-1, -2)).sum(dim=0) for layer in maps])
-
-
 def attention_distance(maps: list[torch.Tensor], grid: int, patch_size: int) -> torch.Tensor:  # (depth, heads)
-    """The mean attention distance in pixels of each head of each layer over the batch the maps were computed on."""
-    b, _, n, _ = maps[0].shape
-    return attention_distance_sums(maps, grid, patch_size) / (b * (n - 1))
+    """Per head of each layer, the attention-weighted query-to-key distance in pixels, averaged over the queries of
+    every image the maps were computed on."""
+    distances = patch_distances(grid, patch_size).to(maps[0].device)
+    return torch.stack([(patch_attention(layer) * distances).sum(dim=-1).mean(dim=(0, 2)) for layer in maps])
 
 
 def attention_rollout(maps: list[torch.Tensor]) -> torch.Tensor:  # [(B, heads, T, T)] * depth -> (B, T, T)

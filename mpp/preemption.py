@@ -39,31 +39,39 @@ class SignalWhileWaiting(BaseException):
 class StopOnSignal:
     """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once.
 
-    A signal that arrives while the loop waits for data raises SignalWhileWaiting out of the wait: a stream that
-    never delivers (a `pipe:` command that hangs, a stalled network read) must not keep the process alive.
+    A signal that arrives while the loop waits for data usually finds the batch moments away (being decoded): the
+    step finishes and every rank stops at its boundary together. A stream that has not delivered WAIT_GRACE_S after
+    the signal (a `pipe:` command that hangs, a stalled network read) is given up: SignalWhileWaiting is raised out of
+    the wait, so it cannot keep the process alive.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # Long enough for a slow remote batch, short beside the 30 s or more a preemption notice gives before the kill.
+    WAIT_GRACE_S = 10.0
 
     def __init__(self) -> None:
         self.requested = False
         self.waiting = False
+        self.signal_name = ""
         self.previous: dict[int, object] = {}
         self.pending: tuple | None = None  # the last step's all-reduce of the flag and its result (several processes)
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            self.previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._give_up_waiting)
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        if self.previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        if self.pending is not None and (exc_type is None or issubclass(exc_type, Preempted)):
-            # Every rank posted this step's all-reduce, so it completes; a process that destroyed its process groups
-            # with it still in flight aborted in gloo ("terminate called without an active exception"), seen once
-            # in a two-process test. After an error on one rank the others may never post theirs: no wait then.
-            self.pending[0].wait()
+        if self.pending is not None and exc_type is None:
+            # Every rank posted the last step's all-reduce, so it completes; a process that destroyed its process
+            # groups with it still in flight aborted in gloo ("terminate called without an active exception"), seen
+            # once in a two-process test. After an error on one rank the others may never post theirs: no wait then.
+            self.settle()
 
     @contextlib.contextmanager
     def waiting_for_data(self) -> Iterator[None]:
@@ -75,14 +83,21 @@ class StopOnSignal:
 
     def _handle(self, signum: int, frame) -> None:
         self.requested = True
+        self.signal_name = signal.Signals(signum).name
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
-        if self.waiting:
-            self.waiting = False
-            print(f"\nreceived {signal.Signals(signum).name} while waiting for data: stopping", file=sys.stderr, flush=True)
-            raise SignalWhileWaiting(signal.Signals(signum).name)
-        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end of this step "
+        signal.setitimer(signal.ITIMER_REAL, self.WAIT_GRACE_S)  # a wait for data still going on then is given up
+        print(f"\nreceived {self.signal_name}: saving a checkpoint at the end of this step "
               "(send it again to exit at once)", file=sys.stderr, flush=True)
+
+    def _give_up_waiting(self, signum: int, frame) -> None:
+        if not self.waiting:
+            signal.setitimer(signal.ITIMER_REAL, 1.0)  # the step is on its way to its boundary; look again in a second
+            return
+        self.waiting = False
+        print(f"\nno data came within {self.WAIT_GRACE_S:g} s of {self.signal_name}: stopping without it",
+              file=sys.stderr, flush=True)
+        raise SignalWhileWaiting(self.signal_name)
 
     def agreed(self, accelerator: Accelerator) -> bool:
         """Every rank stops at the same step, even if only one of them got the signal.
@@ -100,7 +115,15 @@ class StopOnSignal:
             return False
         work, total = previous
         work.wait()
-        return total.item() > 0
+        if total.item() > 0:
+            self.settle()  # the ranks stop here: nothing of theirs is left in flight when they tear down
+            return True
+        return False
+
+    def settle(self) -> None:
+        """Wait for the all-reduce posted at the last step."""
+        self.pending[0].wait()
+        self.pending = None
 
 
 @functools.cache

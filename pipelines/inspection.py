@@ -15,7 +15,7 @@ from torch import nn
 
 from mpp.config import Config
 from mpp.fewshot import LabelledImages
-from mpp.inspection import (attention_distance_sums, attention_rollout, patch_distances, patch_filters,
+from mpp.inspection import (attention_distance, attention_rollout, patch_distances, patch_filters,
                             position_similarity, rollout_to_patches)
 from mpp.metrics import INSPECTION, Metric
 from mpp.model import VisionTransformer, normalize
@@ -100,9 +100,10 @@ class Inspector:
         sums = torch.zeros(backbone.depth, backbone.heads, device=device)
         # fp32 and no autocast: a few images, and the weights are the numbers being shown.
         for start in range(0, self.images.images.shape[0], self.cfg.batch_size):
-            _, maps = backbone.forward_with_attention(normalize(self.images.images[start: start + self.cfg.batch_size].to(device)))
-            sums += attention_distance_sums(maps, backbone.grid, backbone.patch_size)
-        distance = accelerator.reduce(sums, reduction="sum") / (self.images.total * backbone.num_patches)
+            batch = self.images.images[start: start + self.cfg.batch_size]
+            _, maps = backbone.forward_with_attention(normalize(batch.to(device)))
+            sums += attention_distance(maps, backbone.grid, backbone.patch_size) * len(batch)
+        distance = accelerator.reduce(sums, reduction="sum") / self.images.total  # every process's images alike
         _, maps = backbone.forward_with_attention(normalize(self.shown.to(device)))
         rollout = attention_rollout(maps)
         filters, explained = patch_filters(backbone, self.cfg.filters, self.grey)

@@ -139,6 +139,47 @@ class StallsAfter(IterableDataset):
         threading.Event().wait()
 
 
+class SlowAfter(IterableDataset):
+    """Yields `count` batches at once, then one more after `delay` seconds (a slow decode or remote read), then ends."""
+
+    def __init__(self, count, delay):
+        self.count, self.delay = count, delay
+
+    def __iter__(self):
+        for i in range(self.count + 1):
+            if i == self.count:
+                threading.Event().wait(self.delay)
+            yield Batch(torch.full((4, 3, 16, 16), i, dtype=torch.uint8), torch.full((4,), -1), position=StreamPosition(0, 4 * i + 4))
+
+
+def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its_boundary(tmp_path, monkeypatch):
+    # With several processes, a rank that gave up its wait at once left the others in the step's all-reduce; the batch
+    # that comes within the grace period is trained on and the stop is agreed at the step's end, with its checkpoint.
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=50", "train.warmup_steps=1",
+                             "train.checkpoint_every=100"])
+    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+    calls, fourth = [], threading.Event()
+
+    def counted_next_batch(*args):
+        calls.append(1)
+        if len(calls) == 4:  # the 4th batch takes 3 s to come
+            fourth.set()
+        return next_batch(*args)
+
+    monkeypatch.setattr(mpp.train, "next_batch", counted_next_batch)
+
+    def signal_while_waiting():
+        if fourth.wait(STUCK_AFTER_S):
+            threading.Event().wait(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_while_waiting, daemon=True).start()
+    batches = lambda state: DataLoader(SlowAfter(3, delay=3), batch_size=None, num_workers=1)
+    with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 4 of 50 on a signal; checkpoint saved"):
+        train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, cfg.output_dir)
+    assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000004"]
+
+
 def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch):
     cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=50", "train.warmup_steps=1",
                              "train.checkpoint_every=100"])
