@@ -48,15 +48,15 @@ class Views:
 
     def figures(self) -> dict[str, object]:
         """{name: matplotlib Figure} of each view."""
-        from . import inspection_figures  # matplotlib (a third of a second) loads when a figure is drawn, not at every start
+        # matplotlib (a third of a second to import) loads when a figure is drawn, not at every start of a stage.
+        from . import inspection_figures as draw
 
+        reach = {POOLINGS[pooling]: maps.numpy() for pooling, maps in self.rollout.items()}
         return {
-            "filters": inspection_figures.filters_figure(self.filters.numpy(), self.explained.numpy(), self.grey),
-            "position_similarity": inspection_figures.similarity_figure(self.similarity.numpy(), self.grid),
-            "attention_distance": inspection_figures.distance_figure(self.distance.numpy(), self.uniform_distance,
-                                                                  self.grid * self.patch_size),
-            "rollout": inspection_figures.rollout_figure(self.images.numpy(), {POOLINGS[k]: v.numpy() for k, v in self.rollout.items()},
-                                                      self.grid),
+            "filters": draw.filters_figure(self.filters.numpy(), self.explained.numpy(), self.grey),
+            "position_similarity": draw.similarity_figure(self.similarity.numpy(), self.grid),
+            "attention_distance": draw.distance_figure(self.distance.numpy(), self.uniform_distance, self.grid * self.patch_size),
+            "rollout": draw.rollout_figure(self.images.numpy(), reach, self.grid),
         }
 
     def numbers(self) -> dict:
