@@ -152,17 +152,13 @@ class SlowAfter(IterableDataset):
             yield Batch(torch.full((4, 3, 16, 16), i, dtype=torch.uint8), torch.full((4,), -1), position=StreamPosition(0, 4 * i + 4))
 
 
-def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its_boundary(tmp_path, monkeypatch):
-    # With several processes, a rank that gave up its wait at once left the others in the step's all-reduce; the batch
-    # that comes within the grace period is trained on and the stop is agreed at the step's end, with its checkpoint.
-    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=50", "train.warmup_steps=1",
-                             "train.checkpoint_every=100"])
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
+def signal_during_the_fourth_wait(monkeypatch) -> None:
+    """SIGTERM to this process 1 s into the loop's 4th wait for a batch (the first 3 batches are trained on)."""
     calls, fourth = [], threading.Event()
 
     def counted_next_batch(*args):
         calls.append(1)
-        if len(calls) == 4:  # the 4th batch takes 3 s to come
+        if len(calls) == 4:
             fourth.set()
         return next_batch(*args)
 
@@ -170,10 +166,23 @@ def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its
 
     def signal_while_waiting():
         if fourth.wait(STUCK_AFTER_S):
-            threading.Event().wait(1)
+            threading.Event().wait(1)  # from the call into the wait takes microseconds
             os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=signal_while_waiting, daemon=True).start()
+
+
+def fifty_step_run(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=50", "train.warmup_steps=1",
+                             "train.checkpoint_every=100"])
+    return cfg, make_accelerator(cfg.train, cfg.output_dir)
+
+
+def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its_boundary(tmp_path, monkeypatch):
+    # With several processes, a rank that gave up its wait at once left the others in the step's all-reduce; the batch
+    # that comes within the grace period is trained on and the stop is agreed at the step's end, with its checkpoint.
+    cfg, accelerator = fifty_step_run(tmp_path)
+    signal_during_the_fourth_wait(monkeypatch)  # the 4th batch takes 3 s to come
     batches = lambda state: DataLoader(SlowAfter(3, delay=3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 4 of 50 on a signal; checkpoint saved"):
         train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, cfg.output_dir)
@@ -181,25 +190,8 @@ def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its
 
 
 def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch):
-    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=50", "train.warmup_steps=1",
-                             "train.checkpoint_every=100"])
-    accelerator = make_accelerator(cfg.train, cfg.output_dir)
-    calls, fourth = [], threading.Event()
-
-    def counted_next_batch(*args):
-        calls.append(1)
-        if len(calls) == 4:  # the 3 batches are trained on; this wait never ends
-            fourth.set()
-        return next_batch(*args)
-
-    monkeypatch.setattr(mpp.train, "next_batch", counted_next_batch)
-
-    def signal_when_blocked():
-        if fourth.wait(STUCK_AFTER_S):
-            threading.Event().wait(1)  # from the call into the blocking wait takes microseconds
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=signal_when_blocked, daemon=True).start()
+    cfg, accelerator = fifty_step_run(tmp_path)
+    signal_during_the_fourth_wait(monkeypatch)  # the 4th batch never comes
     batches = lambda state: DataLoader(StallsAfter(3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
         train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, cfg.output_dir)
