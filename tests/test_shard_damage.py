@@ -248,8 +248,10 @@ def test_closing_a_stream_ends_its_pipe_command(tmp_path, make_shards):
     samples = shard_samples([f"pipe:cat {url}; exec sleep {token}"], on_end=lambda end: None)
     with fails_if_stuck():
         assert next(samples)["__key__"] == "00-0000"
-    sleeper = [pid for pid in processes_with(f"sleep {token}") if pid != os.getpid()]
-    assert sleeper, "the command did not start"
+    deadline = time.monotonic() + 10  # the first sample can arrive before the shell has reached its `exec sleep`
+    while not processes_with(f"sleep {token}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(f"sleep {token}"), "the command did not start"
     samples.close()
     deadline = time.monotonic() + 10
     while processes_with(f"sleep {token}") and time.monotonic() < deadline:
