@@ -388,21 +388,28 @@ class StreamPosition:
 
 @dataclass
 class StreamState:
-    """What a rank has consumed of its stream: enough to restart it exactly where it stopped."""
+    """What a rank has consumed of its stream: enough to restart it exactly where it stopped.
+
+    `drawn_from` is the optimiser step its draw began at: 0 for a run's own start, else the step of a resume on
+    another process count, where every rank starts a fresh draw (keyed by the seed, that step and the rank).
+    """
 
     batches: int = 0
     positions: dict[int, StreamPosition] = field(default_factory=dict)
+    drawn_from: int = 0
 
     def advance(self, batch: Batch) -> None:
         self.batches += 1
         self.positions[batch.worker] = batch.position
 
     def state_dict(self) -> dict:
-        return {"batches": self.batches, "positions": {w: (p.group, p.consumed) for w, p in self.positions.items()}}
+        return {"batches": self.batches, "positions": {w: (p.group, p.consumed) for w, p in self.positions.items()},
+                "drawn_from": self.drawn_from}
 
     def load_state_dict(self, state: dict) -> None:
         self.batches = state["batches"]
         self.positions = {int(w): StreamPosition(*p) for w, p in state["positions"].items()}
+        self.drawn_from = state.get("drawn_from", 0)  # absent from the checkpoints of an earlier mpp
 
 
 BARREN_GROUPS = 4  # resampled groups in a row without a usable image that prove a shard set unusable (32 draws)
@@ -415,8 +422,9 @@ class ShardStream(IterableDataset):
     otherwise: rank r takes shards r, r + world, ...; its worker w every num_workers-th of those; one group is
     one pass, which visits each sample of the shard set once across all ranks and workers. `loop` repeats passes.
 
-    Randomness is keyed by (seed, rank, worker, group, sample index) and the shuffle buffer is emptied at group
-    ends, so the stream is a pure function of those and can restart at any `StreamPosition` by reading, not
+    Randomness is keyed by (seed, rank, worker, group, sample index), and by `drawn_from` where it is not 0 (see
+    StreamState), and the shuffle buffer is emptied at group ends, so the stream is a pure function of those and can
+    restart at any `StreamPosition` by reading, not
     decoding, the samples of the current group already consumed. `worker_offset` rotates which logical worker
     a DataLoader worker plays, so a resumed DataLoader (which always starts at worker 0) keeps the batch order.
 
@@ -435,10 +443,12 @@ class ShardStream(IterableDataset):
     def __init__(self, urls: list[str], transform: Callable, batch_size: int, *, rank: int = 0, world: int = 1,
                  seed: int = 0, resampled: bool = True, shuffle_buffer: int = 0, loop: bool = True,
                  start: dict[int, StreamPosition] | None = None, worker_offset: int = 0,
-                 labels: Callable[[dict], int] | None = None, samples_per_shard: float | None = None):
+                 labels: Callable[[dict], int] | None = None, samples_per_shard: float | None = None,
+                 drawn_from: int = 0):
         super().__init__()
         self.urls, self.transform, self.batch_size = urls, transform, batch_size
-        self.rank, self.world, self.seed = rank, world, seed
+        self.rank, self.world = rank, world
+        self.draw = f"{seed}-{drawn_from}" if drawn_from else f"{seed}"  # a run's own draw keeps its keys
         self.resampled, self.shuffle_buffer, self.loop = resampled, shuffle_buffer, loop
         self.start, self.worker_offset, self.labels = start or {}, worker_offset, labels
         self.samples_per_shard = samples_per_shard
@@ -482,7 +492,7 @@ class ShardStream(IterableDataset):
         images, labels, keys = [], [], []
         last_group = 10**12 if self.loop or self.resampled else 1
         for group in range(start.group, last_group):
-            key = f"{self.seed}-{self.rank}-{worker}-{group}"
+            key = f"{self.draw}-{self.rank}-{worker}-{group}"
             shards = self._group_shards(worker, workers, random.Random(key))
             if not shards:
                 return
@@ -593,7 +603,7 @@ def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_si
     stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,
                          resampled=resampled, shuffle_buffer=data.shuffle_buffer, loop=loop, start=state.positions,
                          worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None,
-                         samples_per_shard=per_shard)
+                         samples_per_shard=per_shard, drawn_from=state.drawn_from)
     # Its own generator: starting workers must not draw from the global RNG that drives corruption,
     # or a resumed run (which starts its loader after restoring RNG state) would diverge.
     return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,

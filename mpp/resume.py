@@ -7,6 +7,7 @@ each rank's data stream position.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -15,13 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from safetensors import SafetensorError
 
 from mpp.data import StreamState
 from mpp.errors import UserError
-from mpp.rundir import (WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, complete_checkpoints,
-                        newest_verified, saved_processes, usual_mode, write_manifest)
+from mpp.rundir import (MANIFEST, WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, checkpoint_step,
+                        complete_checkpoints, newest_verified, saved_processes, usual_mode, write_manifest)
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -35,12 +36,15 @@ class SaveFailed(UserError):
     checkpoints written before are intact."""
 
 
-def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relaunch: Callable[[int], str]) -> Path | None:
+def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relaunch: Callable[[int], str],
+                        global_batch: int | None) -> Path | None:
     """The newest checkpoint that verifies, saying which newer ones were skipped and why; None when there is none yet.
 
     The main process verifies (reading each file once) and tells the others. A checkpoint saved by another process
-    count is refused with `relaunch(n)`, the command that resumes with the n processes that saved it; then every rank
-    checks that it sees the checkpoint's files (ranks on other nodes see output_dir only on a filesystem all nodes share).
+    count resumes when the run's `global_batch` (train.global_batch_size) is fixed, saying what it continues exactly
+    and what not (see load_checkpoint); with the batch set per process (`global_batch` None) it is refused with
+    `relaunch(n)`, the command that resumes with the n processes that saved it. Then every rank checks that it sees
+    the checkpoint's files (ranks on other nodes see output_dir only on a filesystem all nodes share).
     """
     choice: list = [None, None, 0, None]  # path, the newest one's fault, candidates, processes that saved the path
     if accelerator.is_main_process:
@@ -61,18 +65,26 @@ def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relau
     if path is None:
         accelerator.print(f"resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
         return None
-    if saved_by != accelerator.num_processes:
-        raise UserError(f"checkpoint {path} was saved by {saved_by} process(es) and this run has {accelerator.num_processes}; "
-                        f"each process resumes its own random state and data stream position from it, so relaunch the "
-                        f"run with {saved_by}: {relaunch(saved_by)}")
-    check_seen_by_every_rank(accelerator, Path(path))
+    processes = accelerator.num_processes
+    if saved_by != processes and global_batch is None:
+        raise UserError(f"checkpoint {path} was saved by {saved_by} process(es) and this run has {processes}; the run sets "
+                        f"its batch per process (train.batch_size), so its global batch would change with the process "
+                        f"count: relaunch the run with {saved_by}: {relaunch(saved_by)} (a run started with "
+                        f"train.global_batch_size resumes on any number of processes)")
+    if saved_by != processes:
+        accelerator.print(f"resuming {path}, saved by {saved_by} process(es), with {processes}: exact in weights, optimiser "
+                          f"state, schedule and step, with the global batch of {global_batch} split over {processes}, but "
+                          f"not in data order: each rank starts a fresh draw of its data stream and random numbers, "
+                          f"seeded by train.seed, the step and the rank")
+    check_seen_by_every_rank(accelerator, Path(path), same_processes=saved_by == processes)
     return Path(path)
 
 
-def check_seen_by_every_rank(accelerator: Accelerator, checkpoint: Path) -> None:
-    """Refuse, on every rank, a checkpoint that some rank cannot read its own stream state from."""
-    blind = [rank for rank, seen in enumerate(gather_object([stream_state_file(checkpoint, accelerator.process_index).is_file()]))
-             if not seen]
+def check_seen_by_every_rank(accelerator: Accelerator, checkpoint: Path, same_processes: bool) -> None:
+    """Refuse, on every rank, a checkpoint that some rank cannot read what it resumes from: its own stream state, or
+    with another process count (where no rank reads one), the manifest."""
+    needed = stream_state_file(checkpoint, accelerator.process_index) if same_processes else checkpoint / MANIFEST
+    blind = [rank for rank, seen in enumerate(gather_object([needed.is_file()])) if not seen]
     if blind:
         raise UserError(f"checkpoint {checkpoint} is not visible to rank(s) {', '.join(map(str, blind))}: with several "
                         f"nodes, output_dir must be on a filesystem every node shares (NFS, Lustre, a mounted bucket); "
@@ -190,7 +202,26 @@ def megabytes(size: int) -> str:
     return f"{size / 1e6:.1f} MB"
 
 
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path, stream: StreamState) -> None:
-    """Restore what save_checkpoint wrote, this rank's own stream position included."""
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, stream: StreamState, seed: int) -> None:
+    """Restore what save_checkpoint wrote, this rank's own stream position included.
+
+    A checkpoint saved by another process count restores what all ranks share (weights, optimiser, schedule, scaler,
+    step, the EMA); the per-rank state it holds (random states, stream positions) belongs to ranks of another split of
+    the data, so each rank is seeded afresh by (`seed`, step, rank) and its stream starts a fresh draw at this step.
+    """
     accelerator.load_state(str(checkpoint))
-    stream.load_state_dict(json.loads(stream_state_file(checkpoint, accelerator.process_index).read_text()))
+    # Accelerate counts micro-batches in `step` to decide when accumulation syncs, and restores it from each rank's
+    # random state file: a rank without one, or another number of accumulation steps, would sync at another
+    # micro-batch than the others. Every checkpoint is at a step boundary, where the count starts again.
+    accelerator.step = 0
+    if saved_processes(checkpoint) == accelerator.num_processes:
+        stream.load_state_dict(json.loads(stream_state_file(checkpoint, accelerator.process_index).read_text()))
+        return
+    step = checkpoint_step(checkpoint)
+    set_seed(fresh_seed(seed, step, accelerator.process_index))
+    stream.load_state_dict(StreamState(drawn_from=step).state_dict())
+
+
+def fresh_seed(seed: int, step: int, rank: int) -> int:
+    """A seed for the random number generators of `rank` from `step` on, distinct for every (seed, step, rank)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}-{step}-{rank}".encode()).digest()[:4], "little")

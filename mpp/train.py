@@ -202,7 +202,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
 def restore(accelerator: Accelerator, checkpoint: Path, stream: StreamState, progress: Progress, optimizer,
             scheduler: LambdaLR, cfg: TrainConfig) -> None:
     """Continue from `checkpoint` under `cfg`, whose schedule and optimiser hyperparameters apply from here on."""
-    load_checkpoint(accelerator, checkpoint, stream)
+    load_checkpoint(accelerator, checkpoint, stream, cfg.seed)
     if progress.step > cfg.steps:
         raise UserError(f"{checkpoint} is at step {progress.step}, past train.steps={cfg.steps}; set train.steps to "
                         f"at least {progress.step} to resume it, or finetune/fewshot from it with --ckpt")

@@ -115,10 +115,18 @@ def checkpoint_stage(stages, name: str, summary: str, example: str, more_checkpo
     stage.add_argument("overrides", nargs="*", metavar="key=value", help=f"dotted overrides, e.g. {example}")
 
 
+RESUME_AUTO = "--resume=auto"  # what `--resume auto` becomes before parsing (resume_auto_as_one_word)
+
+
 def add_run_choice(stage: argparse.ArgumentParser) -> None:
     """What a training stage does with a run already in its output_dir: continue it or start over."""
     choice = stage.add_mutually_exclusive_group()
-    choice.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
+    choice.add_argument("--resume", action="store_true",
+                        help="continue the run in output_dir from its newest checkpoint that verifies (refused where "
+                             "output_dir holds no run); `--resume auto` continues it where output_dir holds a "
+                             "checkpoint and starts a fresh run where it holds none, so one command serves a cluster "
+                             "job's first submission and every requeue")
+    choice.add_argument(RESUME_AUTO, dest="resume", action="store_const", const="auto", default=False, help=argparse.SUPPRESS)
     choice.add_argument("--overwrite", action="store_true",
                         help="start over in an output_dir that holds a run: delete its checkpoints/, tensorboard/, "
                              "config.yaml, results.json and model.safetensors (other files stay); refused while "
@@ -137,7 +145,20 @@ def class_name_list(text: str) -> list[str]:
     return [line.strip() for line in lines if line.strip()]
 
 
+def resume_auto_as_one_word(argv: list[str]) -> list[str]:
+    """`--resume auto` as the one word `--resume=auto`: parsed apart, `auto` would be taken for an override, and a
+    --resume that took an optional value would swallow the override after it (`--resume train.steps=9`)."""
+    words = []
+    for word in argv:
+        if word == "auto" and words[-1:] == ["--resume"]:
+            words[-1] = RESUME_AUTO
+        else:
+            words.append(word)
+    return words
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    argv = resume_auto_as_one_word(argv)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--list-configs", action=ListConfigs)
     stages = parser.add_subparsers(dest="stage", required=True)

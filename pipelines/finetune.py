@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from torch import nn
 
@@ -75,7 +76,7 @@ def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tup
                                 f"(0 to {classes - 1}); set model.num_classes or fix the evaluation shards")
 
 
-def run(cfg: Config, *, ckpt: str | None, resume: bool = False, overwrite: bool = False) -> dict:
+def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False, overwrite: bool = False) -> dict:
     """Fine-tune the backbone in `ckpt` (None: a fresh one, same recipe) and write output_dir/results.json; returns
     what it holds (top1, top5, the evaluation history, ...)."""
     if cfg.data.val_shards is None:

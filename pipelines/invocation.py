@@ -54,7 +54,8 @@ def resume_command(processes: int | None = None) -> str:
     """This process's command line with --resume right after the stage name (or at the end if there is none) and
     without --overwrite, for `processes` processes (default: as many as this run has); under compare, its command
     line as it is: compare resumes its stages itself and takes no --resume."""
-    args = [a for a in sys.argv if a not in ("--resume", "--overwrite")]
+    args = [a for i, a in enumerate(sys.argv) if a not in ("--resume", "--resume=auto", "--overwrite")
+            and not (a == "auto" and sys.argv[i - 1] == "--resume")]  # `--resume auto` continues as --resume
     if "compare" not in args:
         stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
         args.insert(stage + 1, "--resume")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from mpp.config import Config
 from mpp.model import build_backbone
 from mpp.objectives import OBJECTIVES, Objective
@@ -14,7 +16,7 @@ def build_objective(cfg: Config, classes: int | None) -> Objective:
     return OBJECTIVES[cfg.objective].build(build_backbone(cfg.model), cfg, classes)
 
 
-def run(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
+def run(cfg: Config, *, resume: bool | Literal["auto"] = False, overwrite: bool = False) -> dict:
     """Pretrain and write output_dir/results.json; returns what it holds. `resume` continues the run in output_dir,
     `overwrite` starts over there."""
 

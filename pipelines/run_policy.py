@@ -14,6 +14,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -23,7 +24,9 @@ from mpp.checkpoint import resolve_checkpoint
 from mpp.config import Config, dotted, resumable_keys
 from mpp.errors import UserError
 from mpp.resume import resumable_checkpoint
-from mpp.rundir import CONFIG, LOCK, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256, too_long
+from mpp.rundir import (CONFIG, LOCK, RUN_OUTPUTS, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256,
+                        too_long)
+from mpp.runtime import process_state
 from .invocation import resume_command
 
 
@@ -77,6 +80,27 @@ def check_starting_point(out: Path, start: StartingPoint) -> None:
     raise UserError(f"output_dir {out} holds a fine-tuning that started from {recorded}, and this resume names {start}; "
                     f"its checkpoints continue the weights it started from, so {fix} to resume it, or set output_dir to "
                     f"a new directory to fine-tune from {start}")
+
+
+def continues_a_run(output_dir: str | Path, resume: bool | Literal["auto"]) -> bool:
+    """Whether a training stage given --resume (True), --resume auto or neither (False) continues the run in output_dir.
+
+    `--resume auto` continues where output_dir holds a checkpoint and starts afresh where it holds none (nothing,
+    other files, or a run stopped before its first checkpoint), so one command serves a cluster job's first
+    submission and every requeue. A plain --resume is refused where output_dir holds nothing a run writes: a mistyped
+    output_dir would otherwise start a run at step 0 under a command that says it continues one.
+    """
+    out = Path(output_dir)
+    if resume == "auto":
+        if complete_checkpoints(out):
+            return True
+        process_state().print(f"--resume auto: {out} holds no checkpoint, so this run starts afresh")
+        return False
+    if resume and not any((out / name).exists() for name in RUN_OUTPUTS):
+        raise UserError(f"--resume: output_dir {out} holds no run to continue; check output_dir, drop --resume to start a "
+                        f"run there, or pass --resume auto, which starts a run where there is none and continues it where "
+                        f"there is")
+    return bool(resume)
 
 
 def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None, overwrite: bool = False) -> list[str]:
@@ -171,7 +195,7 @@ def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: l
     """The checkpoint to continue from (None: a fresh start), saying what the resume changes."""
     if not resume:
         return None
-    latest = resumable_checkpoint(accelerator, cfg.output_dir, relaunch=resume_command)
+    latest = resumable_checkpoint(accelerator, cfg.output_dir, relaunch=resume_command, global_batch=cfg.train.global_batch_size)
     if latest is not None and changes:
         accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
     return latest

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -26,7 +27,7 @@ from mpp.train import Evaluator, train
 from .evaluators import Stage, build_evaluators
 from .invocation import command_line, resume_command
 from .loaders import with_run_length
-from .run_policy import OutputDirLock, StartingPoint, check_output_dir, resume_point, start_over
+from .run_policy import OutputDirLock, StartingPoint, check_output_dir, continues_a_run, resume_point, start_over
 from .start import Run, run_settings, start_run
 from .tracking import end_tracking, stage_objective, start_tracking
 
@@ -46,13 +47,15 @@ class TrainingStage:
     checkpointed: tuple = field(default_factory=tuple)  # more state saved with every checkpoint (state_dict/load_state_dict)
 
 
-def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool = False,
+def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool | Literal["auto"] = False,
                  start: StartingPoint | None = None, overwrite: bool = False) -> dict:
-    """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started; `start` is where
+    """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started; `resume` continues
+    the run in output_dir (`auto`: where it holds a checkpoint, see run_policy.continues_a_run); `start` is where
     a fine-tuning's weights come from (None for a stage that starts from nothing else, pretraining), recorded when
     the run starts and held to on a resume; `overwrite` starts over in an output_dir holding a run. Writes
     output_dir/results.json and returns what it holds."""
     cfg = with_run_length(cfg)
+    resume = continues_a_run(cfg.output_dir, resume)
     changes = check_output_dir(cfg, resume, start, overwrite)
     started = time.perf_counter()
     run = start_run(cfg)

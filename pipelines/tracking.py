@@ -13,7 +13,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 from mpp.config import Config, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
-from mpp.rundir import CONFIG
+from mpp.rundir import CONFIG, checkpoint_step
 
 # HParams' columns: the few settings that tell runs apart (the whole config is under Text and in config.yaml). One
 # list for every stage, as TensorBoard takes the columns from one run of the logdir; a run leaves blank what does not
@@ -37,7 +37,10 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     objective, the loop and the evaluators declare), grouped and ordered as mpp.metrics lays them out.
     """
     # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
-    accelerator.init_trackers(run_name)
+    # A resume hides what the run logged after its checkpoint (steps it trains again, after a kill) from TensorBoard,
+    # so each curve holds every step once.
+    purge = {"tensorboard": {"purge_step": checkpoint_step(resumed_from) + 1}} if resumed_from else None
+    accelerator.init_trackers(run_name, init_kwargs=purge)
     if not accelerator.is_main_process:
         return
     text = config_to_yaml(cfg)

@@ -1,6 +1,7 @@
 """Two processes on CPU (gloo) through `accelerate launch`: no hangs, the same numbers as one process, exact resume."""
 
 import json
+import math
 import os
 import re
 import shlex
@@ -13,6 +14,7 @@ import time
 import psutil
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.rundir import complete_checkpoints
 
@@ -74,6 +76,44 @@ def test_two_process_run_over_uneven_shards_resumes_to_the_same_weights(tmp_path
     assert re.search(r"resumed from .*step_00000003 at step 3", proc.stdout)
     resumed = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_a_run_sized_by_its_global_batch_resumes_on_two_then_one_then_two_processes(tmp_path, make_shards):
+    # Leg 1 runs all 6 steps on 2 processes (the uninterrupted run); leg 2 resumes its step-3 checkpoint on 1 process
+    # (accumulating 2 micro-batches where 2 processes took one each), leg 3 the 1-process step-5 checkpoint on 2.
+    make_shards([40, 40], size=32)
+    common = ["launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+              "train.steps=6", "train.warmup_steps=1", "train.global_batch_size=8", "train.micro_batch_size=4",
+              "train.checkpoint_every=1", "train.keep_checkpoints=6", "train.ema_decay=0.9", "data.num_workers=1", "log.every=1"]
+    events = lambda: EventAccumulator(str(tmp_path / "run" / "tensorboard" / "pretrain")).Reload()
+    first = run([*TWO_PROCESSES, *common])
+    assert "with 2 process(es)" in first.stdout and "global batch 8 = 2 process(es) x 4 images x 1 accumulation" in first.stdout
+    uninterrupted_lrs = [(e.step, e.value) for e in events().Scalars("train/lr")]
+    assert [step for step, _ in uninterrupted_lrs] == [1, 2, 3, 4, 5, 6]
+
+    for leg, (launcher, at, split) in enumerate([([sys.executable], 3, "1 process(es) x 4 images x 2 accumulation"),
+                                                 (TWO_PROCESSES, 5, "2 process(es) x 4 images x 1 accumulation")]):
+        for later in complete_checkpoints(tmp_path / "run")[at:]:  # as if the processes had died after step `at`
+            shutil.rmtree(later)
+        (tmp_path / "run" / "model.safetensors").unlink()
+        proc = run([*launcher, *common, "--resume"])
+        processes, saved_by = (1, 2) if leg == 0 else (2, 1)
+        assert f"with {processes} process(es)" in proc.stdout and f"global batch 8 = {split}" in proc.stdout, proc.stdout[-2000:]
+        assert re.search(rf"resuming \S*step_0000000{at}, saved by {saved_by} process\(es\), with {processes}: exact in "
+                         rf"weights, optimiser state, schedule and step, with the global batch of 8 split over {processes}, "
+                         rf"but not in data order", proc.stdout), proc.stdout[-2000:]
+        assert re.search(rf"resumed from \S*step_0000000{at} at step {at}\b", proc.stdout), proc.stdout[-2000:]
+        manifest = json.loads((complete_checkpoints(tmp_path / "run")[-1] / "manifest.json").read_text())
+        assert complete_checkpoints(tmp_path / "run")[-1].name == "step_00000006" and manifest["processes"] == processes
+
+    # One curve over the three legs, each step once (the legs' steps after the checkpoints they resumed purged): each
+    # step's lr is the uninterrupted run's, every loss finite, and results.json ends the same curve.
+    curves = events()
+    assert [(e.step, e.value) for e in curves.Scalars("train/lr")] == uninterrupted_lrs
+    losses = [(e.step, e.value) for e in curves.Scalars("train/loss")]
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for _, v in losses), losses
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["steps"] == 6 and results["images_seen"] == 6 * 8 and results["final"]["train/loss"] == losses[-1][1]
 
 
 def test_two_processes_compiled_with_accumulation_panels_and_evaluations_match_eager(tmp_path, make_shards):
@@ -148,8 +188,9 @@ def test_sigterm_to_the_launcher_prints_a_resume_command_with_its_processes_and_
     one = subprocess.run([sys.executable, *command[5:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
     assert one.returncode == 2 and one.stderr.strip().splitlines() == [one.stderr.strip()], one.stderr[-2000:]
     assert one.stderr.strip() == (f"error: checkpoint {complete_checkpoints(tmp_path / 'run')[-1]} was saved by 2 process(es) "
-                                  f"and this run has 1; each process resumes its own random state and data stream position "
-                                  f"from it, so relaunch the run with 2: `{stopped[0][1]}`")
+                                  f"and this run has 1; the run sets its batch per process (train.batch_size), so its global "
+                                  f"batch would change with the process count: relaunch the run with 2: `{stopped[0][1]}` (a "
+                                  f"run started with train.global_batch_size resumes on any number of processes)")
 
     resumed = run([*TWO_PROCESSES, *command[5:], f"train.steps={step + 2}"])  # the printed command, run to an end
     assert "with 2 process(es)" in resumed.stdout and f"at step {step}" in resumed.stdout, resumed.stdout[-2000:]

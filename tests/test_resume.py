@@ -87,10 +87,45 @@ def test_no_checkpoint_that_verifies_is_one_line_naming_the_newest_fault(tmp_pat
         pretrain.run(pretrain_config(tmp_path), resume=True)
 
 
-def test_resume_with_nothing_to_resume_says_so(tmp_path, make_shards, capsys):
+def test_resume_auto_starts_a_run_where_there_is_none_and_continues_it_where_there_is(tmp_path, make_shards, monkeypatch, capsys):
+    # One command for a cluster job's first submission and every requeue; a plain --resume means a run is there.
+    import launch as cli
+
     make_shards([40], size=32)
-    pretrain.run(pretrain_config(tmp_path, "train.steps=2"), resume=True)
-    assert "holds no checkpoint yet, so this run starts at step 0" in capsys.readouterr().out
+    (tmp_path / "defaults.yaml").write_text("")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "slurm-7.out").write_text("the scheduler's log\n")  # not a run's file: kept, and no reason to refuse
+    command = ["pretrain", "--config", str(tmp_path / "defaults.yaml"), "--resume", "auto", *pretrain_args(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["launch.py", *command])
+
+    assert cli.main([word for word in command if word != "auto"]) == 2
+    assert capsys.readouterr().err == (f"error: --resume: output_dir {tmp_path / 'run'} holds no run to continue; check "
+                                       f"output_dir, drop --resume to start a run there, or pass --resume auto, which "
+                                       f"starts a run where there is none and continues it where there is\n")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+    assert cli.main(command) == 0  # the first submission
+    assert f"--resume auto: {tmp_path / 'run'} holds no checkpoint, so this run starts afresh" in capsys.readouterr().out
+    uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
+    first = json.loads((tmp_path / "run" / "results.json").read_text())
+    shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])  # as if it had been stopped after step 2's checkpoint
+    (tmp_path / "run" / "model.safetensors").unlink()
+
+    reset_accelerator()
+    assert cli.main(command) == 0  # the requeue
+    assert re.search(r"resumed from \S*step_00000002 at step 2\n", capsys.readouterr().out)
+    resumed = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+    reset_accelerator()
+    assert cli.main(command) == 0  # a requeue of the finished run: nothing trained, its final metrics kept
+    assert "at step 4: the run is finished (train.steps=4), nothing to train" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["final"] == first["final"]
+    assert (tmp_path / "run" / "slurm-7.out").read_text() == "the scheduler's log\n"
+
+    reset_accelerator()
+    assert cli.main([*command, "train.seed=3"]) == 2  # another run's config: refused as --resume refuses it
+    assert "holds a run with a different 'train' config (train.seed: 0 in its config.yaml, 3 now)" in capsys.readouterr().err
 
 
 def fill_the_disk_at(monkeypatch, tmp_path, written_file, directory=".partial-step_00000004"):
