@@ -307,6 +307,9 @@ def test_finetuning_resumes_to_the_same_weights_and_history(tmp_path, labelled_d
 def test_resume_command_puts_resume_after_the_stage(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["launch.py", "finetune", "--ckpt", "runs/pre", "--resume", "train.steps=9"])
     assert resume_command() == "`python launch.py finetune --resume --ckpt runs/pre train.steps=9`"
+    for auto in (["--resume", "auto"], ["--resume=auto"]):  # a stop of a `--resume auto` run continues with --resume
+        monkeypatch.setattr(sys, "argv", ["launch.py", "pretrain", "x=1", *auto, "y=2"])
+        assert resume_command() == "`python launch.py pretrain --resume x=1 y=2`"
     monkeypatch.setattr(sys, "argv", ["train.py", "x=1"])
     assert resume_command() == "`python train.py x=1 --resume`"
     monkeypatch.setattr(sys, "argv", ["launch.py", "compare", "--config", "plan.yaml", "arms=[mpp]"])
