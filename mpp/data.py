@@ -424,9 +424,9 @@ class ShardStream(IterableDataset):
 
     Randomness is keyed by (seed, rank, worker, group, sample index), and by `drawn_from` where it is not 0 (see
     StreamState), and the shuffle buffer is emptied at group ends, so the stream is a pure function of those and can
-    restart at any `StreamPosition` by reading, not
-    decoding, the samples of the current group already consumed. `worker_offset` rotates which logical worker
-    a DataLoader worker plays, so a resumed DataLoader (which always starts at worker 0) keeps the batch order.
+    restart at any `StreamPosition` by reading, not decoding, the samples of the current group already consumed.
+    `worker_offset` rotates which logical worker a DataLoader worker plays, so a resumed DataLoader (which always
+    starts at worker 0) keeps the batch order.
 
     labels: reads each sample's class id (a bad one is a skipped sample); None leaves labels unread (-1). An image
     without a label whose label lies elsewhere (a member of its shard not next to it, or of the shard before or
