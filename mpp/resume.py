@@ -80,7 +80,7 @@ def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relau
     return Path(path)
 
 
-def check_seen_by_every_rank(accelerator: Accelerator, checkpoint: Path, same_processes: bool) -> None:
+def check_seen_by_every_rank(accelerator: Accelerator, checkpoint: Path, same_processes: bool = True) -> None:
     """Refuse, on every rank, a checkpoint that some rank cannot read what it resumes from: its own stream state, or
     with another process count (where no rank reads one), the manifest."""
     needed = stream_state_file(checkpoint, accelerator.process_index) if same_processes else checkpoint / MANIFEST
