@@ -1,5 +1,6 @@
 import io
 import itertools
+import json
 import multiprocessing
 import random
 
@@ -103,6 +104,23 @@ def test_stream_restarts_exactly_where_it_stopped(make_shards, resampled):
     restored.load_state_dict(state.state_dict())
     rest = [b.images for b in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3, state=restored), 8)]
     assert all(torch.equal(a, b) for a, b in zip(full[7:], rest))
+
+
+def test_a_stream_begun_afresh_at_a_step_is_another_draw_and_restarts_exactly(make_shards):
+    # A resume on another process count begins every rank's stream at the resumed step (StreamState.drawn_from): not
+    # the run's own draw, and a checkpoint of it (its state through JSON, as a rank writes it) restarts it exactly.
+    urls = make_shards([9, 8])
+    data = DataConfig(num_workers=0, shuffle_buffer=6)
+    loader = lambda state: make_loader(urls, data, TrainTransform(8), 4, seed=3, state=state)
+    own = [b.images for b in itertools.islice(loader(StreamState()), 6)]
+    afresh = [b.images for b in itertools.islice(loader(StreamState(drawn_from=5)), 6)]
+    assert not torch.equal(torch.stack(own), torch.stack(afresh))
+    state = StreamState(drawn_from=5)
+    for batch in itertools.islice(loader(StreamState(drawn_from=5)), 3):
+        state.advance(batch)
+    restored = StreamState()
+    restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
+    assert all(torch.equal(a, b.images) for a, b in zip(afresh[3:], itertools.islice(loader(restored), 3), strict=True))
 
 
 def test_train_transform_is_random_but_seeded(make_shards):
