@@ -270,6 +270,22 @@ def test_a_run_sized_by_its_global_batch_resumes(tmp_path, make_shards, capsys):
     assert "applied from step_00000002 on: train.steps 2 -> 4" in capsys.readouterr().out
 
 
+def test_a_resume_that_splits_the_global_batch_into_more_micro_batches_steps_on_whole_batches(tmp_path, make_shards):
+    # Accelerate counts micro-batches to decide when accumulation syncs and restores the count with a checkpoint: 3
+    # steps of one micro-batch left it at 3, and two micro-batches a step then stepped the optimiser after the first
+    # of each. Supervised pretraining in fp32 draws no randomness per batch, so 2 x 4 images trains as 1 x 8.
+    make_shards([40, 40], size=32)
+    split = ["objective=supervised", "model.num_classes=10", "train.global_batch_size=8", "train.mixed_precision=no",
+             "train.checkpoint_every=3"]
+    pretrain.run(pretrain_config(tmp_path, *split))
+    uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
+    shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])  # as if it had died after step 3's checkpoint
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, *split, "train.grad_accum=2"), resume=True)
+    resumed = load_file(tmp_path / "run" / "model.safetensors")
+    assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted) < 1e-5
+
+
 def test_a_resume_shorter_than_its_checkpoint_is_refused(tmp_path, finished_run):
     with pytest.raises(UserError, match=r"step_00000004 is at step 4, past train.steps=3; set train.steps to at least 4"):
         pretrain.run(pretrain_config(tmp_path, "train.steps=3"), resume=True)
