@@ -235,7 +235,7 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     if len(multiples) > 1:
         lines += ["## Fine-tuning length", "",
                   f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
-                  f"fell below its best so far; the kept length, the shortest with the best dev top-1, is in bold (its "
+                  f"fell below its best so far; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its "
                   f"name ends in -x<multiple> when longer).", ""]
         rows = []
         for arm, e in arms.items():
