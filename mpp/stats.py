@@ -152,7 +152,7 @@ def dev_resolution(images: int, accuracy: float = 0.5) -> Resolution:
 @dataclass(frozen=True)
 class Candidate:
     """A recipe scored on the dev split: its per-image correctness (the dev images, in one order for every
-    candidate) and its cost (training steps, say; lower is cheaper)."""
+    candidate) and its cost (training steps, say)."""
 
     name: str
     correct: Correct  # (images,) booleans
@@ -161,26 +161,29 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Pick:
-    """The recipe picked on the dev split, and why."""
+    """The recipe picked on the dev split, and how sure the split is of it."""
 
-    pick: str  # the cheapest of `tied`, then the earliest in the grid
-    best: str  # the highest dev top-1 (the earliest in the grid among equals)
-    tied: tuple[str, ...]  # `best` and the candidates the split cannot tell from it, in grid order
-    tie: bool  # more than one in `tied`: the split could not single out a best, so cost and grid order picked
-    p_value: dict[str, float]  # every candidate's exact McNemar p-value against `best` (1.0 for `best`)
+    pick: str  # the highest dev top-1; among exactly equal scores the costlier, then the earliest in the grid
+    best: str  # the same as `pick`: kept as its own field for results.json readers
+    tied: tuple[str, ...]  # `pick` and the candidates the split cannot tell from it (near-best), in grid order
+    tie: bool  # more than one in `tied`: the split cannot single out the pick, so the report tests the others too
+    p_value: dict[str, float]  # every candidate's exact McNemar p-value against `pick` (1.0 for `pick`)
     top1: dict[str, float]  # every candidate's dev top-1
     significance: float
 
 
 def pick_recipe(candidates: Sequence[Candidate], significance: float = 0.05) -> Pick:
-    """The recipe to keep from `candidates` (in grid order), scored on one dev split.
+    """The recipe to keep from `candidates` (in grid order), scored on one dev split (or pooled over k folds).
 
-    The rule: `best` is the candidate with the highest dev top-1 (the earliest in the grid among equals). A
-    candidate is tied with `best` when the dev split cannot tell them apart: McNemar's exact test on their discordant
-    dev images (`mcnemar`) gives p >= `significance`, i.e. the difference is within what the split resolves, judged
-    on the paired images (exact, so it stays honest at the handful of discordant images a small split has). Among
-    `best` and its ties the pick is the cheapest, then the earliest in the grid. This is a screening rule, not a
-    test with a guaranteed error rate: `best` is chosen by the same data and every candidate is compared with it.
+    The rule: the pick is the candidate with the highest dev top-1, whatever its cost. Only candidates with exactly
+    the same top-1 are a tie for the pick, and that tie goes to the costlier (more training steps), then the earliest
+    in the grid: where the dev data gives no reason to stop, an arm gets its longer training, which cannot favour
+    the arm that converges fastest (the pretrained one), and the grid's order is the same for every arm.
+    Near-best candidates are reported, not picked: a candidate is `tied` with the pick when McNemar's exact test on
+    their discordant dev images (`mcnemar`) gives p >= `significance`, i.e. the split cannot tell them apart; compare
+    tests those too and says whether each verdict depends on the pick (the report's sensitivity lines).
+    A rule that kept the cheapest of the near-best would stop every arm at its shortest tied length, which flatters
+    the arm that is ahead early.
     """
     if not candidates:
         raise ValueError("pick_recipe needs at least one candidate")
@@ -192,12 +195,11 @@ def pick_recipe(candidates: Sequence[Candidate], significance: float = 0.05) -> 
         raise ValueError(f"every candidate must be one (images,) vector on the same dev images, got shapes "
                          f"{[v.shape for v in correct.values()]}")
     top1 = {name: float(v.mean()) for name, v in correct.items()}
-    best = max(names, key=lambda name: top1[name])  # max keeps the first of equals: the earliest in the grid
-    p_value = {name: mcnemar_p(*discordant(correct[best], correct[name])) for name in names}
+    order = {c.name: (-top1[c.name], -c.cost, i) for i, c in enumerate(candidates)}
+    pick = min(names, key=lambda name: order[name])
+    p_value = {name: mcnemar_p(*discordant(correct[pick], correct[name])) for name in names}
     tied = tuple(name for name in names if p_value[name] >= significance)
-    order = {c.name: (c.cost, i) for i, c in enumerate(candidates)}
-    pick = min(tied, key=lambda name: order[name])
-    return Pick(pick=pick, best=best, tied=tied, tie=len(tied) > 1, p_value=p_value, top1=top1, significance=significance)
+    return Pick(pick=pick, best=pick, tied=tied, tie=len(tied) > 1, p_value=p_value, top1=top1, significance=significance)
 
 
 class FoldError(UserError):

@@ -67,6 +67,10 @@ STAGE_DONE = "stage.json"
 # Fewer dev images of a class than this and the pick is noise: one image moves that class's accuracy by over 10
 # points, and with 10 classes (100 images) top-1's binomial standard error is still up to 5 points.
 DEV_MIN_PER_CLASS = 10
+# Under this many labelled downstream training images, `dev_folds: auto` picks by AUTO_FOLDS-fold cross-validation:
+# a 10% dev split of 500 images is 50 images, whose top-1 standard error is up to 7 points.
+SMALL_DOWNSTREAM = 500
+AUTO_FOLDS = 5
 WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
 
 
@@ -219,12 +223,13 @@ class Selection:
     def of(cls, cc: CompareConfig, base: Config, out: Path, *, select: bool) -> Selection:
         if not select:
             return cls((), base.data.shards, base.data.val_shards, {})
-        if cc.dev_folds:
-            info = stage(out / "split", f"{cc.dev_folds}-fold split of {base.data.shards}",
-                         {"shards": base.data.shards, "dev_folds": cc.dev_folds},
-                         lambda: fold_stage(base, out / "split", cc.dev_folds))
+        folds, auto = (cc.dev_folds, None) if cc.dev_folds != "auto" else auto_folds(base)
+        if folds:
+            info = stage(out / "split", f"{folds}-fold split of {base.data.shards}",
+                         {"shards": base.data.shards, "dev_folds": folds},
+                         lambda: fold_stage(base, out / "split", folds))
             splits = tuple((fold["train"], fold["dev"]) for fold in info["folds"])
-            return cls(splits, base.data.shards, base.data.val_shards, info)
+            return cls(splits, base.data.shards, base.data.val_shards, {**info, "auto_folds": auto})
         info = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
                      {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
                      lambda: split_stage(base, out / "split", cc.dev_fraction))
@@ -233,6 +238,20 @@ class Selection:
     @property
     def folds(self) -> int:
         return len(self.splits) if len(self.splits) > 1 else 0
+
+
+def auto_folds(base: Config) -> tuple[int, dict | None]:
+    """`dev_folds: auto`: k-fold picks (AUTO_FOLDS, fewer where a class has fewer images) when the downstream training
+    set holds under SMALL_DOWNSTREAM labelled images, where one dev split of it would resolve top-1 to several points;
+    else one dev split (0). Returns k and what the report says of the choice (None for one split)."""
+    per_class: dict[int, int] = {}
+    for images, (_, _, label) in enumerate(labelled_samples(base), start=1):
+        per_class[label] = per_class.get(label, 0) + 1
+        if images >= SMALL_DOWNSTREAM:
+            return 0, None
+    images = sum(per_class.values())
+    k = min(AUTO_FOLDS, min(per_class.values(), default=0))
+    return (k, {"images": images, "below": SMALL_DOWNSTREAM}) if k >= 2 else (0, None)
 
 
 def labelled_samples(cfg: Config) -> Iterator[tuple[str, dict, int]]:
@@ -346,6 +365,13 @@ class ArmRun:
             entry["dev_top1"] = kept.top1[kept.pick]
         if ablated:
             entry["ablation"] = {name: over_seeds(result, self.seeds) for name, result in tests.items()}
+        if self.cc.sensitivity:
+            lengths = [name for name in kept.tied if name != kept.pick]  # the split cannot tell them from the kept one
+            recipes = [name for name in grid_pick.tied if name != grid_pick.pick]  # ... nor these from the grid's pick
+            near_best = list(dict.fromkeys(lengths + recipes))
+            entry["near_best"] = {name: {"test": over_seeds(result, self.seeds),
+                                         "correct": {str(seed): result[seed]["correct"] for seed in self.seeds}}
+                                  for name in near_best for result in [tests.get(name) or self.tested(name)]}
         if pretrained:
             entry["pretrain_curves"] = scalar_history(self.out / "pre" / self.arm.name, PRETRAIN_CURVES)
             if ablated and self.cc.checkpoints:
@@ -369,8 +395,9 @@ class ArmRun:
         return self.fine_tuned[run_name]
 
     def choose(self, candidates: dict[str, dict]) -> Choice:
-        """Score each candidate recipe on the dev split (each fold) and pick one (mpp.stats.pick_recipe: ties to the
-        fewer training steps, then the earlier candidate); one candidate or no split: that one, unscored."""
+        """Score each candidate recipe on the dev split (each fold) and pick one (mpp.stats.pick_recipe: the best dev
+        top-1; exactly equal scores to the more training steps, then the earlier candidate); one candidate or no
+        split: that one, unscored."""
         scored = []
         for name, recipe in candidates.items():
             correct = {}
@@ -388,7 +415,7 @@ class ArmRun:
 
     def search_length(self, grid_pick: Choice) -> tuple[Choice, dict[str, float]]:
         """The grid's pick fine-tuned at the plan's `lengths` multiples, going on while dev top-1 does not fall below
-        the best so far; the kept length is picked among those tried like a recipe (ties to the fewer steps)."""
+        the best so far; the kept length is picked among those tried like a recipe (the best dev top-1)."""
         if len(self.cc.lengths) == 1 or not self.selection.splits:
             return grid_pick, {}
         name = grid_pick.pick
@@ -491,8 +518,27 @@ def gaps(arms: dict[str, dict]) -> list[dict]:
         spread = None if ta["top1_std"] is None or tb["top1_std"] is None else ta["top1_std"] + tb["top1_std"]
         result.append({"arms": [a, b], "gap": ta["top1"] - tb["top1"], **{k: v for k, v in asdict(interval).items() if k != "gap"},
                        "images": len(keys), "mcnemar": per_seed, "spread": spread,
-                       "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread})
+                       "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread,
+                       **({"sensitivity": sensitivity(a, ea, b, eb, keys)} if "near_best" in ea or "near_best" in eb else {})})
     return result
+
+
+def verdict(interval) -> int:
+    """+1: the first arm is better, -1: the second, 0: the interval includes 0 (unresolved)."""
+    return 0 if not interval.excludes_zero else (1 if interval.gap > 0 else -1)
+
+
+def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str]) -> list[dict]:
+    """The gap a - b with each arm at each of its near-best candidates (its pick included): every combination's paired
+    interval and verdict, so the report can say whether the verdict depends on the picks."""
+    def choices(entry: dict) -> dict[str, dict]:
+        return {entry["recipe"]: entry["correct"], **{name: alt["correct"] for name, alt in entry.get("near_best", {}).items()}}
+
+    rows = []
+    for (ra, ca), (rb, cb) in itertools.product(choices(ea).items(), choices(eb).items()):
+        interval = paired_bootstrap_gap([[ca[seed][k] for k in keys] for seed in ca], [[cb[seed][k] for k in keys] for seed in cb])
+        rows.append({a: ra, b: rb, "gap": interval.gap, "low": interval.low, "high": interval.high, "verdict": verdict(interval)})
+    return rows
 
 
 def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict]) -> dict:

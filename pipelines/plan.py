@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from omegaconf import OmegaConf
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
@@ -47,11 +47,12 @@ class CompareConfig(Section):
     pretrain: dict[str, Any] = Field({}, description="Run-config keys of every pretraining run: data.shards (upstream; labelled for supervised), train.*, mpp.*.")
     finetune: dict[str, Any] = Field({}, description="Run-config keys of every fine-tuning run: data.shards (downstream training), data.val_shards (evaluation), train.*, finetune.eval_every.")
     lrs: list[float] = Field([], description="Fine-tuning learning rates tried per arm, the best picked on the dev split; empty: finetune's train.lr alone, no dev split.")
-    grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best per arm is picked on the dev split, ties broken towards the cheaper, then the earlier recipe.")
+    grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best dev top-1 per arm is picked (exactly equal scores to the longer, then the earlier recipe).")
     seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and each gap's paired 95% interval over test images and seeds. Empty: finetune's train.seed alone.")
     dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's recipe (with dev_folds 0).")
-    dev_folds: int = Field(0, ge=0, description="With k >= 2, pick recipes and lengths by k-fold cross-validation over all downstream training images instead of one dev split (k fine-tunings per candidate), then fine-tune the pick on all of them; 0: one split of dev_fraction.")
-    lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's pick, going on while its dev top-1 does not fall below the best so far; the kept length is picked like a recipe (ties to the shorter); [1]: the plan's length only.")
+    dev_folds: int | Literal["auto"] = Field("auto", description="With k >= 2, pick recipes and lengths by k-fold cross-validation over all downstream training images instead of one dev split (k fine-tunings per candidate), then fine-tune the pick on all of them; 0: one split of dev_fraction; auto: 5-fold when the downstream training set holds under 500 labelled images, else one split.")
+    lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's pick, going on while its dev top-1 does not fall below the best so far; the kept length is picked like a recipe (the best dev top-1; exactly equal scores to the longer); [1]: the plan's length only.")
+    sensitivity: bool = Field(True, description="Also fine-tune and test each arm's near-best candidates (those the dev split cannot tell from its pick) at every seed, and report whether each gap's verdict would change had each arm taken one of them.")
     checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
     ablate: list[str] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation; names of arms not in `arms` are ignored.")
 
@@ -80,8 +81,8 @@ class CompareConfig(Section):
             raise ValueError(f"lengths must start at 1 (the plan's train.steps) and increase, got {self.lengths}; e.g. [1, 2, 4]")
         if self.grid and self.lrs:
             raise ValueError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
-        if self.dev_folds == 1:
-            raise ValueError("dev_folds 1 is no cross-validation; use dev_folds 0 (one dev split) or at least 2")
+        if isinstance(self.dev_folds, int) and (self.dev_folds == 1 or self.dev_folds < 0):
+            raise ValueError(f"dev_folds {self.dev_folds} is no cross-validation; use dev_folds 0 (one dev split), at least 2, or auto")
         return self
 
 

@@ -86,10 +86,13 @@ def selection_text(report: dict, cc: CompareConfig, base: Config) -> str:
         return (f"one recipe ({base.train.optimizer}, lr {base.train.lr:g}) for every arm (no dev split: set `grid` "
                 f"or `lrs` for per-arm selection).")
     if report["dev_folds"]:
+        auto = info.get("auto_folds")
+        why = (f" (`dev_folds: auto` chose k-fold: the set holds under {auto['below']} labelled images, too few for one "
+               f"dev split to rank the grid)" if auto else "")
         return (f"each arm's recipe picked from the {len(grid)} of the grid below by {report['dev_folds']}-fold "
-                f"cross-validation over the {info['images']} labelled images of {base.data.shards} (every image scored "
-                f"once, by a run that did not train on it), then fine-tuned on all of them, so no arm is held to a "
-                f"recipe that suits another.")
+                f"cross-validation over the {info['images']} labelled images of {base.data.shards}{why} (every image "
+                f"scored once, by a run that did not train on it), then fine-tuned on all of them, so no arm is held to "
+                f"a recipe that suits another.")
     return (f"each arm's recipe picked from the {len(grid)} of the grid below by top-1 on a dev split "
             f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning), so no arm is held to a recipe "
             f"that suits another.")
@@ -114,8 +117,31 @@ def gap_lines(report: dict, seeds: list[int]) -> list[str]:
                   f"{100 * g['spread']:.2f})")
         lines.append(f"- {a} - {b}: {100 * g['gap']:+.2f} points top-1, 95% CI [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}] "
                      f"over {g['images']} test images and {len(seeds)} seed(s): {verdict}. McNemar: {mcnemar}. Beside it, "
-                     f"{spread}.")
+                     f"{spread}.{sensitivity_text(g)}")
     return lines + [""]
+
+
+VERDICTS = {1: "{a} is better", -1: "{b} is better", 0: "unresolved"}
+
+
+def sensitivity_text(gap: dict) -> str:
+    """Whether the gap's verdict depends on the picks: its verdict with each arm at each of its near-best candidates."""
+    rows = gap.get("sensitivity")
+    if not rows or len(rows) < 2:
+        return ""
+    a, b = gap["arms"]
+    words = {v: text.format(a=a, b=b) for v, text in VERDICTS.items()}
+    own = 0 if not gap["excludes_zero"] else (1 if gap["gap"] > 0 else -1)
+    low, high = min(r["gap"] for r in rows), max(r["gap"] for r in rows)
+    spread = (f" Sensitivity: with each arm at each of its near-best candidates ({len(rows)} combinations), the gap "
+              f"runs from {100 * low:+.2f} to {100 * high:+.2f} points;")
+    others = [r for r in rows if r["verdict"] != own]
+    if not others:
+        return spread + f" the verdict ({words[own]}) holds in every one."
+    worst = others[0]
+    return (spread + f" **the verdict depends on the pick**: {len(others)} of them give another verdict, e.g. {a} at "
+            f"`{worst[a]}` and {b} at `{worst[b]}`: {100 * worst['gap']:+.2f} [{100 * worst['low']:+.2f}, "
+            f"{100 * worst['high']:+.2f}] ({words[worst['verdict']]}).")
 
 
 def pick_lines(report: dict) -> list[str]:
@@ -132,9 +158,10 @@ def pick_lines(report: dict) -> list[str]:
         size = f"A dev split of {resolution['images']} images ({', '.join(f'{n} of class {c}' for c, n in info['dev_images_per_class'].items())})."
     lines = ["## The dev split and the picks", "",
              f"{size} One image is worth {100 * resolution['one_image']:.2f} points of top-1, and top-1's standard error "
-             f"is up to ±{100 * resolution['standard_error']:.2f} points (at 50%). Two candidates are tied when McNemar's "
-             f"exact test on their dev images cannot tell them apart (p >= 0.05); among the best and its ties, the one "
-             f"with fewer training steps is kept, then the one earlier in the grid (so order the grid simplest first).", ""]
+             f"is up to ±{100 * resolution['standard_error']:.2f} points (at 50%). Each arm keeps the candidate with the "
+             f"best dev top-1 (exactly equal scores go to the longer training, then the earlier in the grid). A candidate "
+             f"is near-best when McNemar's exact test on the dev images cannot tell it from the pick (p >= 0.05); those "
+             f"are tested too, and each gap below says whether its verdict would change with them.", ""]
     for arm, e in arms.items():
         for what, choice in (("recipe", e["pick"]), ("length", e["length_pick"] if e["lengths"] else {"p_value": {}})):
             if len(choice["p_value"]) < 2:
@@ -143,7 +170,7 @@ def pick_lines(report: dict) -> list[str]:
             if choice["tie"]:
                 tied = ", ".join(f"`{name}`" for name in choice["tied"] if name != choice["pick"])
                 lines.append(f"- {arm}, {what}: `{choice['pick']}`, **a tie** with {tied}: the split cannot tell them apart. "
-                             f"Against the best: {', '.join(others)}.")
+                             f"Against the pick: {', '.join(others)}.")
             else:
                 lines.append(f"- {arm}, {what}: `{choice['pick']}`, ahead of every other beyond what the split resolves: "
                              f"{', '.join(others)}.")
@@ -208,7 +235,7 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     if len(multiples) > 1:
         lines += ["## Fine-tuning length", "",
                   f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
-                  f"fell below its best so far; the kept length, the shortest with the best dev top-1, is in bold (its "
+                  f"fell below its best so far; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its "
                   f"name ends in -x<multiple> when longer).", ""]
         rows = []
         for arm, e in arms.items():

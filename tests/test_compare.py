@@ -17,7 +17,8 @@ TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "comm
              "common.fewshot.shots=[1,2]", "common.fewshot.draws=2", "common.fewshot.train_images=60",
              "common.fewshot.eval_images=40", "pretrain.train.steps=3", "pretrain.train.warmup_steps=1",
              "pretrain.train.batch_size=8", "finetune.train.steps=4", "finetune.train.warmup_steps=1",
-             "finetune.train.batch_size=8", "finetune.finetune.eval_every=2", "dev_fraction=0.25"]
+             "finetune.train.batch_size=8", "finetune.finetune.eval_every=2", "dev_fraction=0.25", "dev_folds=0",
+             "sensitivity=false"]
 # The shipped tiny plan's grid (SGD and the AdamW/layer-decay/mean-pooling recipe) and seeds [0, 1], as they are.
 
 
@@ -160,22 +161,54 @@ def test_the_pick_fine_tunes_longer_while_dev_top1_rises(tmp_path):
         tiny(tmp_path, "lengths=[2]")
 
 
-def test_a_dev_tie_fine_tunes_longer_and_keeps_the_shorter_length(tmp_path, monkeypatch):
+def scripted_dev(monkeypatch, dev_top1):
+    """Fine-tuning runs for real, but each scores on the dev split as dev_top1(cfg) says: its first images right."""
     run_stage = compare.finetune_stage
-    dev_top1 = {4: 0.5, 8: 0.6, 16: 0.6, 32: 0.55}  # by train.steps: x2 rises, x4 ties, x8 falls
 
-    def scripted(cfg, ckpt):  # the first images of the dev split right, as many as the length's dev top-1 says
+    def scripted(cfg, ckpt):
         result = run_stage(cfg, ckpt)
         keys = sorted(result["correct"])
-        right = round(dev_top1[cfg.train.steps] * len(keys))
-        return {**result, "top1": dev_top1[cfg.train.steps], "correct": {k: int(i < right) for i, k in enumerate(keys)}}
+        right = round(dev_top1(cfg) * len(keys))
+        return {**result, "top1": dev_top1(cfg), "correct": {k: int(i < right) for i, k in enumerate(keys)}}
 
     monkeypatch.setattr(compare, "finetune_stage", scripted)
+
+
+def test_an_equal_dev_score_fine_tunes_longer_and_keeps_the_longer_length(tmp_path, monkeypatch):
+    dev_top1 = {4: 0.5, 8: 0.6, 16: 0.6, 32: 0.55}  # by train.steps: x2 rises, x4 equals it, x8 falls
+    scripted_dev(monkeypatch, lambda cfg: dev_top1[cfg.train.steps])
     entry = compare.run(tiny(tmp_path, "arms=[scratch]", "seeds=[]", "lengths=[1,2,4,8,16]"))["arms"]["scratch"]
-    assert entry["lengths"] == {"1": 0.5, "2": 0.6, "4": 0.6, "8": 0.55}  # the tie went on; the fall ended it before x16
-    # x4 equals x2 and x8 is 5 images short of them (McNemar p = 0.06): a tie on 100 dev images, kept at the fewest steps
-    assert entry["recipe"].endswith("-x2") and entry["length"] == "2"
-    assert entry["length_pick"]["tie"] and entry["length_pick"]["tied"][0].endswith("-x2")
+    assert entry["lengths"] == {"1": 0.5, "2": 0.6, "4": 0.6, "8": 0.55}  # the equal score went on; the fall ended it before x16
+    # x4 equals x2 and x8 is 5 images short of them (McNemar p = 0.06): near-best on 100 dev images; the equal
+    # scores go to the longer training
+    assert entry["recipe"].endswith("-x4") and entry["length"] == "4"
+    assert entry["length_pick"]["tie"] and set(entry["length_pick"]["tied"]) == {f"{entry['grid_pick']}-x{m}" for m in (2, 4, 8)}
+
+
+def test_picks_follow_the_dev_scores_when_one_arm_improves_with_length_and_the_other_does_not(tmp_path, monkeypatch):
+    """The bias the pick rule must not have: scratch still rises with length on the dev split while the pretrained arm
+    is flat. The old rule (the cheapest of the near-best) held scratch at a shorter length than its best."""
+    rising = {4: 0.50, 8: 0.55, 16: 0.58}  # scratch, by train.steps
+    flat = {4: 0.60, 8: 0.60, 16: 0.60}  # mpp
+
+    def dev_top1(cfg):
+        if cfg.train.optimizer == "adamw":  # the grid's other recipe, well behind for both arms
+            return 0.3
+        return (flat if "/ft/mpp/" in cfg.output_dir else rising)[cfg.train.steps]
+
+    scripted_dev(monkeypatch, dev_top1)
+    report = compare.run(tiny(tmp_path, "arms=[mpp,scratch]", "seeds=[]", "lengths=[1,2,4]", "sensitivity=true"))
+    mpp, scratch = report["arms"]["mpp"], report["arms"]["scratch"]
+    assert scratch["recipe"] == "sgd-0.03-x4" and scratch["dev_top1"] == 0.58  # its best, 3 images above x2
+    assert mpp["recipe"] == "sgd-0.03-x4"  # equal scores: the longer training, the same rule for both arms
+    # near-best (McNemar p >= 0.05 against the pick): scratch's x2 (3 discordant images), mpp's x1 and x2 (equal)
+    assert set(scratch["near_best"]) == {"sgd-0.03-x2"} and set(mpp["near_best"]) == {"sgd-0.03", "sgd-0.03-x2"}
+    gap = report["gaps"][0]
+    assert len(gap["sensitivity"]) == 3 * 2  # each arm at its pick or one of its near-best candidates
+    assert {(row["mpp"], row["scratch"]) for row in gap["sensitivity"]} == {
+        (m, s) for m in ("sgd-0.03-x4", "sgd-0.03", "sgd-0.03-x2") for s in ("sgd-0.03-x4", "sgd-0.03-x2")}
+    line = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if line.startswith("- mpp - scratch:"))
+    assert "Sensitivity: with each arm at each of its near-best candidates (6 combinations)" in line
 
 
 def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, monkeypatch, capsys):

@@ -116,26 +116,36 @@ def dev(right: list[int], images: int = 64) -> np.ndarray:
     return correct
 
 
-def test_a_one_image_difference_on_64_dev_images_is_a_tie_broken_by_cost():
-    picked = pick_recipe([Candidate("long", dev(list(range(33))), cost=2000),  # 33/64: one image more
-                          Candidate("short", dev(list(range(32))), cost=1000)])
-    assert picked.best == "long" and picked.top1 == {"long": 33 / 64, "short": 32 / 64}
-    assert picked.tied == ("long", "short") and picked.tie
-    assert picked.pick == "short"
-    assert picked.p_value == {"long": 1.0, "short": 1.0}  # one discordant image
+def test_the_pick_is_the_best_dev_score_even_when_the_split_cannot_resolve_it_from_a_cheaper_one():
+    picked = pick_recipe([Candidate("short", dev(list(range(32))), cost=1000),
+                          Candidate("long", dev(list(range(33))), cost=2000)])  # 33/64: one image more
+    assert picked.pick == picked.best == "long" and picked.top1 == {"short": 32 / 64, "long": 33 / 64}
+    assert picked.tied == ("short", "long") and picked.tie  # near-best: reported, not picked
+    assert picked.p_value == {"short": 1.0, "long": 1.0}  # one discordant image
 
 
-def test_a_large_dev_difference_is_not_a_tie_and_equal_costs_go_to_the_earliest_in_the_grid():
+def test_a_large_dev_difference_is_not_a_tie_and_exactly_equal_scores_go_to_the_costlier_then_the_earliest():
     picked = pick_recipe([Candidate("weak", dev(list(range(30))), cost=1000),
                           Candidate("strong", dev(list(range(50))), cost=2000)])
     assert (picked.best, picked.pick, picked.tied, picked.tie) == ("strong", "strong", ("strong",), False)
     assert picked.p_value["weak"] == mcnemar_p(20, 0)
-    same_cost = pick_recipe([Candidate("first", dev(list(range(31))), cost=1000),
-                             Candidate("second", dev(list(range(32))), cost=1000),
-                             Candidate("third", dev(list(range(31))), cost=1000)])
-    assert (same_cost.best, same_cost.pick, same_cost.tied) == ("second", "first", ("first", "second", "third"))
-    equal_top1 = pick_recipe([Candidate("a", dev([0]), cost=5), Candidate("b", dev([1]), cost=5)])
-    assert equal_top1.best == "a"
+    equal = pick_recipe([Candidate("first", dev(list(range(32))), cost=1000),
+                         Candidate("second", dev(list(range(1, 33))), cost=1000),
+                         Candidate("longer", dev(list(range(2, 34))), cost=2000)])
+    assert (equal.pick, equal.tied) == ("longer", ("first", "second", "longer"))  # equal scores: the longer training
+    same_cost = pick_recipe([Candidate("a", dev([0]), cost=5), Candidate("b", dev([1]), cost=5)])
+    assert same_cost.pick == "a"  # equal scores and costs: the earliest in the grid
+
+
+def test_a_pick_follows_the_scores_for_an_arm_that_improves_with_length_and_one_that_does_not():
+    """The case that biased the old rule: on 64 dev images, scratch rises with length (25, 28, 29 right) while the
+    pretrained arm is flat (34 at every length). Each keeps its best-scoring length; the old rule (the cheapest of
+    the near-best) kept scratch at its shortest, 4 images below its best."""
+    lengths = {"x1": 300, "x2": 600, "x4": 1200}
+    rising = pick_recipe([Candidate(name, dev(list(range(right))), cost) for (name, cost), right in zip(lengths.items(), (25, 28, 29))])
+    flat = pick_recipe([Candidate(name, dev(list(range(34))), cost) for name, cost in lengths.items()])
+    assert rising.pick == "x4" and rising.tie and rising.tied == ("x1", "x2", "x4")  # the split cannot tell them apart
+    assert flat.pick == "x4" and flat.tied == ("x1", "x2", "x4")  # equal scores: the longer training, as for any arm
 
 
 def test_pick_recipe_refuses_candidates_on_different_dev_images():
