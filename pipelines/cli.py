@@ -196,6 +196,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--classes", type=class_ids, default=None,
                          help="keep only these class ids, comma-separated, relabelled 0..k-1 in the order given "
                               "(e.g. 1,3,5,7,9 upstream and 0,2,4,6,8 downstream for a transfer split)")
+    prepare.add_argument("--workers", type=int, default=None, metavar="N",
+                         help="processes encoding and writing shards, each a whole shard at a time (default: the cores "
+                              "this process may use); the shards are the same whatever N is")
     prepare.add_argument("--class-names", type=class_name_list, default=None, metavar="NAMES",
                          help="the names of the source's class ids 0, 1, ... (before --classes picks and relabels "
                               "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
-                        quality=args.quality, classes=args.classes, class_names=args.class_names)
+                        quality=args.quality, classes=args.classes, class_names=args.class_names, workers=args.workers)
         from .tracking import end_process
 
         end_process()

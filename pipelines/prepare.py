@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpp.errors import command
-from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, cifar_samples, folder_samples, hf_samples, idx_samples, is_cifar, is_saved_dataset, name_classes, select_classes, synthetic_samples, write_shards
+from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, cifar_samples, default_workers, folder_samples, hf_samples, idx_samples, is_cifar, is_saved_dataset, name_classes, select_classes, synthetic_samples, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 _CIFAR_NAMES = re.compile(r"cifar-10-batches-py|cifar-100?-python")  # the names CIFAR's archives and folders come with
@@ -35,6 +35,7 @@ def run(
     quality: int = 90,
     classes: list[int] | None = None,
     class_names: list[str] | None = None,
+    workers: int | None = None,
 ) -> dict:
     """Write `source` as shards into `out`, print a one-line summary and return summary.json's content.
 
@@ -45,6 +46,8 @@ def run(
     classes: keep only the samples of these class ids, relabelled 0..k-1 in this order (a class split for transfer).
     class_names: the names of the source's class ids (id i: class_names[i]), instead of its own; `classes` keeps those
     of the classes it keeps.
+    workers: processes encoding and writing shards (default: the cores this process may use); the shards are the
+    same whatever the number.
     """
     check_writable_dir(Path(out))
     samples = open_source(source, size=size, count=count, split=split)
@@ -54,8 +57,8 @@ def run(
         samples = select_classes(samples, classes)
     if short_side is not None:
         samples = bound_short_side(samples, short_side, quality)
-    summary = write_shards(samples, out,
-                           samples_per_shard=samples_per_shard, overwrite=overwrite, progress=True)
+    summary = write_shards(samples, out, samples_per_shard=samples_per_shard, overwrite=overwrite, progress=True,
+                           workers=default_workers() if workers is None else workers)
     skipped = f", skipped {summary['skipped']} unreadable" if summary["skipped"] else ""
     print(f"wrote {summary['samples']} samples ({summary['classes']} classes{skipped}) in {summary['shards']} shards, "
           f"{summary['bytes'] / 1e6:.1f} MB, to {out}")
