@@ -744,6 +744,130 @@ class _Pixels:
             yield Sample(f"{i:08d}", buffer.getvalue(), "png", self.labels[i])
 
 
+_ARCHIVE_NAME = re.compile(r"\.(tar|tar\.gz|tgz|tar\.bz2|tar\.xz)$", re.IGNORECASE)
+_COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
+
+
+def is_image_archive(path: str | os.PathLike) -> bool:
+    """A tar file (ImageNet's ILSVRC2012_img_train.tar: a tar of per-class tars; or a tar of class folders)."""
+    path = Path(path)
+    return path.is_file() and bool(_ARCHIVE_NAME.search(path.name))
+
+
+def archive_samples(path: str | os.PathLike) -> Source:
+    """The images in a tar, read in place: in tars inside it (class = the inner tar's name without .tar, as
+    ImageNet's training archive holds n01440764.tar and so on) or in folders (class = the folder an image is in), or
+    all at its top level (unlabelled). Only the headers are read to list them; the images are then read by position,
+    in the fixed shuffled order folders get, so every shard mixes classes. A damaged inner tar keeps the images
+    listed before the damage and counts as one unreadable input, with a warning naming it."""
+    path = Path(path).expanduser()
+    with open(path, "rb") as file:
+        compressed = file.read(6).startswith(_COMPRESSED_MAGIC)
+    if compressed:
+        raise SourceError(f"{path} is compressed; prepare reads the images of an archive in place, in shuffled order, "
+                          f"so decompress it first (gunzip, bunzip2 or unxz) and pass the .tar")
+    if not tarfile.is_tarfile(path):
+        raise SourceError(f"{path} is not a tar archive; pass a tar of images, of class folders or of per-class tars")
+    with open(path, "rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        file.seek(0)
+        found, damaged = [], []  # found: (offset, size, name for its key, class or None, where it is in the archive)
+        for member, offset in _tar_files(file, size, str(path), damaged):
+            if member.name.lower().endswith(".tar"):
+                where, label = f"{path}:{member.name}", Path(member.name).name[:-4]
+                found += [(offset + image_offset, image.size, f"{label}/{image.name}", label, f"{member.name}/{image.name}")
+                          for image, image_offset in _tar_files(_Window(file, offset, member.size), member.size, where, damaged)
+                          if Path(image.name).suffix.lower() in _IMAGE_SUFFIXES]
+            elif Path(member.name).suffix.lower() in _IMAGE_SUFFIXES:
+                folder = Path(member.name).parent.name
+                found.append((offset, member.size, member.name, folder or None, member.name))
+    if not found:
+        raise SourceError(f"archive {path} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))}) in it or in tars in it; "
+                          f"pass a tar of images, of class folders or of per-class tars")
+    classes = sorted({label for *_, label, _ in found if label is not None})
+    if classes and any(label is None for *_, label, _ in found):
+        raise SourceError(f"archive {path} has images both at its top level and in class folders or tars; pass an "
+                          f"archive with every image in a class, or none")
+    ids = {name: i for i, name in enumerate(classes)}
+    keys = _safe_keys([name.rsplit(".", 1)[0] for _, _, name, _, _ in found])
+    entries = [(offset, length, key, ids.get(label), member) for (offset, length, _, label, member), key in zip(found, keys)]
+    return Source(f"archive {path}", len(entries) + len(damaged), _Members(path, _shuffled(entries + [None] * len(damaged))),
+                  class_names=classes or None, indexed=True)
+
+
+class _Window(io.RawIOBase):
+    """Bytes start..start+length of a seekable file, as a file: an inner tar read where it lies."""
+
+    def __init__(self, file, start: int, length: int):
+        super().__init__()
+        self.file, self.start, self.length, self.position = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.position = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.length}[whence] + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        wanted = max(0, min(len(buffer), self.length - self.position))
+        self.file.seek(self.start + self.position)
+        data = self.file.read(wanted)
+        buffer[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def _tar_files(file, size: int, where: str, damaged: list[str]) -> Iterator[tuple[tarfile.TarInfo, int]]:
+    """(member, offset of its data in `file`) for each regular file of the tar in `file` (size bytes), from its
+    headers alone. A damaged header or a member cut short ends the listing: it is warned about and noted in `damaged`."""
+    listed, reason = 0, None
+    try:
+        tar = tarfile.open(fileobj=file, mode="r:")
+        while (member := tar.next()) is not None:
+            if member.offset_data + member.size > size:
+                reason = f"{member.name} is cut short"
+                break
+            if member.isfile():
+                listed += 1
+                yield member, member.offset_data
+        else:
+            file.seek(tar.offset)
+            if any(file.read(tarfile.BLOCKSIZE)):  # tarfile ends its listing quietly at a header it cannot read
+                reason = f"a damaged header at byte {tar.offset}"
+    except tarfile.TarError as exc:
+        reason = f"a damaged header ({exc})"
+    if reason is not None:
+        warnings.warn(f"reading {where} stopped at {reason}; keeping the {listed} files listed before it, and counting "
+                      f"the rest as one unreadable input", stacklevel=3)
+        damaged.append(where)
+
+
+@dataclass(frozen=True)
+class _Members:
+    """An archive source's reader: images at (offset, size) in an uncompressed tar; None marks a damaged inner tar."""
+
+    path: Path
+    entries: list[tuple[int, int, str, int | None, str] | None]
+
+    def __call__(self, start: int = 0, stop: int | None = None) -> Iterator[Sample | None]:
+        with open(self.path, "rb") as file:
+            for entry in self.entries[start:stop]:
+                if entry is None:
+                    yield None
+                    continue
+                offset, size, key, label, member = entry
+                file.seek(offset)
+                data = file.read(size)
+                yield Sample(key, data, AS_FOUND, label, f"{self.path}:{member}") if len(data) == size else None
+
+
 def idx_samples(images_idx_path: str | os.PathLike, labels_idx_path: str | os.PathLike, class_names: list[str] | None = None,
                 dataset: str = "") -> Source:
     """MNIST-style IDX files (raw or gzip), each image stored as a grayscale PNG. IDX files hold no class names:
