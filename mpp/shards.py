@@ -1,9 +1,10 @@
 """Write WebDataset shards: plain tars of `KEY.jpg|png|webp` plus optional `KEY.cls` (ASCII digits).
 
-Sources (a folder of images, a Hugging Face dataset, MNIST-style IDX files, CIFAR-10/100, the synthetic corpus)
-yield `Sample`s; `write_shards` packs them into `out_dir/{prefix}-000000.tar, ...` and records
-`summary.json` (which lists the shard files) last, so a directory with a summary holds a complete shard set.
-Folder and Hugging Face sources come out in a fixed shuffled order, so every shard mixes classes.
+Sources (a folder of images, a tar of images or of per-class tars, a Hugging Face dataset, MNIST-style IDX files,
+CIFAR-10/100, the synthetic corpus) yield `Sample`s; `write_shards` packs them into `out_dir/{prefix}-000000.tar, ...`
+(in worker processes, each writing whole shard-sized ranges of a source read by index) and records `summary.json`
+(which lists the shard files) last, so a directory with a summary holds a complete shard set. Folder, archive and
+Hugging Face sources come out in a fixed shuffled order, so every shard mixes classes.
 """
 
 from __future__ import annotations
@@ -396,7 +397,9 @@ class _RangeWorkers:
                 try:
                     outcome = results.get(timeout=self.POLL_S)
                 except queue.Empty:
-                    self.bar.update(inputs.value - self.bar.n)
+                    outcome = None
+                self.bar.update(inputs.get_obj().value - self.bar.n)  # unlocked: a killed worker may hold the lock
+                if outcome is None:
                     ended = next((p for p in processes if p.exitcode not in (None, 0)), None)
                     if ended is not None:
                         how = (f"was killed by signal {-ended.exitcode} (out of memory, if it was SIGKILL)" if ended.exitcode < 0
@@ -408,7 +411,6 @@ class _RangeWorkers:
                     done[outcome.index] = outcome
                 else:
                     raise _worker_error(*outcome)
-            self.bar.update(inputs.value - self.bar.n)
         finally:
             for process in processes:
                 if process.is_alive() and len(done) < ranges:
