@@ -105,6 +105,7 @@ class Source:
                 yield stored
             elif found is None or sample is not None:  # unreadable (not merely left out by a step)
                 tally.skipped += 1
+            tally.current = ""
 
     def _encoded(self, sample: Sample) -> Sample | None:
         if sample.ext == AS_FOUND:
@@ -119,7 +120,8 @@ class Source:
 
 @dataclass
 class _Tally:
-    """What reading a range of a source came to: its inputs, the unreadable ones, the input being prepared."""
+    """What reading a range of a source came to: its inputs, the unreadable ones, the input being prepared (empty
+    while the next is read)."""
 
     start: int = 0
     inputs: int = 0
@@ -309,7 +311,7 @@ def _named_errors(source: Source, tally: _Tally, samples: Iterator[Sample]) -> I
     except (UserError, OSError):
         raise
     except Exception as exc:
-        raise SourceError(f"cannot prepare {tally.current or 'the first input'} of {source.name} "
+        raise SourceError(f"cannot prepare {tally.current or f'input {tally.start + tally.inputs}'} of {source.name} "
                           f"({type(exc).__name__}: {exc}); fix or remove that input") from exc
 
 

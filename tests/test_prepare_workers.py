@@ -237,3 +237,23 @@ def test_short_side_decodes_large_jpegs_at_a_reduced_scale_and_keeps_the_size_ex
     stored = Image.open(io.BytesIO(read_shards(tmp_path / "out")["photo"]["jpg"]))
     assert stored.size == (341, 256)
     assert scales == [(400, 300)]  # decoded at 1/4 scale, once
+
+
+class FailingReader:
+    """A source's reader (picklable, so worker processes can run it) whose input 5 fails as no image should."""
+
+    def __call__(self, start=0, stop=None):
+        for i in range(*slice(start, stop).indices(8)):
+            if i == 5:
+                raise RuntimeError("the decoder crashed")
+            yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2, f"/data/k{i}.png")
+
+
+def test_an_unexpected_error_in_a_worker_is_one_line_naming_the_input(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepare, "SOURCES", [(lambda r: r.source == "failing",
+                                              lambda r: shards.Source("failing source", 8, FailingReader(), indexed=True)),
+                                             *prepare.SOURCES])
+    assert launch.main(["prepare", "failing", "--out", str(tmp_path / "out"), "--samples-per-shard", "2", "--workers", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: cannot prepare input 5 of failing source (RuntimeError: the decoder crashed); fix or remove that input")
+    assert not multiprocessing.active_children() and not (tmp_path / "out").exists()
