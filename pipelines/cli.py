@@ -180,7 +180,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
-    prepare.add_argument("source", help="a folder of images (class = sub-folder), a Hugging Face dataset name or local path, "
+    prepare.add_argument("source", help="a folder of images (class = sub-folder), a tar of them or of per-class tars "
+                                        "(ImageNet's ILSVRC2012_img_train.tar), a Hugging Face dataset name or local path, "
                                         "an MNIST-style *-images-idx3-ubyte file, CIFAR-10/100's python-version "
                                         ".tar.gz or folder, or 'synthetic'")
     prepare.add_argument("--out", required=True, help="directory for the shards and summary.json")
