@@ -242,7 +242,7 @@ class _OutputLock:
                 os.close(fd)
                 raise SourceError(f"another prepare (pid {holder}) is writing shards into {self.out}; wait for it to "
                                   f"end, stop it, or choose another output directory (--out)") from None
-            try:  # the holder it waited on may have removed the file: then lock the one now there
+            try:  # opened as the last holder released it, the file may be gone: then lock the one now there
                 if os.path.samestat(os.fstat(fd), os.stat(self.path)):
                     break
             except FileNotFoundError:
@@ -338,7 +338,7 @@ class _Range:
 
 def _write_range(source: Source, index: int, per_shard: int, staging: Path, tally: _Tally) -> _Range:
     """Inputs index * per_shard onwards, per_shard of them, as one tar written as a shard is."""
-    file = f"range-{index:06d}.tar"
+    file = f"inputs-{index:06d}.part"  # a tar, named apart from the shards whatever their prefix
     count, labels = 0, set()
     with wds.TarWriter(str(staging / file), encoder=False, mtime=0) as sink:
         for sample in _named_errors(source, tally, source.stored(tally, index * per_shard, (index + 1) * per_shard)):

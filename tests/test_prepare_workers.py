@@ -160,7 +160,7 @@ def test_ctrl_c_and_a_second_prepare_leave_out_as_it_was(tmp_path):
                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not list(out.glob(".partial-shards-*/range-*.tar")):  # the workers are writing
+        while not list(out.glob(".partial-shards-*/inputs-*.part")):  # the workers are writing
             assert writer.poll() is None and time.monotonic() < deadline, writer.communicate()
             time.sleep(0.2)
         with pytest.raises(SourceError, match=rf"another prepare \(pid {writer.pid}\) is writing shards into {out}; wait"):
