@@ -418,7 +418,8 @@ class _RangeWorkers:
                 if process.is_alive() and len(done) < ranges:
                     process.kill()
             for process in processes:
-                process.join()
+                if process.pid is not None:  # started (an interrupt may come while they start)
+                    process.join()
             tasks.cancel_join_thread()
             results.cancel_join_thread()
         return [done[index] for index in range(ranges)]
