@@ -257,3 +257,21 @@ def test_an_unexpected_error_in_a_worker_is_one_line_naming_the_input(tmp_path, 
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: cannot prepare input 5 of failing source (RuntimeError: the decoder crashed); fix or remove that input")
     assert not multiprocessing.active_children() and not (tmp_path / "out").exists()
+
+
+class KillingReader:
+    """A reader whose worker process is killed at input 3, as the system kills one that runs out of memory."""
+
+    def __call__(self, start=0, stop=None):
+        for i in range(*slice(start, stop).indices(8)):
+            if i == 3 and multiprocessing.parent_process() is not None:  # only ever in a worker, never in pytest
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2)
+
+
+def test_a_killed_worker_ends_the_others_with_one_line(tmp_path):
+    with pytest.raises(SourceError, match=r"a prepare worker process was killed by signal 9 \(out of memory, if it was "
+                                          r"SIGKILL\) while writing killed source; no shard was kept: run prepare again"):
+        shards.write_shards(shards.Source("killed source", 8, KillingReader(), indexed=True), tmp_path / "out",
+                            samples_per_shard=2, workers=2)
+    assert not multiprocessing.active_children() and not (tmp_path / "out").exists()
