@@ -201,7 +201,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
-    prepare.add_argument("source", help="a folder of images (class = sub-folder), a Hugging Face dataset name or local path, "
+    prepare.add_argument("source", help="a folder of images (class = sub-folder), a tar of them or of per-class tars "
+                                        "(ImageNet's ILSVRC2012_img_train.tar), a Hugging Face dataset name or local path, "
                                         "an MNIST-style *-images-idx3-ubyte file, CIFAR-10/100's python-version "
                                         ".tar.gz or folder, or 'synthetic'")
     prepare.add_argument("--out", required=True, help="directory for the shards and summary.json")
@@ -217,6 +218,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prepare.add_argument("--classes", type=class_ids, default=None,
                          help="keep only these class ids, comma-separated, relabelled 0..k-1 in the order given "
                               "(e.g. 1,3,5,7,9 upstream and 0,2,4,6,8 downstream for a transfer split)")
+    prepare.add_argument("--workers", type=int, default=None, metavar="N",
+                         help="processes encoding and writing shards, each a whole shard at a time (default: the cores "
+                              "this process may use); the shards are the same whatever N is")
     prepare.add_argument("--class-names", type=class_name_list, default=None, metavar="NAMES",
                          help="the names of the source's class ids 0, 1, ... (before --classes picks and relabels "
                               "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
-                        quality=args.quality, classes=args.classes, class_names=args.class_names)
+                        quality=args.quality, classes=args.classes, class_names=args.class_names, workers=args.workers)
         from .tracking import end_process
 
         end_process()

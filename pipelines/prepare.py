@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpp.errors import command
-from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, cifar_samples, folder_samples, hf_samples, idx_samples, is_cifar, is_saved_dataset, name_classes, select_classes, synthetic_samples, write_shards
+from mpp.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, archive_samples, cifar_samples, default_workers, folder_samples, hf_samples, idx_samples, is_cifar, is_image_archive, is_saved_dataset, name_classes, select_classes, synthetic_samples, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 _CIFAR_NAMES = re.compile(r"cifar-10-batches-py|cifar-100?-python")  # the names CIFAR's archives and folders come with
@@ -35,16 +35,19 @@ def run(
     quality: int = 90,
     classes: list[int] | None = None,
     class_names: list[str] | None = None,
+    workers: int | None = None,
 ) -> dict:
     """Write `source` as shards into `out`, print a one-line summary and return summary.json's content.
 
     source: 'synthetic' (count images of size px), CIFAR-10/100's python-version archive or folder, a save_to_disk
-    directory, a folder of images, an MNIST-style *-images-idx3-ubyte(.gz) file (labels beside it), or a Hugging Face
+    directory, a folder of images, a tar of images (ImageNet's training archive of per-class tars), an MNIST-style *-images-idx3-ubyte(.gz) file (labels beside it), or a Hugging Face
     dataset name.
     short_side: store images whose short side exceeds it downsized to it, as JPEG at `quality`.
     classes: keep only the samples of these class ids, relabelled 0..k-1 in this order (a class split for transfer).
     class_names: the names of the source's class ids (id i: class_names[i]), instead of its own; `classes` keeps those
     of the classes it keeps.
+    workers: processes encoding and writing shards (default: the cores this process may use); the shards are the
+    same whatever the number.
     """
     check_writable_dir(Path(out))
     samples = open_source(source, size=size, count=count, split=split)
@@ -54,8 +57,8 @@ def run(
         samples = select_classes(samples, classes)
     if short_side is not None:
         samples = bound_short_side(samples, short_side, quality)
-    summary = write_shards(samples, out,
-                           samples_per_shard=samples_per_shard, overwrite=overwrite, progress=True)
+    summary = write_shards(samples, out, samples_per_shard=samples_per_shard, overwrite=overwrite, progress=True,
+                           workers=default_workers() if workers is None else workers)
     skipped = f", skipped {summary['skipped']} unreadable" if summary["skipped"] else ""
     print(f"wrote {summary['samples']} samples ({summary['classes']} classes{skipped}) in {summary['shards']} shards, "
           f"{summary['bytes'] / 1e6:.1f} MB, to {out}")
@@ -114,6 +117,7 @@ SOURCES: list[tuple[Callable[[SourceRequest], bool], Callable[[SourceRequest], S
     (lambda r: is_cifar(r.path), lambda r: cifar_samples(r.path, r.split)),
     (lambda r: r.path.is_dir() and is_saved_dataset(r.path), lambda r: hf_samples(r.path, r.split)),
     (lambda r: r.path.is_dir(), lambda r: folder_samples(r.path)),
+    (lambda r: is_image_archive(r.path), lambda r: archive_samples(r.path)),  # ImageNet's ILSVRC2012_img_train.tar
     (lambda r: bool(_IDX_IMAGES.search(r.path.name)), idx_pair),
     (lambda r: True, lambda r: hf_samples(r.source, r.split)),  # a dataset name on the Hugging Face hub
 ]

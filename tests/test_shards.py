@@ -510,14 +510,15 @@ def test_a_full_disk_leaves_the_output_directory_as_it_was(tmp_path, monkeypatch
     monkeypatch.setattr(tarfile.TarFile, "addfile", addfile_until_full)
     capsys.readouterr()
     assert launch.main(["prepare", "synthetic", "--out", str(out), "--count", "20", "--size", "16",
-                        "--samples-per-shard", "2", "--overwrite"]) == 2
+                        "--samples-per-shard", "2", "--overwrite", "--workers", "1"]) == 2  # patched in this process
     error = capsys.readouterr().err
     assert "Traceback" not in error and [line for line in error.splitlines() if "error: " in line] == [
         f"error: cannot write the shards in {out} (No space left on device); the partial shards were removed and "
         f"{out} is as it was: free some space or choose another output directory (--out)"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old shard set, whole, and nothing else
     added.clear()
-    assert launch.main(["prepare", "synthetic", "--out", str(tmp_path / "new"), "--count", "20", "--size", "16"]) == 2
+    assert launch.main(["prepare", "synthetic", "--out", str(tmp_path / "new"), "--count", "20", "--size", "16",
+                        "--workers", "1"]) == 2
     assert not (tmp_path / "new").exists()
 
 
