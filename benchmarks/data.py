@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mpp.data import TrainTransform, random_resized_box  # noqa: E402
-from mpp.shards import bound_short_side_bytes  # noqa: E402
+from mpp.data.stream import TrainTransform, random_resized_box  # noqa: E402
+from mpp.data.shards import bound_short_side_bytes  # noqa: E402
 
 
 def photo_like(width: int, height: int, seed: int) -> Image.Image:

@@ -21,13 +21,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpp.config import TrainConfig  # noqa: E402
-from mpp.knn import knn_accuracy  # noqa: E402
-from mpp.model import VisionTransformer, normalize, pool  # noqa: E402
-from mpp.objectives import Classification, MaskedPatchPrediction, finetuning_head  # noqa: E402
-from mpp.data import Batch  # noqa: E402
-from mpp.optim import build_optimizer, build_schedule, param_groups  # noqa: E402
-from mpp.runtime import make_accelerator  # noqa: E402
-from mpp.train import train_step  # noqa: E402
+from mpp.evaluation.neighbours import knn_accuracy  # noqa: E402
+from mpp.model.vit import VisionTransformer, normalize, pool  # noqa: E402
+from mpp.model.objectives import Classification, MaskedPatchPrediction, finetuning_head  # noqa: E402
+from mpp.data.stream import Batch  # noqa: E402
+from mpp.training.optim import build_optimizer, build_schedule, param_groups  # noqa: E402
+from mpp.training.runtime import make_accelerator  # noqa: E402
+from mpp.training.loop import train_step  # noqa: E402
 
 WIDTH, DEPTH, HEADS, IMAGE, PATCH = 192, 6, 3, 32, 4  # configs/finetune/default.yaml's ViT
 

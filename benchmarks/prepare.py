@@ -35,9 +35,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.data import jpeg, photo_like  # noqa: E402
-from mpp import shards  # noqa: E402
-from mpp.shards import default_workers  # noqa: E402
-from pipelines import prepare  # noqa: E402
+from mpp.data import shards as shards  # noqa: E402
+from mpp.data.shards import default_workers  # noqa: E402
+from pipelines.stages import prepare# noqa: E402
 
 SIZES = ((500, 375), (1600, 1200))
 

@@ -32,12 +32,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpp.config import TrainConfig  # noqa: E402
-from mpp.model import VisionTransformer, build_vit  # noqa: E402
-from mpp.objectives import MaskedPatchPrediction, num_corrupted  # noqa: E402
-from mpp.data import Batch  # noqa: E402
-from mpp.optim import build_optimizer, build_schedule, param_groups  # noqa: E402
-from mpp.runtime import Device, compiled, make_accelerator, precision_label, resolve_compile, resolve_precision  # noqa: E402
-from mpp.train import train_step  # noqa: E402
+from mpp.model.vit import VisionTransformer, build_vit  # noqa: E402
+from mpp.model.objectives import MaskedPatchPrediction, num_corrupted  # noqa: E402
+from mpp.data.stream import Batch  # noqa: E402
+from mpp.training.optim import build_optimizer, build_schedule, param_groups  # noqa: E402
+from mpp.training.runtime import Device, compiled, make_accelerator, precision_label, resolve_compile, resolve_precision  # noqa: E402
+from mpp.training.loop import train_step  # noqa: E402
 
 PEER_INSTALL = "pip install --no-deps vit-pytorch"
 RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1

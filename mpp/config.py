@@ -13,9 +13,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError, command
-from mpp.model import Variant, parse_model_name, resolve_variant
-from mpp.objectives import OBJECTIVES
-from mpp.targets import TARGETS
+from mpp.model.vit import Variant, parse_model_name, resolve_variant
+from mpp.model.objectives import OBJECTIVES
+from mpp.model.targets import TARGETS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 

@@ -21,8 +21,8 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.runtime import compile_failure, out_of_memory  # noqa: E402
-from mpp.train import Preempted  # noqa: E402
+from mpp.training.runtime import compile_failure, out_of_memory  # noqa: E402
+from mpp.training.loop import Preempted  # noqa: E402
 
 
 def shipped_configs() -> Path:
@@ -83,7 +83,7 @@ def run_config(args: argparse.Namespace) -> Config:
     then the key=value overrides."""
     if args.stage in ("pretrain", "finetune"):
         return load_config(config_file(args.stage, args.config), args.overrides)
-    from .start import checkpoint_config
+    from .run.start import checkpoint_config
 
     return checkpoint_config(args.ckpt, args.config, args.overrides)
 
@@ -238,35 +238,37 @@ def main(argv: list[str] | None = None) -> int:
                 print(config_to_yaml(cfg), end="")
                 return 0
         if args.stage == "pretrain":
-            from . import pretrain
+            from .stages import pretrain
 
             pretrain.run(cfg, resume=args.resume, overwrite=args.overwrite)
         elif args.stage == "finetune":
-            from . import finetune
+            from .stages import finetune
 
             finetune.run(cfg, ckpt=args.ckpt, resume=args.resume, overwrite=args.overwrite)
         elif args.stage == "fewshot":
-            from . import fewshot
+            from .evaluations import fewshot
 
             fewshot.run(cfg, ckpt=args.ckpt)
         elif args.stage == "knn":
-            from . import knn
+            from .evaluations import knn
 
             knn.run(cfg, ckpt=args.ckpt)
         elif args.stage == "probe":
-            from . import probe
+            from .evaluations import probe
 
             probe.run(cfg, ckpt=args.ckpt)
         elif args.stage == "inspect":
-            from . import inspection
+            from .evaluations import inspection
 
             inspection.run(cfg, ckpt=args.ckpt)
         elif args.stage == "export":
-            from . import export
+            from .stages import export
 
             export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
         elif args.stage == "compare":
-            from . import compare, plan
+            from .stages import compare
+
+            from .comparison import plan
 
             cc = plan.load_compare_config(config_file("compare", args.config), args.overrides)
             if args.print_config:
@@ -274,12 +276,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             compare.run(cc)
         elif args.stage == "prepare":
-            from . import prepare
+            from .stages import prepare
 
             prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
                         count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
                         quality=args.quality, classes=args.classes, class_names=args.class_names, workers=args.workers)
-        from .tracking import end_process
+        from .run.tracking import end_process
 
         end_process()
     except UserError as err:

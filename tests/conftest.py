@@ -9,7 +9,7 @@ import pytest
 import webdataset as wds
 from accelerate.state import AcceleratorState, GradientState
 
-from mpp.synthetic import synthetic_image
+from mpp.data.synthetic import synthetic_image
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))  # launch.py and pipelines/ for the stage tests

@@ -15,12 +15,12 @@ from accelerate.utils import set_seed  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mpp.config import load_config  # noqa: E402
-from mpp.data import Batch, StreamPosition  # noqa: E402
+from mpp.data.stream import Batch, StreamPosition  # noqa: E402
 from mpp.metrics import split_metric  # noqa: E402
-from mpp.model import build_vit  # noqa: E402
-from mpp.objectives import Objective, StepOutput  # noqa: E402
-from mpp.runtime import make_accelerator  # noqa: E402
-from mpp.train import train  # noqa: E402
+from mpp.model.vit import build_vit  # noqa: E402
+from mpp.model.objectives import Objective, StepOutput  # noqa: E402
+from mpp.training.runtime import make_accelerator  # noqa: E402
+from mpp.training.loop import train  # noqa: E402
 
 STEPS, CLASSES = 4, 4
 

@@ -10,9 +10,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import launch
-from mpp.checkpoint import CheckpointError, classifier_head, load_backbone
+from mpp.model.checkpoint import CheckpointError, classifier_head, load_backbone
 from mpp.config import load_config
-from pipelines import finetune, pretrain
+from pipelines.stages import finetune, pretrain
 
 from conftest import TINY, reset_accelerator, write_test_shards
 

@@ -7,8 +7,8 @@ import webdataset as wds
 from PIL import Image
 
 from mpp.config import ConfigError, load_config
-from pipelines import compare
-from pipelines.plan import load_compare_config
+from pipelines.stages import compare
+from pipelines.comparison.plan import load_compare_config
 
 from conftest import ROOT, reset_accelerator, write_test_shards
 
@@ -319,7 +319,7 @@ def test_a_dev_split_too_small_is_refused_before_any_pretraining(tmp_path):
 def test_the_report_reads_a_resumed_runs_curves_whole(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from pipelines.report import last_quarter_change, scalar_history
+    from pipelines.comparison.report import last_quarter_change, scalar_history
 
     for part, steps in enumerate(([0, 1000, 2000], [2000, 3000, 4000])):  # a run resumed at step 2000
         with SummaryWriter(str(tmp_path / "run" / "tensorboard" / f"part{part}")) as writer:
@@ -356,7 +356,7 @@ def test_arms_are_checked_when_the_plan_is_loaded(tmp_path):
 
 
 def test_a_registered_objective_is_an_arm(tmp_path, monkeypatch):
-    from mpp.objectives import OBJECTIVES, ObjectiveKind
+    from mpp.model.objectives import OBJECTIVES, ObjectiveKind
     from test_pretrain import MeanBrightness
 
     monkeypatch.setitem(OBJECTIVES, "brightness", ObjectiveKind(lambda backbone, cfg, classes: MeanBrightness(backbone),

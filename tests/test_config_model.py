@@ -7,9 +7,9 @@ import torch
 import yaml
 
 from mpp.config import ConfigError, TrainConfig, config_reference, load_config, settings, validate_config
-from mpp.model import VIT_SIZES, build_vit
-from mpp.objectives import OBJECTIVES
-from mpp.targets import TARGETS
+from mpp.model.vit import VIT_SIZES, build_vit
+from mpp.model.objectives import OBJECTIVES
+from mpp.model.targets import TARGETS
 from pipelines import cli
 
 ROOT = Path(__file__).parents[1]
@@ -25,7 +25,7 @@ def test_shipped_configs_load(path):
 
 @pytest.mark.parametrize("path", COMPARE_CONFIGS, ids=lambda p: p.name)
 def test_shipped_comparison_plans_load(path):
-    from pipelines.plan import load_compare_config
+    from pipelines.comparison.plan import load_compare_config
 
     load_compare_config(path, [])
 

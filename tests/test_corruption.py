@@ -1,9 +1,9 @@
 import torch
 
-from mpp.model import build_vit
-from mpp.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, corrupt_patches, normalize, num_corrupted,
+from mpp.model.vit import build_vit
+from mpp.model.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, corrupt_patches, normalize, num_corrupted,
                             random_rectangles)
-from mpp.targets import TARGETS
+from mpp.model.targets import TARGETS
 
 
 def test_fractions_match_the_paper_split():

@@ -10,10 +10,10 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from mpp.synthetic import synthetic_image
+from mpp.data.synthetic import synthetic_image
 from mpp.config import DataConfig
-from mpp.data import DataError, EvalTransform, StreamState, TrainTransform, expand_shards, make_loader
-from mpp.randaugment import OPERATIONS, RandAugment
+from mpp.data.stream import DataError, EvalTransform, StreamState, TrainTransform, expand_shards, make_loader
+from mpp.data.randaugment import OPERATIONS, RandAugment
 
 NO_WORKERS = DataConfig(num_workers=0, shuffle_buffer=0)
 

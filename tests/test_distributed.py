@@ -199,7 +199,7 @@ def test_sigterm_to_the_launcher_prints_a_resume_command_with_its_processes_and_
 
 def test_the_command_of_a_rank_names_its_launcher_and_process_count(monkeypatch):
     # What the launchers set in every rank (read from a rank of `accelerate launch --multi_gpu --num_processes 2`).
-    from pipelines.invocation import command_line, resume_command
+    from pipelines.run.invocation import command_line, resume_command
 
     monkeypatch.setattr(sys, "argv", ["launch.py", "pretrain", "train.steps=9"])
     for name in ("ACCELERATE_MIXED_PRECISION", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "GROUP_WORLD_SIZE", "GROUP_RANK"):

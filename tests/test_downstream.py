@@ -14,16 +14,16 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mpp.checkpoint import CheckpointError, load_backbone, resolve_checkpoint
+from mpp.model.checkpoint import CheckpointError, load_backbone, resolve_checkpoint
 from mpp.config import ConfigError, DataConfig, load_config
-from mpp.data import EvalTransform, make_loader
+from mpp.data.stream import EvalTransform, make_loader
 from mpp.errors import UserError
-from mpp.model import VisionTransformer, build_vit, resize_pos_embed
-from mpp.objectives import Classification, finetuning_head
+from mpp.model.vit import VisionTransformer, build_vit, resize_pos_embed
+from mpp.model.objectives import Classification, finetuning_head
 from mpp.rundir import complete_checkpoints
-from pipelines import finetune, pretrain
-from mpp.model import build_backbone
-from pipelines.invocation import resume_command
+from pipelines.stages import finetune, pretrain
+from mpp.model.vit import build_backbone
+from pipelines.run.invocation import resume_command
 
 from conftest import ROOT, TINY, reset_accelerator, write_test_shards
 
@@ -319,8 +319,8 @@ def test_resume_command_puts_resume_after_the_stage(monkeypatch):
 
 
 def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_shards):
-    from mpp.shards import synthetic_samples, write_shards
-    from pipelines.loaders import num_classes
+    from mpp.data.shards import synthetic_samples, write_shards
+    from pipelines.run.loaders import num_classes
 
     write_shards(synthetic_samples(20, 16), tmp_path / "syn")
     urls = [str(p) for p in sorted((tmp_path / "syn").glob("*.tar"))]

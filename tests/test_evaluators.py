@@ -4,8 +4,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mpp.config import load_config
 from mpp.metrics import EVALUATION, Metric
-from pipelines import evaluators, pretrain
-from pipelines.evaluators import EVALUATORS, Registration, Stage, build_evaluators
+from pipelines.evaluations import evaluators
+from pipelines.stages import pretrain
+from pipelines.evaluations.evaluators import EVALUATORS, Registration, Stage, build_evaluators
 
 from conftest import exported_card, where_metrics_show
 from test_fewshot import tiny

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mpp.hf import ExportError, export_hf
-from mpp.model import VisionTransformer
-from mpp.objectives import normalize
+from mpp.model.hf import ExportError, export_hf
+from mpp.model.vit import VisionTransformer
+from mpp.model.objectives import normalize
 
 transformers = pytest.importorskip("transformers", minversion="5", reason="the export test needs transformers>=5 (pip install -e '.[test]')")
 
@@ -92,9 +92,9 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
     from safetensors.torch import load_file
 
     import launch
-    from mpp.checkpoint import load_backbone
+    from mpp.model.checkpoint import load_backbone
     from mpp.config import load_config
-    from pipelines import finetune
+    from pipelines.stages import finetune
     from conftest import TINY, reset_accelerator
 
     make_shards([30, 30], size=32)
@@ -137,7 +137,7 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
 def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path, make_shards, monkeypatch):
     import launch
     from mpp.config import load_config
-    from pipelines import pretrain
+    from pipelines.stages import pretrain
     from conftest import TINY, reset_accelerator
 
     make_shards([40], size=32)
@@ -164,7 +164,7 @@ def test_class_names_from_idx_files_and_from_class_names_reach_the_export(tmp_pa
 
     import launch
     from mpp.config import load_config
-    from pipelines import finetune
+    from pipelines.stages import finetune
     from conftest import TINY, reset_accelerator
 
     def write_idx(path, array):

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import load_config
-from mpp.fewshot import FewShotError, few_shot_accuracy, fit_ridge
-from mpp.synthetic import synthetic_image
+from mpp.evaluation.ridge import FewShotError, few_shot_accuracy, fit_ridge
+from mpp.data.synthetic import synthetic_image
 import launch
-from pipelines import pretrain
+from pipelines.stages import pretrain
 
 from conftest import ROOT, TINY, reset_accelerator
 

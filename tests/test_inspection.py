@@ -12,10 +12,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import launch
 from mpp.config import ConfigError, load_config
-from mpp.inspection import (attention_distance, attention_rollout, patch_filters, position_similarity,
+from mpp.evaluation.views import (attention_distance, attention_rollout, patch_filters, position_similarity,
                             rollout_to_patches)
-from mpp.model import Attention, VisionTransformer, patchify
-from pipelines import finetune, pretrain
+from mpp.model.vit import Attention, VisionTransformer, patchify
+from pipelines.stages import finetune, pretrain
 
 from conftest import TINY, reset_accelerator, where_metrics_show, write_test_shards
 from test_fewshot import tiny
@@ -125,7 +125,7 @@ def test_the_explicit_attention_path_matches_the_kernel():
 
 def test_the_attention_weights_are_those_transformers_computes_for_the_exported_model(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from mpp.hf import export_hf
+    from mpp.model.hf import export_hf
 
     torch.manual_seed(0)
     backbone = VisionTransformer(image_size=16, patch_size=4, width=32, depth=2, heads=4).eval()

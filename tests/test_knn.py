@@ -12,12 +12,12 @@ from accelerate import Accelerator
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import launch
-from mpp.fewshot import LabelledImages
-from mpp.knn import knn_accuracy, knn_predict
-from mpp.model import build_vit
-from mpp.objectives import MaskedPatchPrediction
-from mpp.validation import PretextValidation
-from pipelines import pretrain
+from mpp.evaluation.ridge import LabelledImages
+from mpp.evaluation.neighbours import knn_accuracy, knn_predict
+from mpp.model.vit import build_vit
+from mpp.model.objectives import MaskedPatchPrediction
+from mpp.evaluation.pretext import PretextValidation
+from pipelines.stages import pretrain
 
 from conftest import ROOT, reset_accelerator
 from test_fewshot import tiny, write_two_class_shards
@@ -61,8 +61,8 @@ def test_knn_runs_inside_pretraining_and_as_a_command(tmp_path, make_shards, cap
 def test_a_knn_pool_without_most_classes_is_scored_with_a_warning_giving_the_counts(tmp_path, make_shards):
     from safetensors.torch import save_file
 
-    from mpp.model import VisionTransformer
-    from pipelines import knn
+    from mpp.model.vit import VisionTransformer
+    from pipelines.evaluations import knn
 
     make_shards([40], size=32)  # 10 classes, 4 images each
     write_two_class_shards(tmp_path / "two")
@@ -101,7 +101,7 @@ def test_pretext_validation_is_deterministic_and_leaves_the_training_rng_alone(t
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     objective = MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), masking="block")
-    from pipelines.loaders import eval_batches
+    from pipelines.run.loaders import eval_batches
     images = LabelledImages(accelerator, eval_batches(str(tmp_path / "shards"), cfg, accelerator, 8), 20, "test shards",
                             need_labels=False)
     validation = PretextValidation(accelerator, images, batch_size=8, seed=0)
@@ -126,7 +126,7 @@ def test_pretext_validation_is_logged_during_pretraining(tmp_path, make_shards):
 
 
 def test_knn_needs_evaluation_shards_and_labels(tmp_path, make_shards):
-    from mpp.fewshot import FewShotError
+    from mpp.evaluation.ridge import FewShotError
 
     make_shards([20], size=32, labels=False)
     cfg = tiny(tmp_path, "knn.every=3")
@@ -152,7 +152,7 @@ def test_supervised_pretraining_validates_its_own_loss_and_accuracy(tmp_path, ma
     results = pretrain.run(tiny(tmp_path, "objective=supervised", "model.num_classes=10", "eval.every=3", "eval.images=16"))
     assert results["final"]["val/loss"] > 0 and 0 <= results["final"]["val/accuracy"] <= 1
     reset_accelerator()
-    from mpp.data import DataError
+    from mpp.data.stream import DataError
 
     with pytest.raises(DataError, match=r"data.val_shards \(.*\) holds label .* but the head has 2 classes"):
         pretrain.run(tiny(tmp_path, "objective=supervised", "model.num_classes=2", "eval.every=3",

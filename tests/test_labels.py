@@ -10,10 +10,10 @@ import pytest
 import webdataset as wds
 
 from mpp.config import DataConfig, load_config
-from mpp.data import DataError, EvalTransform, label_space, make_loader
-from mpp.synthetic import synthetic_image
-from pipelines import pretrain
-from pipelines.loaders import num_classes
+from mpp.data.stream import DataError, EvalTransform, label_space, make_loader
+from mpp.data.synthetic import synthetic_image
+from pipelines.stages import pretrain
+from pipelines.run.loaders import num_classes
 
 from conftest import ROOT, TINY, reset_accelerator
 
@@ -116,7 +116,7 @@ def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path)
 
 def test_training_and_evaluation_shards_share_one_name_map(tmp_path):
     """Without summaries, ids come from the names of both sets: an evaluation set that lacks a class keeps the ids."""
-    from pipelines.loaders import class_names
+    from pipelines.run.loaders import class_names
 
     write_labelled(tmp_path / "train", ["zebra", "ant", "mole", "ant"], "txt")
     val = write_labelled(tmp_path / "val", ["zebra", "mole"], "txt")
@@ -127,7 +127,7 @@ def test_training_and_evaluation_shards_share_one_name_map(tmp_path):
 
 
 def test_integer_labels_need_no_scan_of_every_shard(tmp_path):
-    import mpp.data
+    import mpp.data.stream
 
     urls = write_labelled(tmp_path / "a", [1, 2, 0, 1]) + write_labelled(tmp_path / "b", [3, 0])
     assert mpp.data.label_names(tuple(urls)) == ()
@@ -174,7 +174,7 @@ def test_a_malformed_summary_is_named_with_what_is_wrong(tmp_path, summary, comp
 
 def test_class_names_that_differ_in_case_between_sets_are_named(tmp_path):
     """Training 'cat'/'dog', evaluation 'Cat'/'Dog': the error said to set model.num_classes, which trained to 0%."""
-    from pipelines.loaders import class_names
+    from pipelines.run.loaders import class_names
 
     write_labelled(tmp_path / "train", ["cat", "dog", "cat", "dog"], "txt")
     write_labelled(tmp_path / "val", ["Cat", "Dog"], "txt")

@@ -11,12 +11,12 @@ from safetensors.torch import load_file
 
 import launch
 from mpp.config import TrainConfig, load_config
-from mpp.ema import WeightAverage
-from mpp.mixup import Mix, Mixing
-from mpp.model import DropPath, VisionTransformer
-from mpp.objectives import Classification, MaskedPatchPrediction, normalize
-from mpp.optim import build_optimizer, head_lr, param_groups, warmup_cosine
-from pipelines import finetune
+from mpp.training.ema import WeightAverage
+from mpp.model.mixup import Mix, Mixing
+from mpp.model.vit import DropPath, VisionTransformer
+from mpp.model.objectives import Classification, MaskedPatchPrediction, normalize
+from mpp.training.optim import build_optimizer, head_lr, param_groups, warmup_cosine
+from pipelines.stages import finetune
 
 from conftest import TINY, reset_accelerator, write_test_shards
 from test_downstream import finetune_config, recount

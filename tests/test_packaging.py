@@ -125,7 +125,7 @@ def import_failures(installed) -> dict[str, str]:
 
 
 def test_the_installed_command_is_what_resume_and_model_cards_repeat(monkeypatch):
-    from pipelines.invocation import command_line, resume_command
+    from pipelines.run.invocation import command_line, resume_command
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     monkeypatch.setattr(sys, "argv", ["/venv/bin/mpp", "pretrain", "train.steps=9"])
@@ -136,7 +136,7 @@ def test_the_installed_command_is_what_resume_and_model_cards_repeat(monkeypatch
 
 def test_a_module_run_is_repeated_as_a_module_run(monkeypatch, tmp_path):
     from mpp.errors import command
-    from pipelines.invocation import command_line
+    from pipelines.run.invocation import command_line
 
     main = tmp_path / "site-packages" / "mpp" / "pipelines" / "__main__.py"
     main.parent.mkdir(parents=True)

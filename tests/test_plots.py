@@ -4,7 +4,7 @@ import pytest
 
 from PIL import Image
 
-from pipelines.plots import arm_colours, comparison_figure, seed_band
+from pipelines.comparison.plots import arm_colours, comparison_figure, seed_band
 
 ARMS = ["mpp", "mpp-pixel", "mpp-15pct", "supervised", "scratch"]
 

@@ -18,10 +18,10 @@ import pytest
 from PIL import Image, JpegImagePlugin
 
 import launch
-from mpp import shards
-from mpp.shards import SourceError
-from mpp.synthetic import synthetic_image
-from pipelines import prepare
+from mpp.data import shards as shards
+from mpp.data.shards import SourceError
+from mpp.data.synthetic import synthetic_image
+from pipelines.stages import prepare
 
 from test_shards import encoded, label_of, read_shards
 

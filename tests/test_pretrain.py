@@ -12,11 +12,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mpp.config import ConfigError, load_config
 from mpp.metrics import split_metric
-from mpp.model import normalize
-from mpp.objectives import OBJECTIVES, Objective, ObjectiveKind, StepOutput
-from mpp.runtime import Device, resolve_precision
+from mpp.model.vit import normalize
+from mpp.model.objectives import OBJECTIVES, Objective, ObjectiveKind, StepOutput
+from mpp.training.runtime import Device, resolve_precision
 from mpp.rundir import complete_checkpoints
-from pipelines import pretrain
+from pipelines.stages import pretrain
 
 from conftest import ROOT, TINY, exported_card, reset_accelerator, where_metrics_show
 

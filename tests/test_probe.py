@@ -8,8 +8,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import launch
 from mpp.errors import UserError
-from mpp.probe import linear_probe_accuracy, train_linear_probe
-from pipelines import pretrain
+from mpp.evaluation.linear_probe import linear_probe_accuracy, train_linear_probe
+from pipelines.stages import pretrain
 
 from conftest import reset_accelerator, where_metrics_show
 from test_fewshot import tiny

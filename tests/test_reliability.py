@@ -20,18 +20,19 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import DataConfig, load_config
-from mpp.data import EvalTransform, expand_shards, make_loader
-from mpp.objectives import MaskedPatchPrediction
-from mpp.runtime import make_accelerator
+from mpp.data.stream import EvalTransform, expand_shards, make_loader
+from mpp.model.objectives import MaskedPatchPrediction
+from mpp.training.runtime import make_accelerator
 from mpp.errors import UserError
-from mpp.meters import TrainingDiverged
-from mpp.resume import check_seen_by_every_rank
+from mpp.training.meters import TrainingDiverged
+from mpp.training.resume import check_seen_by_every_rank
 from mpp.rundir import complete_checkpoints
-from mpp.train import train
-from pipelines import cli, pretrain
-from mpp.model import build_backbone
-from pipelines.loaders import train_loader
-from pipelines.tracking import start_tracking
+from mpp.training.loop import train
+from pipelines import cli
+from pipelines.stages import pretrain
+from mpp.model.vit import build_backbone
+from pipelines.run.loaders import train_loader
+from pipelines.run.tracking import start_tracking
 
 from conftest import ROOT, TINY
 
@@ -132,7 +133,7 @@ def test_sigterm_saves_and_resume_replays_the_same_losses(tmp_path, make_shards)
 
 SECOND_SIGNAL = """
 import os, signal, sys
-from mpp.preemption import StopOnSignal
+from mpp.training.preemption import StopOnSignal
 with StopOnSignal() as stop:
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop.requested, "the first signal did not ask for a stop"

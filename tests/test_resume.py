@@ -21,17 +21,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import load_config
-from mpp.data import DataError
+from mpp.data.stream import DataError
 from mpp.errors import UserError
-from mpp.optim import warmup_cosine
-from mpp.runtime import make_accelerator
+from mpp.training.optim import warmup_cosine
+from mpp.training.runtime import make_accelerator
 from mpp.rundir import complete_checkpoints
-from mpp.train import Evaluator, train
-from pipelines import finetune, pretrain
-from mpp.model import build_backbone
-from pipelines.loaders import train_loader
-from pipelines.tracking import start_tracking
-from mpp.objectives import MaskedPatchPrediction
+from mpp.training.loop import Evaluator, train
+from pipelines.stages import finetune, pretrain
+from mpp.model.vit import build_backbone
+from pipelines.run.loaders import train_loader
+from pipelines.run.tracking import start_tracking
+from mpp.model.objectives import MaskedPatchPrediction
 
 from conftest import ROOT, TINY, exported_card, read_only, reset_accelerator, write_test_shards
 from test_reliability import Watched
@@ -451,7 +451,7 @@ def finetune_args(tmp_path):
 
 
 def test_a_comparison_killed_before_a_finetuning_wrote_its_results_completes_on_the_rerun(tmp_path):
-    from pipelines import compare
+    from pipelines.stages import compare
     from test_compare import tiny
 
     cc = tiny(tmp_path, "arms=[scratch]", "grid=[]", "lrs=[0.01]", "seeds=[0]")

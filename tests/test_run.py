@@ -5,8 +5,10 @@ import json
 import pytest
 
 from mpp.config import ConfigError, load_config
-from pipelines import cli, compare, fewshot, knn, pretrain
-from pipelines.start import Run, start_run
+from pipelines import cli
+from pipelines.stages import compare, pretrain
+from pipelines.evaluations import fewshot, knn
+from pipelines.run.start import Run, start_run
 
 from conftest import TINY
 

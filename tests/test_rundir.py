@@ -5,7 +5,7 @@ import stat
 
 from mpp import rundir
 from mpp.config import load_config
-from pipelines import pretrain
+from pipelines.stages import pretrain
 
 from conftest import TINY
 

@@ -19,8 +19,8 @@ from itertools import islice
 import pytest
 
 from mpp.config import DataConfig
-from mpp.data import DataError, EvalTransform, make_loader
-from mpp.tars import shard_samples
+from mpp.data.stream import DataError, EvalTransform, make_loader
+from mpp.data.tars import shard_samples
 
 from conftest import ROOT, TINY
 from test_labels import jpeg

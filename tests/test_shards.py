@@ -15,9 +15,9 @@ import webdataset as wds
 from PIL import Image
 
 import launch
-from mpp.shards import Sample, Source, SourceError, folder_samples, idx_samples, write_shards
-from mpp.synthetic import NUM_CLASSES, synthetic_image
-from pipelines import prepare
+from mpp.data.shards import Sample, Source, SourceError, folder_samples, idx_samples, write_shards
+from mpp.data.synthetic import NUM_CLASSES, synthetic_image
+from pipelines.stages import prepare
 
 from conftest import read_only
 
@@ -417,8 +417,8 @@ def test_a_missing_cifar_path_is_one_line_naming_how_to_get_it(tmp_path, capsys,
 def test_generating_the_synthetic_corpus_shows_progress(tmp_path, monkeypatch, capsys):
     from conftest import reset_accelerator
     from mpp.config import load_config
-    from mpp.runtime import make_accelerator
-    from pipelines import loaders
+    from mpp.training.runtime import make_accelerator
+    from pipelines.run import loaders
 
     monkeypatch.setattr(loaders, "SYNTHETIC_ROOT", tmp_path / "data")
     cfg = load_config(None, ["data.synthetic_size=30", f"output_dir={tmp_path / 'run'}"])

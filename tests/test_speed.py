@@ -19,17 +19,17 @@ from PIL import Image
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpp import runtime
+from mpp.training import runtime as runtime
 from mpp.config import TrainConfig
-from mpp.data import Batch, EvalTransform, TrainTransform, crop_resize
+from mpp.data.stream import Batch, EvalTransform, TrainTransform, crop_resize
 from mpp.errors import UserError
-from mpp.model import Attention, build_vit
-from mpp.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
-from mpp.optim import build_optimizer, build_schedule, param_groups
-from mpp.runtime import CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile, resolve_precision
-from mpp.meters import EARLY_STEPS, RECENT_STEPS, LogWindow, StepPace
-from mpp.train import StepResult, train_step
-from pipelines import prepare
+from mpp.model.vit import Attention, build_vit
+from mpp.model.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
+from mpp.training.optim import build_optimizer, build_schedule, param_groups
+from mpp.training.runtime import CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile, resolve_precision
+from mpp.training.meters import EARLY_STEPS, RECENT_STEPS, LogWindow, StepPace
+from mpp.training.loop import StepResult, train_step
+from pipelines.stages import prepare
 
 from conftest import ROOT
 
@@ -241,7 +241,7 @@ def test_a_run_says_once_when_its_steps_run_many_times_slower_than_its_own_early
 
 def test_the_slowdown_line_names_the_ratio_the_load_and_what_to_lower(monkeypatch, capsys):
     clock = [0.0]
-    monkeypatch.setattr("mpp.meters.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("mpp.training.meters.time.perf_counter", lambda: clock[0])
     monkeypatch.setattr("os.getloadavg", lambda: (9.5, 8.0, 6.0), raising=False)
     window = LogWindow(Accelerator(cpu=True), max_nonfinite_steps=5, max_skip_fraction=1.0, data_workers=1)
     result = StepResult([], torch.tensor(1.0), torch.tensor(True), torch.tensor(False))

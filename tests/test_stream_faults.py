@@ -13,14 +13,14 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from mpp.config import DataConfig, load_config
-from mpp.data import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, expand_shards, make_loader
-from mpp.objectives import MaskedPatchPrediction
-import mpp.train
-from mpp.runtime import make_accelerator
-from mpp.preemption import Preempted
+from mpp.data.stream import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, expand_shards, make_loader
+from mpp.model.objectives import MaskedPatchPrediction
+import mpp.training.loop
+from mpp.training.runtime import make_accelerator
+from mpp.training.preemption import Preempted
 from mpp.rundir import complete_checkpoints
-from mpp.train import next_batch, train
-from mpp.model import build_backbone
+from mpp.training.loop import next_batch, train
+from mpp.model.vit import build_backbone
 
 from conftest import ROOT, TINY
 

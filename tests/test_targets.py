@@ -5,9 +5,9 @@ from einops import rearrange
 
 from mpp.config import ConfigError, load_config
 from mpp.metrics import split_metric
-from mpp.model import normalize
-from mpp.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
-from pipelines import pretrain
+from mpp.model.vit import normalize
+from mpp.model.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
+from pipelines.stages import pretrain
 
 from conftest import TINY, exported_card, where_metrics_show
 

@@ -9,9 +9,9 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 from mpp.config import load_config
-from mpp.panel import PANEL_GAP, PANEL_IMAGES, panel_grid
-from pipelines import finetune, pretrain
-from pipelines.tracking import HPARAMS, hparams_summaries
+from mpp.training.panel import PANEL_GAP, PANEL_IMAGES, panel_grid
+from pipelines.stages import finetune, pretrain
+from pipelines.run.tracking import HPARAMS, hparams_summaries
 
 from conftest import ROOT, TINY, reset_accelerator
 

@@ -1,0 +1,611 @@
+"""Stream WebDataset shards (image under jpg/png/webp, optional label in cls, json or txt) as uint8 batches."""
+
+from __future__ import annotations
+
+import functools
+import io
+import itertools
+import json
+import math
+import os
+import random
+import re
+import tarfile
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from glob import glob
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import webdataset as wds
+from braceexpand import braceexpand
+from einops import rearrange
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.tariterators import base_plus_ext
+
+from mpp.config import DataConfig
+from mpp.errors import DataError, command
+from mpp.data.randaugment import RandAugment
+from mpp.data.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary, summary_beside
+from mpp.data.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
+
+ORIENTATION_TAG = 0x0112  # EXIF
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
+
+
+def expand_shards(spec: str) -> list[str]:
+    """A directory, a brace pattern, URLs or `pipe:` commands (several joined by '::') -> shard list."""
+    if os.path.isdir(spec):
+        shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
+        if not shards:
+            raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files; "
+                            f"write shards into it with `{command(f'prepare SOURCE --out {spec}')}`")
+        check_local_shards(shards)
+        return shards
+    shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
+    if not shards:
+        raise DataError(f"shard spec '{spec}' names no shards; pass a directory, a brace pattern or URLs")
+    check_local_shards([s for s in shards if not is_remote(s)])
+    return shards
+
+
+def check_local_shards(paths: list[str]) -> None:
+    """Each path is a readable file: a directory, a dangling or looping link or a missing file is named, not streamed."""
+    problems = {
+        "does not exist": [p for p in paths if not os.path.lexists(p)],
+        "is a symbolic link to nothing (dangling, or a loop)": [p for p in paths if os.path.islink(p) and not os.path.exists(p)],
+        "is a directory, not a tar file": [p for p in paths if os.path.isdir(p)],
+        "cannot be read (permissions)": [p for p in paths if os.path.isfile(p) and not os.access(p, os.R_OK)],
+    }
+    for problem, found in problems.items():
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `{command('prepare')}`")
+
+
+@dataclass
+class Batch:
+    images: torch.Tensor  # (B, 3, H, W) uint8
+    labels: torch.Tensor  # (B,) int64, -1 where labels are not read or the sample has none
+    skipped: Counter = field(default_factory=Counter)  # samples dropped since the previous batch, by reason
+    worker: int = 0  # the logical worker that produced it
+    position: StreamPosition | None = None  # that worker's stream position after this batch
+    keys: tuple[str, ...] = ()  # each image's sample, as "<shard file name>/<key>": unique in a shard set
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.images.pin_memory(), self.labels.pin_memory(), self.skipped, self.worker, self.position, self.keys)
+
+
+# ---------------------------------------------------------------- decoding and augmentation
+
+
+def open_image(sample: dict) -> Image.Image:
+    """The sample's image, upright (EXIF orientation applied) and in a mode crop_resize converts correctly."""
+    key = next((k for k in IMAGE_KEYS if k in sample), None)
+    if key is None:
+        raise KeyError("no image")
+    return upright(Image.open(io.BytesIO(sample[key])))
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """EXIF orientation applied (a phone photo stored sideways stands up), 16-bit greys scaled to 8 bits.
+
+    PIL converts I;16 and I images to L or RGB by clipping at 255, so a 50% grey 16-bit PNG would become white.
+    """
+    if img.getexif().get(ORIENTATION_TAG, 1) != 1:
+        img = ImageOps.exif_transpose(img)
+    if img.mode in SIXTEEN_BIT_MODES:
+        pixels = np.clip(np.asarray(img).astype(np.int64), 0, 65535)  # mode I holds 16-bit PNGs in an int32
+        img = Image.fromarray(((pixels * 255 + 32767) // 65535).astype(np.uint8), "L")
+    return img
+
+
+def random_resized_box(width: int, height: int, scale: tuple[float, float], rng: random.Random) -> tuple[int, int, int, int]:
+    """Inception-style crop: area fraction in `scale`, aspect ratio in [3/4, 4/3] (log-uniform)."""
+    area = width * height
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            x, y = rng.randint(0, width - w), rng.randint(0, height - h)
+            return x, y, x + w, y + h
+    return center_box(width, height)
+
+
+def center_box(width: int, height: int) -> tuple[int, int, int, int]:
+    side = min(width, height)
+    x, y = (width - side) // 2, (height - side) // 2
+    return x, y, x + side, y + side
+
+
+def crop_resize(img: Image.Image, box: tuple[int, int, int, int], size: int) -> torch.Tensor:
+    """The box of `img` resized to (3, size, size) uint8, decoding only what the crop needs.
+
+    JPEGs decode at a reduced DCT scale (draft) when the crop is at least twice the output; the resize is torch's
+    uint8 antialiased bilinear kernel, which follows PIL's filter to within a grey level at 2-3x its speed.
+    """
+    width, height = img.size
+    shrink = min((box[2] - box[0]) / size, (box[3] - box[1]) / size)
+    if img.format == "JPEG" and shrink >= 2:
+        img.draft("RGB", (math.ceil(width / shrink), math.ceil(height / shrink)))
+        fx, fy = img.size[0] / width, img.size[1] / height
+        box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
+    if img.mode != "RGB":
+        img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "LA", "PA") else img.convert("RGB")
+    left, top = min(round(box[0]), img.size[0] - 1), min(round(box[1]), img.size[1] - 1)
+    right, bottom = max(round(box[2]), left + 1), max(round(box[3]), top + 1)
+    pixels = torch.from_numpy(np.array(img, dtype=np.uint8))[top:bottom, left:right]  # (h, w, 3)
+    crop = rearrange(pixels, "h w c -> 1 c h w")  # a channels-last view: the layout torch's fast kernel wants
+    return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+
+
+@dataclass(frozen=True)
+class TrainTransform:
+    """Random-resized crop, horizontal flip, then RandAugment on the crop (timm's order), all drawn from `rng`."""
+
+    size: int
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    hflip: bool = True
+    randaugment: RandAugment | None = None
+
+    def __call__(self, img: Image.Image, rng: random.Random) -> torch.Tensor:
+        image = crop_resize(img, random_resized_box(*img.size, self.crop_scale, rng), self.size)
+        image = image.flip(-1) if self.hflip and rng.random() < 0.5 else image
+        return self.randaugment(image, rng) if self.randaugment else image
+
+
+@dataclass(frozen=True)
+class EvalTransform:
+    """Centre square of the short side, resized: no augmentation."""
+
+    size: int
+
+    def __call__(self, img: Image.Image, rng: random.Random) -> torch.Tensor:
+        return crop_resize(img, center_box(*img.size), self.size)
+
+
+# ---------------------------------------------------------------- labels
+
+LARGEST_ID = 2**63 - 1  # labels travel as int64
+# A largest id over this many times the distinct ids (and over SPARSE_FLOOR) is taken for a stray label, not a
+# class count: one stray 1000000000 among ids 0 to 9 would otherwise size the head for a billion classes.
+SPARSE_FACTOR, SPARSE_FLOOR = 10, 1000
+
+
+class BadLabel(ValueError):
+    """A sample's label that cannot be turned into a class id; the message says what it holds."""
+
+
+def raw_label(sample: dict) -> int | str | None:
+    """The label as stored: `cls` text, `json`'s "label" (or "cls") field, or `txt` text; None where there is none."""
+    if "cls" in sample:
+        return _label_text(sample["cls"])
+    if "json" in sample:
+        try:
+            record = json.loads(sample["json"])
+        except ValueError as exc:
+            raise BadLabel(f"json that does not parse ({exc})") from None
+        value = next((record[k] for k in ("label", "cls") if k in record), None) if isinstance(record, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _class_id(value)
+        if value is None or isinstance(value, str):
+            return value.strip() if isinstance(value, str) else value
+        raise BadLabel(f"json label {value!r}, neither an integer nor a class name")
+    if "txt" in sample:
+        return _label_text(sample["txt"])
+    return None
+
+
+def _label_text(data: bytes) -> int | str:
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise BadLabel("label bytes that are not UTF-8 text") from None
+    return _class_id(int(text)) if re.fullmatch(r"[+-]?\d+", text) else text
+
+
+def _class_id(value: int) -> int:
+    if value > LARGEST_ID:
+        raise BadLabel(f"label {value}, larger than any class id can be")
+    return value
+
+
+@dataclass(frozen=True)
+class LabelReader:
+    """Sample -> class id: integers as they are, class names through `class_names` (id = position); -1 if unlabelled."""
+
+    class_names: tuple[str, ...] = ()
+
+    def __call__(self, sample: dict) -> int:
+        value = raw_label(sample)
+        if value is None:
+            return -1
+        if isinstance(value, int):
+            if value < 0:
+                raise BadLabel(f"label {value}, below 0")
+            return value
+        if value in self.class_names:
+            return self.class_names.index(value)
+        if not self.class_names:
+            raise BadLabel(f"class name {value!r} and no class names to map it to an id (summary.json's class_names)")
+        alike = next((name for name in self.class_names if name.casefold() == value.casefold()), None)
+        hint = f" ({alike!r} is: names are matched exactly, case included)" if alike else ""
+        raise BadLabel(f"class name {value!r}, not one of the {len(self.class_names)} class names of the shard set{hint}")
+
+
+@dataclass(frozen=True)
+class LabelSpace:
+    """What a shard set's labels are: class names (id = position) and the class count (0: no labels, None: unknown)."""
+
+    count: int | None
+    class_names: tuple[str, ...] = ()
+    source: str = ""  # where this was read from, for messages
+
+
+@functools.lru_cache(maxsize=8)
+def label_space(urls: tuple[str, ...]) -> LabelSpace:
+    """The summary.json that `mpp prepare` writes beside the shards, else a scan of the shards' label fields.
+
+    The scan (local shards only) reads tar headers and the small label members, not the images; the class names
+    it finds are sorted, so every process and every run over the same shards maps a name to the same id. Integer
+    ids give the count as the largest id + 1, unless that is far more than the ids found (SPARSE_FACTOR): then the
+    count is unknown and the source names the largest label and where it is.
+    """
+    summary = shard_summary(urls)
+    if summary is not None:
+        names = tuple(summary.class_names or ())
+        count = len(names) or summary.classes if summary.labels else 0
+        return LabelSpace(count, names, summary_beside(urls[0]))
+    remote = [u for u in urls if is_remote(u)]
+    if remote:
+        return LabelSpace(None, (), f"no summary.json beside {remote[0]}, and remote shards are not scanned")
+    ids, names = set(), set()
+    largest, where = -1, ""
+    for url in urls:
+        for sample in label_members(url):
+            value = _raw_or_none(sample)  # a bad label is the stream's to count
+            if isinstance(value, int) and value >= 0:
+                ids.add(value)
+                if value > largest:
+                    largest, where = value, f"sample {sample['__key__']} of {url}"
+            elif isinstance(value, str):
+                names.add(value)
+    if ids and names:  # names cannot be given ids that do not collide with the ids in use
+        return LabelSpace(None, (), f"the shards beside {urls[0]} label some samples with class ids and others with "
+                                    f"class names (e.g. {min(ids)} and {sorted(names)[0]!r}), and no summary.json's "
+                                    f"class_names relates them")
+    source = f"a scan of {len(urls)} shard(s) (no summary.json)"
+    if names:
+        return LabelSpace(len(names), tuple(sorted(names)), source)
+    if largest + 1 > max(SPARSE_FACTOR * len(ids), SPARSE_FLOOR):
+        below = f", the next largest being {sorted(ids)[-2]}" if len(ids) > 1 else ""
+        return LabelSpace(None, (), f"its largest label, {largest} ({where}), would size the head for {largest + 1} "
+                                    f"classes although only {len(ids)} distinct labels occur{below}, so it looks like a "
+                                    f"stray label to correct")
+    return LabelSpace(largest + 1 if ids else 0, (), source)
+
+
+def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
+    """The names that class-name labels map through (id = position), without a full scan where none is needed:
+    summary.json's class_names, else, if the first shard labels samples by name, the names of `label_space`."""
+    first = urls[0]
+    if os.path.isfile(summary_beside(first)) or is_remote(first):
+        return label_space(urls).class_names
+    named = any(isinstance(_raw_or_none(sample), str) for sample in label_members(first))
+    return label_space(urls).class_names if named else ()
+
+
+def shared_label_names(sets: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The class names every loader of a run maps labels through: `label_names` of its shard sets together (`sets`:
+    each set's spec -> its shards, the training set first).
+
+    Names that differ only in case between two sets are refused: matched exactly, 'cat' in the training shards and
+    'Cat' in the evaluation shards would be two classes, each never seen by the other set.
+    """
+    names = label_names(tuple(url for urls in sets.values() for url in urls))
+    if len({name.casefold() for name in names}) == len(names):
+        return names
+    held = {spec: set(label_space(urls).class_names) for spec, urls in sets.items()}
+    for (spec, mine), (other_spec, other) in itertools.combinations(held.items(), 2):
+        pairs = sorted((a, b) for a in mine - other for b in other - mine if a.casefold() == b.casefold())
+        if pairs:
+            shown = ", ".join(f"{a!r} and {b!r}" for a, b in pairs[:3]) + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+            raise DataError(f"class names differ only in case between {spec} and {other_spec} ({shown}); names are "
+                            f"matched exactly, so each spelling would be a class of its own that the other set never "
+                            f"shows, whatever model.num_classes says; spell the names of one set as the other does")
+    return names
+
+
+def _raw_or_none(sample: dict) -> int | str | None:
+    try:
+        return raw_label(sample)
+    except BadLabel:
+        return None
+
+
+def label_members(url: str) -> Iterator[dict]:
+    """{"__key__": key, "cls"|"json"|"txt": bytes} per labelled sample of a local tar, skipping over the image members."""
+    sample: dict = {"__key__": None}
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                key, ext = base_plus_ext(member.name)  # as webdataset splits it: the key ends at the first dot
+                if key != sample["__key__"]:
+                    if len(sample) > 1:
+                        yield sample
+                    sample = {"__key__": key}
+                if member.isreg() and ext and ext.lower() in LABEL_KEYS:
+                    sample[ext.lower()] = tar.extractfile(member).read()
+    except READ_ERRORS:
+        pass  # an unreadable shard is the stream's to count
+    if len(sample) > 1:
+        yield sample
+
+
+@functools.lru_cache(maxsize=16)
+def labelled_keys(url: str) -> frozenset[str]:
+    """The keys of a local shard's members that hold a label, from the tar headers alone."""
+    keys = set()
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                key, ext = base_plus_ext(member.name)
+                if key is not None and ext.lower() in LABEL_KEYS:
+                    keys.add(key)
+    except READ_ERRORS:
+        pass  # an unreadable shard is the stream's to count
+    return frozenset(keys)
+
+
+def misplaced_label(url: str, key: str, neighbours: Sequence[str]) -> str | None:
+    """Why sample `key` of shard `url`, an image without a label, has none, where its label is in the wrong place:
+    a member of the same shard not next to the image, or of a `neighbours` shard (local shards only); else None."""
+    if is_remote(url):
+        return None
+    if key in labelled_keys(url):
+        return members_apart(url, key, "its label is not next to its image")
+    holder = next((other for other in neighbours if not is_remote(other) and key in labelled_keys(other)), None)
+    return members_apart(url, key, f"its image is here and its label in {holder}") if holder else None
+
+
+# ---------------------------------------------------------------- streaming
+
+SHARDS_PER_GROUP = 8  # resampled streams draw shards in groups; a resume replays at most one group, undecoded
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where one worker's stream stands: `consumed` samples read in shard group `group`."""
+
+    group: int = 0
+    consumed: int = 0
+
+
+@dataclass
+class StreamState:
+    """What a rank has consumed of its stream: enough to restart it exactly where it stopped.
+
+    `drawn_from` is the optimiser step its draw began at: 0 for a run's own start, else the step of a resume on
+    another process count, where every rank starts a fresh draw (keyed by the seed, that step and the rank).
+    """
+
+    batches: int = 0
+    positions: dict[int, StreamPosition] = field(default_factory=dict)
+    drawn_from: int = 0
+
+    def advance(self, batch: Batch) -> None:
+        self.batches += 1
+        self.positions[batch.worker] = batch.position
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "positions": {w: (p.group, p.consumed) for w, p in self.positions.items()},
+                "drawn_from": self.drawn_from}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = state["batches"]
+        self.positions = {int(w): StreamPosition(*p) for w, p in state["positions"].items()}
+        self.drawn_from = state.get("drawn_from", 0)  # absent from the checkpoints of an earlier mpp
+
+
+BARREN_GROUPS = 4  # resampled groups in a row without a usable image that prove a shard set unusable (32 draws)
+
+
+class ShardStream(IterableDataset):
+    """Batches from shards, split across ranks and dataloader workers.
+
+    resampled: each (rank, worker) draws groups of shards with replacement forever, so no rank runs dry.
+    otherwise: rank r takes shards r, r + world, ...; its worker w every num_workers-th of those; one group is
+    one pass, which visits each sample of the shard set once across all ranks and workers. `loop` repeats passes.
+
+    Randomness is keyed by (seed, rank, worker, group, sample index), and by `drawn_from` where it is not 0 (see
+    StreamState), and the shuffle buffer is emptied at group ends, so the stream is a pure function of those and can
+    restart at any `StreamPosition` by reading, not decoding, the samples of the current group already consumed.
+    `worker_offset` rotates which logical worker a DataLoader worker plays, so a resumed DataLoader (which always
+    starts at worker 0) keeps the batch order.
+
+    labels: reads each sample's class id (a bad one is a skipped sample); None leaves labels unread (-1). An image
+    without a label whose label lies elsewhere (a member of its shard not next to it, or of the shard before or
+    after it) raises DataError saying how to write the tar.
+
+    A shard that cannot be read, whole or from a damage on (see mpp.tars), is named in a warning and counts as the
+    samples it lost (`LossEstimate`, with `samples_per_shard` from summary.json) under unreadable_shard, so that
+    data.max_skip_fraction judges shards by what they held.
+    A worker whose pass (or BARREN_GROUPS resampled groups in a row) yields no usable image raises DataError
+    naming the shards and the counts by reason: otherwise it would loop over them forever and the loader, which
+    waits for every worker in turn, would never deliver another batch.
+    """
+
+    def __init__(self, urls: list[str], transform: Callable, batch_size: int, *, rank: int = 0, world: int = 1,
+                 seed: int = 0, resampled: bool = True, shuffle_buffer: int = 0, loop: bool = True,
+                 start: dict[int, StreamPosition] | None = None, worker_offset: int = 0,
+                 labels: Callable[[dict], int] | None = None, samples_per_shard: float | None = None,
+                 drawn_from: int = 0):
+        super().__init__()
+        self.urls, self.transform, self.batch_size = urls, transform, batch_size
+        self.rank, self.world = rank, world
+        self.draw = f"{seed}-{drawn_from}" if drawn_from else f"{seed}"  # a run's own draw keeps its keys
+        self.resampled, self.shuffle_buffer, self.loop = resampled, shuffle_buffer, loop
+        self.start, self.worker_offset, self.labels = start or {}, worker_offset, labels
+        self.samples_per_shard = samples_per_shard
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        workers = info.num_workers if info else 1
+        worker = ((info.id if info else 0) + self.worker_offset) % workers
+        start = self.start.get(worker, StreamPosition())
+        skipped: Counter = Counter()  # samples since the last batch, by reason
+        barren = Barren()  # since the last usable image
+        warned: set[str] = set()  # reasons and shards
+        losses = LossEstimate(self.samples_per_shard)
+        place = {url: i for i, url in enumerate(self.urls)} if self.labels else {}
+        resume_at = pulled = 0  # of the current group: samples read past on a resume, samples pulled so far
+
+        def count(reason: str, detail: str, samples: int = 1) -> str:
+            detail = " ".join(detail.split())[:200]  # one line: it ends up in an error message
+            skipped[reason] += samples
+            barren.reasons[reason] += 1  # events: samples, or shards for unreadable_shard
+            barren.first.setdefault(reason, detail)
+            return detail
+
+        def skip(reason: str, detail: str) -> None:
+            detail = count(reason, detail)
+            if reason not in warned:
+                warned.add(reason)
+                warnings.warn(f"skipping samples with {reason} (first: {detail}); counts are logged as data/skipped_*", stacklevel=2)
+
+        def shard_ended(end: ShardEnd) -> None:
+            if end.damage is not None and pulled >= resume_at:  # a shard read past on a resume was counted before
+                lost = losses.lost(end)
+                count("unreadable_shard", f"{end.url}: {end.damage}", lost)
+                if end.url not in warned:
+                    warned.add(end.url)
+                    read = f"read to its end ({end.damage}) after {end.samples} samples" if end.samples else f"read ({end.damage})"
+                    warnings.warn(f"shard {end.url} could not be {read}: an estimated {lost} sample(s) lost, counted as "
+                                  f"data/skipped_unreadable_shard, which data.max_skip_fraction judges", stacklevel=2)
+            losses.record(end)
+
+        images, labels, keys = [], [], []
+        last_group = 10**12 if self.loop or self.resampled else 1
+        for group in range(start.group, last_group):
+            key = f"{self.draw}-{self.rank}-{worker}-{group}"
+            shards = self._group_shards(worker, workers, random.Random(key))
+            if not shards:
+                return
+            barren.shards.update(shards)
+            got_image = False
+            samples = shard_samples(shards, on_end=shard_ended)
+            if self.shuffle_buffer:
+                samples = wds.shuffle(self.shuffle_buffer, min(self.shuffle_buffer, 100), rng=random.Random(key))(samples)
+            resume_at, pulled = (start.consumed if group == start.group else 0), 0
+            for index, sample in enumerate(samples, start=1):
+                pulled = index
+                if index <= resume_at:
+                    continue
+                barren.read += 1
+                name = sample.get("__key__", "?")
+                try:
+                    label = self.labels(sample) if self.labels else -1
+                except BadLabel as exc:
+                    skip("bad_label", f"{name}: {exc}")
+                    continue
+                try:
+                    image = self.transform(open_image(sample), random.Random(f"{key}-{index}"))
+                except KeyError:
+                    skip("missing_image", f"{name} has only {', '.join(k for k in sample if not k.startswith('__')) or 'no members'}")
+                    continue
+                except Exception as exc:
+                    skip("undecodable_image", f"{name}: {exc}")
+                    continue
+                if label < 0 and self.labels:
+                    url = sample["__url__"]
+                    at = place[url]
+                    misplaced = misplaced_label(url, name, self.urls[max(at - 1, 0):at] + self.urls[at + 1:at + 2])
+                    if misplaced:
+                        raise DataError(misplaced)
+                got_image = True
+                images.append(image)
+                labels.append(label)
+                keys.append(f"{os.path.basename(sample['__url__'])}/{name}")
+                if len(images) == self.batch_size:
+                    yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(group, index),
+                                tuple(keys))
+                    images, labels, keys = [], [], []
+                    skipped.clear()
+            if got_image or resume_at:  # a group read past on a resume may have held images: judge the next ones
+                barren = Barren()
+                continue
+            barren.groups += 1
+            if barren.groups >= (BARREN_GROUPS if self.resampled else 1):
+                raise DataError(barren.message(worker, self.rank, self.resampled))
+        if images:
+            yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(last_group, 0),
+                        tuple(keys))
+
+    def _group_shards(self, worker: int, workers: int, rng: random.Random) -> list[str]:
+        if self.resampled:
+            return [rng.choice(self.urls) for _ in range(SHARDS_PER_GROUP)]
+        mine = self.urls[self.rank :: self.world][worker::workers]
+        if self.shuffle_buffer:
+            rng.shuffle(mine)
+        return mine
+
+
+@dataclass
+class Barren:
+    """What a worker read in its groups in a row without a usable image."""
+
+    groups: int = 0
+    read: int = 0  # samples, all unusable
+    shards: set[str] = field(default_factory=set)
+    reasons: Counter = field(default_factory=Counter)
+    first: dict[str, str] = field(default_factory=dict)
+
+    def message(self, worker: int, rank: int, resampled: bool) -> str:
+        names = sorted(self.shards)
+        shards = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        span = f"{self.groups} groups of {SHARDS_PER_GROUP} draws" if resampled else "a whole pass"
+        counts = ", ".join(f"{n} {reason} (first: {self.first[reason]})" for reason, n in self.reasons.most_common())
+        if self.read:
+            what = f"{self.read} samples and not one usable image: {counts}"
+        else:
+            what = f"no samples at all: {counts or 'the tars are empty'}"
+        return (f"dataloader worker {worker} of rank {rank} read {span} over shard(s) {shards} and got {what}; "
+                f"fix or remove these shards, or point the setting that names them (data.shards, data.val_shards or an "
+                f"evaluator's shards) at usable ones")
+
+
+def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_size: int, *, rank: int = 0,
+                world: int = 1, seed: int = 0, one_pass: bool = False, pin_memory: bool = False,
+                state: StreamState | None = None, labels: bool = True, class_names: Sequence[str] | None = None) -> DataLoader:
+    """A DataLoader over a ShardStream of `data`'s workers and shuffle buffer; `state` (from a checkpoint) continues
+    a stream where it stopped.
+
+    The training stream loops forever, drawing shards as data.resampled says; `one_pass` reads each rank's shards
+    once, in order (evaluation). labels=False never reads labels (pretraining without them must not stop on one it
+    cannot parse); class names map to ids through `class_names`, by default the shard set's own (`label_names`).
+    """
+    num_workers, resampled, loop = data.num_workers, data.resampled and not one_pass, not one_pass
+    if loop and not resampled:
+        if len(urls) < world:
+            raise DataError(f"{len(urls)} shards cannot give each of {world} processes one; write more shards or set data.resampled=true")
+        # A looping worker without a shard would end the stream at once; cap workers so each gets one.
+        num_workers = min(num_workers, len(urls) // world)
+    state = state or StreamState()
+    if labels:
+        reader = LabelReader(tuple(label_names(tuple(urls)) if class_names is None else class_names))
+    summary = shard_summary(urls)
+    per_shard = summary.samples / summary.shards if summary and summary.samples and summary.shards else None
+    stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,
+                         resampled=resampled, shuffle_buffer=data.shuffle_buffer, loop=loop, start=state.positions,
+                         worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None,
+                         samples_per_shard=per_shard, drawn_from=state.drawn_from)
+    # Its own generator: starting workers must not draw from the global RNG that drives corruption,
+    # or a resumed run (which starts its loader after restoring RNG state) would diverge.
+    return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers else None,
+                      generator=torch.Generator(), worker_init_fn=end_commands_on_sigterm)

@@ -1,0 +1,227 @@
+"""A run's weights: written with what they are, and loaded as a backbone from any of the places a run leaves one,
+at the resolution the new run asks for.
+
+A run's final model.safetensors carries, as safetensors metadata under the key "mpp", the architecture of its
+backbone and what the file holds: a backbone, or a classifier (a fine-tuned backbone and its linear head). A
+checkpoints/step_N/model.safetensors is the objective's whole state as Accelerate saves it (tensors under backbone.*
+beside the objective's own); files of older runs carry no metadata, and are read from their tensors as before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import OmegaConf
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from mpp.errors import UserError, command
+from mpp.model.hf import HF_CONFIG, from_hf_state_dict, hf_architecture, is_hf_vit
+from mpp.model.vit import VisionTransformer, resize_pos_embed, resolve_variant
+from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
+
+if TYPE_CHECKING:
+    from mpp.model.objectives import Objective
+
+VIT_KEYS = ("cls_token", "pos_embed", "patch_embed.proj.weight", "norm.weight")
+METADATA_KEY = "mpp"  # safetensors metadata: JSON of the backbone's architecture and what the file holds
+BACKBONE, CLASSIFIER = "backbone", "classifier"  # what a file holds
+LINEAR_HEAD = {"head.weight", "head.bias"}  # a fine-tuned classifier's head (a pretraining objective's head differs)
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, unreadable or does not fit the model asked for; one line naming both."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run directory (its model.safetensors, else its newest checkpoint that verifies), a checkpoints/step_N
+    directory, or a .safetensors file -> the .safetensors file holding the weights."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a run directory, a checkpoints/step_N directory or a .safetensors file to --ckpt")
+    if (path / WEIGHTS).is_file():
+        return path / WEIGHTS
+    verified = newest_verified(path)
+    if verified is not None and (verified / WEIGHTS).is_file():
+        return verified / WEIGHTS
+    raise CheckpointError(f"{path} holds neither {WEIGHTS} nor a checkpoint that verifies; pass a run directory, a checkpoints/step_N directory or a .safetensors file to --ckpt")
+
+
+def save_weights(objective: Objective, path: str | Path) -> None:
+    """Write `objective.export_weights()` to `path` with the metadata that says what they are (see the module)."""
+    weights = objective.export_weights()
+    b = objective.backbone
+    about = {"width": b.width, "depth": b.depth, "heads": b.heads, "patch_size": b.patch_size, "image_size": b.image_size,
+             "holds": CLASSIFIER if LINEAR_HEAD <= set(weights) else BACKBONE}
+    save_file(weights, str(path), metadata={METADATA_KEY: json.dumps(about)})
+    usual_mode(Path(path))
+
+
+@dataclass(frozen=True)
+class SavedWeights:
+    """A .safetensors file as stored: its tensors and what its metadata says of them ({} for a file without any)."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    about: dict
+
+    @property
+    def holds(self) -> str:
+        """BACKBONE or CLASSIFIER: the metadata says; a training checkpoint holds a classifier when the objective's
+        own tensors are a linear head and nothing else (MPP adds its [mask] embedding, supervised pretraining's head
+        is an MLP); an older export, when it has a head."""
+        if "holds" in self.about:
+            return self.about["holds"]
+        own = {k for k in self.tensors if not k.startswith("backbone.")}
+        if len(own) < len(self.tensors):
+            return CLASSIFIER if own == LINEAR_HEAD else BACKBONE
+        return CLASSIFIER if LINEAR_HEAD <= own else BACKBONE
+
+
+def read_weights(ckpt: str | Path) -> SavedWeights:
+    path = resolve_checkpoint(ckpt)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"cannot read {path} as safetensors ({exc}); pass a model.safetensors written by this project") from None
+    if is_hf_vit(tensors):
+        return hf_weights(path, tensors)
+    try:
+        about = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
+    except ValueError:
+        raise CheckpointError(f"{path} has unreadable '{METADATA_KEY}' metadata (not JSON); pass a model.safetensors written by this project") from None
+    return SavedWeights(path, tensors, about)
+
+
+def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
+    """A transformers ViT (as `export --to hf` or save_pretrained writes it) under our names, its architecture read
+    from the config.json beside it."""
+    architecture = hf_architecture(path)
+    if architecture is None:
+        raise CheckpointError(f"{path} holds a Hugging Face ViT but no ViT {HF_CONFIG} lies beside it to say its heads "
+                              f"and image size; pass the directory that save_pretrained wrote, with its {HF_CONFIG}")
+    try:
+        ours = from_hf_state_dict(tensors)
+    except KeyError as missing:
+        raise CheckpointError(f"{path} is not a complete Hugging Face ViT: it lacks {missing}; pass the directory that "
+                              f"`{command('export')} --to hf` or save_pretrained wrote") from None
+    return SavedWeights(path, ours, {**architecture, "holds": CLASSIFIER if LINEAR_HEAD <= set(ours) else BACKBONE})
+
+
+def check_finite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Weights with a NaN or an infinity give meaningless features, scores and exports: refuse them by name."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{path} holds non-finite values (NaN or infinity) in {name}: the run that wrote it "
+                                  f"diverged or the file is damaged; pass an earlier checkpoint of that run "
+                                  f"(RUN/checkpoints/step_N) or retrain it")
+
+
+def backbone_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A training checkpoint stores the objective (backbone.*, heads, [mask]); an export the backbone (+ head.*)."""
+    if any(k.startswith("backbone.") for k in weights):
+        return {k.removeprefix("backbone."): v for k, v in weights.items() if k.startswith("backbone.")}
+    return {k: v for k, v in weights.items() if not k.startswith("head.")}
+
+
+def classifier_head(ckpt: str | Path) -> dict[str, torch.Tensor] | None:
+    """The linear head ({'weight', 'bias'}) of a fine-tuned classifier in `ckpt`; None where `ckpt` holds a backbone,
+    including a pretraining checkpoint, whose head (MPP's colours, supervised pretraining's MLP) is no classifier."""
+    saved = read_weights(ckpt)
+    if saved.holds != CLASSIFIER:
+        return None
+    head = {name: saved.tensors[f"head.{name}"] for name in ("weight", "bias")}
+    check_finite(saved.path, {f"head.{name}": tensor for name, tensor in head.items()})
+    return head
+
+
+def saved_heads(weights_file: Path) -> int | None:
+    """Attention heads are not visible in tensor shapes: read them from the run's config.yaml, if there is one."""
+    config = run_config_of(weights_file)
+    if config is None:
+        return None
+    model = OmegaConf.to_container(OmegaConf.load(config)).get("model") or {}
+    try:
+        return resolve_variant(str(model.get("name")), heads=model.get("heads")).heads
+    except ValueError:
+        return None
+
+
+def attention_heads(saved: SavedWeights, model_cfg) -> int:
+    """The head count the file was trained with: its metadata's (a different explicit model.heads is refused), else,
+    for files without metadata, that of the run's config.yaml, else the config's."""
+    if "heads" not in saved.about:
+        return saved_heads(saved.path) or model_cfg.variant.heads
+    heads = int(saved.about["heads"])
+    if model_cfg.heads is not None and model_cfg.heads != heads:
+        raise CheckpointError(f"{saved.path} holds a ViT with {heads} attention heads but model.heads={model_cfg.heads}; "
+                              f"set model.heads={heads} or drop the override (a ViT cannot change its head count)")
+    return heads
+
+
+def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
+    """The ViT in `ckpt`, shaped by its tensors, with position embeddings interpolated to model_cfg.image_size."""
+    saved = read_weights(ckpt)
+    path, weights = saved.path, backbone_weights(saved.tensors)
+    missing = [k for k in VIT_KEYS if k not in weights]
+    if missing:
+        found = ", ".join(list(weights)[:3]) or "no tensors"
+        raise CheckpointError(f"{path} is not a ViT of this project: it lacks {', '.join(missing)} (it holds {found}, ...); pass a checkpoint written by `{command('pretrain')}` or `{command('finetune')}`")
+
+    if not any(k.startswith("blocks.") for k in weights):
+        raise CheckpointError(f"{path} holds no Transformer blocks (no blocks.* tensors), so it is not a trained ViT; "
+                              f"pass a checkpoint written by `{command('pretrain')}` or `{command('finetune')}`")
+    check_finite(path, weights)
+    proj = tuple(weights["patch_embed.proj.weight"].shape)  # (D, P*P*3)
+    pos = tuple(weights["pos_embed"].shape)  # (1, 1 + N, D)
+    if len(proj) != 2 or len(pos) != 3:
+        raise CheckpointError(f"{path} has a patch projection of shape {proj} and position embeddings of shape {pos}; "
+                              f"a ViT of this project has (D, P*P*3) and (1, 1 + N, D): pass a checkpoint written by `{command('pretrain')}`")
+    if math.isqrt(pos[1] - 1) ** 2 != pos[1] - 1:
+        raise CheckpointError(f"{path} has {pos[1] - 1} patch positions, not a square grid, so they cannot be interpolated "
+                              f"to model.image_size={model_cfg.image_size}; pass a checkpoint of a square-image ViT")
+    width = weights["cls_token"].shape[-1]
+    patch = math.isqrt(proj[1] // 3)
+    expected = (width, 3 * model_cfg.patch_size ** 2)
+    if patch * patch * 3 != proj[1] or patch != model_cfg.patch_size:
+        raise CheckpointError(f"{path} has patch embedding weights of shape {proj} (patch size {patch}) but model.patch_size={model_cfg.patch_size} "
+                              f"needs {expected}; set model.patch_size={patch} (a ViT cannot change its patch size)")
+    depth = len({k.split(".")[1] for k in weights if k.startswith("blocks.")})
+    heads = attention_heads(saved, model_cfg)
+    if width % heads:
+        raise CheckpointError(f"{path} has width {width}, which {heads} attention heads do not divide; set model.heads to the pretraining run's value")
+
+    backbone = VisionTransformer(model_cfg.image_size, patch, width, depth, heads)
+    weights["pos_embed"] = resize_pos_embed(weights["pos_embed"], backbone.grid)
+    try:
+        backbone.load_state_dict(weights)
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())
+        raise CheckpointError(f"{path} does not fit a ViT of width {width}, depth {depth} and patch size {patch}: {detail[:300]}") from None
+    return backbone
+
+
+def run_files_in(directory: Path) -> str | None:
+    """What in `directory` belongs to a run of this project (its config.yaml, its checkpoints, weights in this
+    project's layout), or None: a directory an export must not write into."""
+    if (directory / CONFIG).is_file():
+        return f"its {CONFIG}"
+    if (directory / CHECKPOINTS).is_dir():
+        return f"its {CHECKPOINTS}/"
+    if (directory / WEIGHTS).is_file():
+        try:
+            with safe_open(str(directory / WEIGHTS), framework="pt") as f:
+                ours = METADATA_KEY in (f.metadata() or {}) or any(k in VIT_KEYS or k.startswith("backbone.") for k in f.keys())
+        except (SafetensorError, OSError):
+            return None
+        return f"its {WEIGHTS}, in this project's layout" if ours else None
+    return None

@@ -1,0 +1,169 @@
+"""Our ViT as a Hugging Face `transformers` ViT checkpoint (ViTModel, or ViTForImageClassification with a head).
+
+The architectures are the same network; only names and two layouts differ: HF embeds patches with a Conv2d
+(our Linear reads each patch flattened as (p1 p2 c)) and keeps q, k and v as three Linears (ours is one qkv).
+ViTModel's pooler (a Dense + tanh on [class] in BERT's manner) has no counterpart in the paper, whose representation
+is the [class] token after the final LayerNorm: it is exported as the identity, so `pooler_output` is exactly that
+token and `ViTModel.from_pretrained(DIR)` loads every weight it expects.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mpp.errors import UserError
+from mpp.model.vit import PIXEL_MEAN, PIXEL_STD, VisionTransformer, patchify, unpatchify
+from mpp.rundir import usual_mode
+
+MLP_RATIO = 4  # Block's hidden width over the model width
+HF_CONFIG = "config.json"  # what save_pretrained writes beside model.safetensors
+
+
+class ExportError(UserError):
+    """The export cannot be written as asked; the message names the cause and the fix."""
+
+
+def hf_config(backbone: VisionTransformer, num_labels: int | None = None) -> dict:
+    """ViTConfig arguments describing `backbone` (and a classifier over `num_labels` classes)."""
+    config = dict(
+        hidden_size=backbone.width, num_hidden_layers=backbone.depth, num_attention_heads=backbone.heads,
+        intermediate_size=MLP_RATIO * backbone.width, hidden_act="gelu",  # exact (erf) GELU, as nn.GELU()
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-6, qkv_bias=True,
+        image_size=backbone.image_size, patch_size=backbone.patch_size, num_channels=3,
+        pooler_act="linear",  # with the identity Dense written by hf_state_dict: pooler_output = [class] token
+    )
+    if num_labels is not None:
+        config["num_labels"] = num_labels
+    return config
+
+
+def hf_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Our weights under transformers 5 ViT parameter names; with `head` ({'weight', 'bias'}) the classifier's too."""
+    ours = backbone.state_dict()
+    p = backbone.patch_size
+    out = {
+        "embeddings.cls_token": ours["cls_token"],
+        "embeddings.position_embeddings": ours["pos_embed"],
+        # Linear over patchify's layout -> Conv2d kernel (D, C, P, P): each output's weights unpatchified as one patch.
+        "embeddings.patch_embeddings.projection.weight": unpatchify(ours["patch_embed.proj.weight"][:, None], p, grid=1),
+        "embeddings.patch_embeddings.projection.bias": ours["patch_embed.proj.bias"],
+        "layernorm.weight": ours["norm.weight"],
+        "layernorm.bias": ours["norm.bias"],
+    }
+    for i in range(backbone.depth):
+        ours_i, hf_i = f"blocks.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias"):
+            # qkv's output rows are (three heads head_dim): q, k and v each keep HF's (heads head_dim) order.
+            q, k, v = ours[f"{ours_i}attn.qkv.{kind}"].chunk(3, dim=0)
+            out.update({
+                f"{hf_i}attention.q_proj.{kind}": q, f"{hf_i}attention.k_proj.{kind}": k, f"{hf_i}attention.v_proj.{kind}": v,
+                f"{hf_i}attention.o_proj.{kind}": ours[f"{ours_i}attn.proj.{kind}"],
+                f"{hf_i}layernorm_before.{kind}": ours[f"{ours_i}norm1.{kind}"],
+                f"{hf_i}layernorm_after.{kind}": ours[f"{ours_i}norm2.{kind}"],
+                f"{hf_i}mlp.fc1.{kind}": ours[f"{ours_i}mlp.0.{kind}"],
+                f"{hf_i}mlp.fc2.{kind}": ours[f"{ours_i}mlp.2.{kind}"],
+            })
+    if head is None:
+        return {**out, "pooler.dense.weight": torch.eye(backbone.width), "pooler.dense.bias": torch.zeros(backbone.width)}
+    return {**{f"vit.{k}": v for k, v in out.items()}, "classifier.weight": head["weight"], "classifier.bias": head["bias"]}
+
+
+def is_hf_vit(tensors: dict[str, torch.Tensor]) -> bool:
+    """Tensors named as transformers names a ViTModel's (or a ViTForImageClassification's, under vit.)."""
+    return any(k in tensors for k in ("embeddings.cls_token", "vit.embeddings.cls_token"))
+
+
+# How save_pretrained names a ViT block's tensors on disk (the Hub's layout, unchanged since transformers 4; version 5
+# renames them in memory only), against ours.
+HF_BLOCK_NAMES = {
+    "attention.output.dense": "attn.proj", "layernorm_before": "norm1", "layernorm_after": "norm2",
+    "intermediate.dense": "mlp.0", "output.dense": "mlp.2",
+}
+
+
+def from_hf_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers ViT's weights as save_pretrained writes them (or the Hub holds them) under our names: the
+    classifier of a ViTForImageClassification as head.*; the pooler, which the paper's ViT has not, dropped."""
+    hf = {k.removeprefix("vit."): v for k, v in tensors.items()}
+    conv = hf["embeddings.patch_embeddings.projection.weight"]  # (D, C, P, P)
+    ours = {
+        "cls_token": hf["embeddings.cls_token"],
+        "pos_embed": hf["embeddings.position_embeddings"],
+        "patch_embed.proj.weight": patchify(conv, conv.shape[-1])[:, 0],  # each kernel flattened as one patch
+        "patch_embed.proj.bias": hf["embeddings.patch_embeddings.projection.bias"],
+        "norm.weight": hf["layernorm.weight"],
+        "norm.bias": hf["layernorm.bias"],
+    }
+    depth = len({k.split(".")[2] for k in hf if k.startswith("encoder.layer.")})
+    for i in range(depth):
+        hf_i = f"encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            attention = [hf[f"{hf_i}attention.attention.{x}.{kind}"] for x in ("query", "key", "value")]
+            ours[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(attention)
+            ours.update({f"blocks.{i}.{mine}.{kind}": hf[f"{hf_i}{theirs}.{kind}"] for theirs, mine in HF_BLOCK_NAMES.items()})
+    if "classifier.weight" in hf:
+        ours.update({"head.weight": hf["classifier.weight"], "head.bias": hf["classifier.bias"]})
+    return ours
+
+
+def hf_architecture(weights_file: Path) -> dict | None:
+    """What the transformers config.json beside `weights_file` says of the ViT ({width, depth, heads, patch_size,
+    image_size}, as our checkpoints' metadata says it); None where there is no ViT config beside it."""
+    config_file = weights_file.parent / HF_CONFIG
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") != "vit":
+        return None
+    keys = {"width": "hidden_size", "depth": "num_hidden_layers", "heads": "num_attention_heads",
+            "patch_size": "patch_size", "image_size": "image_size"}
+    if any(not isinstance(config.get(hf_key), int) for hf_key in keys.values()):
+        return None
+    return {ours: config[hf_key] for ours, hf_key in keys.items()}
+
+
+def preprocessor_config(image_size: int) -> dict:
+    """ViTImageProcessor settings reproducing our input scaling, (x / 255 - 0.5) / 0.5."""
+    return {
+        "image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": image_size, "width": image_size},
+        "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [PIXEL_MEAN] * 3, "image_std": [PIXEL_STD] * 3,
+    }
+
+
+def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, torch.Tensor] | None = None,
+              id2label: dict[int, str] | None = None, pool: str = "cls") -> str:
+    """Write a transformers checkpoint (config.json, model.safetensors, preprocessor_config.json) to out_dir.
+
+    Without `head`: ViTModel, its pooler the identity (`pooler_output` = `last_hidden_state[:, 0]`, the paper's
+    representation). With `head`: ViTForImageClassification, whose classifier reads that same token, with
+    `id2label` naming its classes. Returns the class name.
+    A head trained on mean-pooled patch outputs (`pool="mean"`) is refused: transformers' ViT classifies from
+    [class] only, so its export would give other logits than the model that was trained.
+    """
+    if head is not None and pool != "cls":
+        raise ExportError("this classifier was fine-tuned on the mean of the patch outputs (finetune.pool=mean), which "
+                          "transformers' ViTForImageClassification cannot represent (it reads the [class] token); "
+                          "export a run fine-tuned with finetune.pool=cls, or the pretrained backbone as a ViTModel")
+    try:
+        import transformers
+        from transformers import ViTConfig, ViTForImageClassification, ViTModel
+    except ImportError:
+        raise ExportError("exporting to Hugging Face needs the transformers package: pip install 'mpp[hf]' (in a checkout: pip install -e '.[hf]')") from None
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ExportError(f"exporting needs transformers 5 or newer (found {transformers.__version__}): pip install -U 'mpp[hf]'")
+    num_labels = None if head is None else head["weight"].shape[0]
+    config = ViTConfig(**hf_config(backbone, num_labels))
+    if id2label:
+        config.id2label, config.label2id = dict(id2label), {name: i for i, name in id2label.items()}
+    model = ViTModel(config) if head is None else ViTForImageClassification(config)
+    model.load_state_dict({k: v.detach().float().contiguous() for k, v in hf_state_dict(backbone, head).items()}, strict=True)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    usual_mode(*out.glob("*.safetensors"))  # safetensors writes them 0600
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(backbone.image_size), indent=2) + "\n")
+    return type(model).__name__

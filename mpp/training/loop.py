@@ -1,0 +1,264 @@
+"""The one training loop. Pretraining and fine-tuning differ only in the objective module and its evaluators.
+
+`train_step` is one optimiser step; `train` runs them, logs, draws the panel, checkpoints, evaluates and stops on a
+signal. What the loop measures is in mpp/meters.py, how a run uses the machine in mpp/runtime.py, its checkpoints in
+mpp/resume.py, signals in mpp/preemption.py, the image panel in mpp/panel.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from tqdm.auto import tqdm
+
+from mpp.model.checkpoint import save_weights
+from mpp.config import LogConfig, TrainConfig
+from mpp.data.stream import Batch, StreamState
+from mpp.training.ema import WeightAverage
+from mpp.errors import UserError
+from mpp.training.meters import LOOP_METRICS, LogWindow, ProgressBar
+from mpp.metrics import Metric
+from mpp.model.objectives import Objective, StepOutput
+from mpp.training.optim import LambdaLR, apply_hyperparameters, build_optimizer, build_schedule, head_lr, param_groups
+from mpp.training.panel import log_panel
+from mpp.training.preemption import Preempted, SignalWhileWaiting, StopOnSignal, stopped_waiting
+from mpp.training.resume import WRITE_ERRORS, load_checkpoint, save_checkpoint, weights_not_saved
+from mpp.rundir import WEIGHTS
+from mpp.training.runtime import Device, compiled, resolve_compile
+
+
+@dataclass
+class Evaluator:
+    """What the loop evaluates: `run(objective, step)` is called on every process every `every` steps and after the
+    last, with the bare objective (its `backbone` is the encoder being trained), and returns the scalars to log under
+    their tags ({'fewshot/5shot': 0.41}), each declared in `metrics`; they also go into train's results.
+
+    An implementer returns the same tags on every process, leaves the training RNG and data stream alone (a
+    private generator, its own loader: the run's weights do not change with it), and may leave the module in eval
+    mode (the loop sets train mode again). Stages build theirs from config: pipelines/evaluators.py.
+    """
+
+    every: int
+    run: Callable[[nn.Module, int], dict[str, float]]
+    metrics: tuple[Metric, ...] = ()
+
+
+@dataclass
+class Progress:
+    """Checkpointed with the model by the main process: the step counter, the last step whose evaluations ran, and
+    the scalars logged up to the checkpoint's step.
+
+    A step's checkpoint is written before its evaluations, so a resume from it runs them first. A finished run resumed
+    trains nothing and logs nothing: it reports the scalars its last checkpoint kept. Each rank's data stream position
+    is its own and is saved by each rank beside it (mpp.resume.save_checkpoint).
+    """
+
+    step: int = 0
+    evaluated: int = 0
+    logged: dict[str, float] = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.evaluated = state["step"], state["evaluated"]
+        self.logged = dict(state.get("logged", {}))  # absent from the checkpoints of an earlier mpp
+
+
+@dataclass
+class StepResult:
+    """One optimiser step's outcome, as device tensors (reading them is a host sync: the loop does so only to log)."""
+
+    outputs: list[StepOutput]  # each micro-batch's loss and metrics
+    grad_norm: torch.Tensor  # before clipping
+    stepped: torch.Tensor  # bool: the gradient was finite and the optimiser changed the weights
+    nonfinite: torch.Tensor  # bool: counts towards train.max_nonfinite_steps
+
+
+def train_step(accelerator: Accelerator, model: nn.Module, forward: Callable[..., StepOutput], optimizer,
+               scheduler: LambdaLR, micro_batches: Iterable[Batch], clip_grad_norm: float | None) -> StepResult:
+    """One optimiser step over `micro_batches` (train.grad_accum of them): forward, backward, and on the last one clip
+    and step unless the gradient is non-finite; then the schedule.
+
+    `model` is the prepared objective (its DDP wrapper under several processes: accumulation skips its all-reduce
+    until the last micro-batch), `forward` what computes its loss (the model, or its compiled form).
+
+    No host sync: a fused optimiser given `found_inf` leaves weights, moments and step count untouched when it is
+    set, so a NaN/inf gradient never reaches them and the GPU never waits for the CPU to decide. Under fp16 the loss
+    scaler makes that call itself (an overflow lowers its scale), and only a non-finite loss counts as non-finite.
+    """
+    outputs = []
+    for batch in micro_batches:
+        with accelerator.accumulate(model):
+            out = forward(batch.images, batch.labels)
+            accelerator.backward(out.loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_grad_norm or math.inf)
+                stepped = torch.isfinite(grad_norm)
+                torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
+                torch_optimizer.found_inf = (~stepped).float()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        outputs.append(out)
+    scheduler.step()
+    if accelerator.scaler is not None:
+        nonfinite = ~torch.stack([torch.isfinite(out.loss.detach()) for out in outputs]).all()
+    else:
+        nonfinite = ~stepped
+    return StepResult(outputs, grad_norm, stepped, nonfinite)
+
+
+def train(accelerator: Accelerator, objective: Objective, make_batches: Callable[[StreamState], Iterable[Batch]],
+          cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume_from: Path | None = None,
+          evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0, data_workers: int = 0,
+          resume_hint: str = "the same command with --resume") -> dict[str, float]:
+    """Train `objective` (see the Objective contract) for cfg.steps optimiser steps.
+
+    `resume_from` (see mpp.resume.resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup,
+    steps, weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
+    its last checkpoint precedes.
+
+    With cfg.ema_decay set, an EMA of the weights (mpp.ema) follows the training and is checkpointed with it; the
+    evaluators score the EMA and model.safetensors holds it, as timm validates and saves its model EMA.
+
+    Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
+    `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
+    a checkpoint when signalled, TrainingDiverged after cfg.max_nonfinite_steps bad steps in a row, and
+    DataError when more than `max_skip_fraction` of the samples read could not be used. Says once, on stderr, when
+    the steps have slowed down many times over, with the `data_workers` per process among what to lower.
+    """
+    output_dir = Path(output_dir)
+    ema = WeightAverage(objective, cfg.ema_decay, accelerator.device) if cfg.ema_decay is not None else None
+    scored = ema.module if ema else objective  # what the evaluators score and model.safetensors holds
+    model = accelerator.prepare(objective)  # on its device; DDP-wrapped under several processes
+    optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+    scheduler = build_schedule(optimizer, cfg)  # not prepared: Accelerate would step it once per process
+    forward = compiled(model, cfg.compile_backend) if resolve_compile(cfg.compile, Device.this_process()) else model
+    progress, stream = Progress(), StreamState()
+    accelerator.register_for_checkpointing(scheduler, progress, *([ema] if ema else []))
+    evaluations = Evaluations(accelerator, scored, evaluators, cfg.steps, progress)
+    results: dict[str, float] = {}
+
+    if resume_from is not None:
+        restore(accelerator, resume_from, stream, progress, optimizer, scheduler, cfg)
+        results.update(progress.logged)
+        if progress.evaluated < progress.step:
+            results.update(evaluations.run(progress.step))
+
+    feed = Feed(accelerator, iter(make_batches(stream)), stream)
+    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers)
+    bar = ProgressBar(accelerator, [*objective.metrics("train"), *LOOP_METRICS, *evaluations.metrics], cfg.steps, progress.step)
+    objective.train()
+    # The bar is closed before anything propagates, so an error's line does not share a line with it.
+    with StopOnSignal() as stop, contextlib.closing(bar):
+        while progress.step < cfg.steps:
+            try:
+                result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),
+                                    cfg.clip_grad_norm)
+            except SignalWhileWaiting as signalled:
+                raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
+            if ema:
+                ema.update(objective)
+            progress.step += 1
+            step, last = progress.step, progress.step == cfg.steps
+            window.stepped(step, result)
+            bar.step()
+
+            if step % log.every == 0 or last:
+                results.update(window.write(step, head_lr(optimizer)))
+                bar.update(results)
+            if step % log.images_every == 0 or last:
+                log_panel(accelerator, objective, feed.last, step)
+
+            stopping = stop.agreed(accelerator)
+            # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
+            if step % cfg.checkpoint_every == 0 or last or stopping:
+                progress.logged = dict(results)
+                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)
+            if stopping and not last:
+                accelerator.end_training()
+                raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "
+                                f"continue with {resume_hint}")
+            results.update(evaluations.run(step))
+            bar.update(results)
+
+    if accelerator.is_main_process:
+        try:
+            save_weights(scored, output_dir / WEIGHTS)
+        except WRITE_ERRORS as exc:
+            raise weights_not_saved(output_dir, exc, resume_hint) or exc
+    accelerator.wait_for_everyone()
+    return results
+
+
+def restore(accelerator: Accelerator, checkpoint: Path, stream: StreamState, progress: Progress, optimizer,
+            scheduler: LambdaLR, cfg: TrainConfig) -> None:
+    """Continue from `checkpoint` under `cfg`, whose schedule and optimiser hyperparameters apply from here on."""
+    load_checkpoint(accelerator, checkpoint, stream, cfg.seed)
+    if progress.step > cfg.steps:
+        raise UserError(f"{checkpoint} is at step {progress.step}, past train.steps={cfg.steps}; set train.steps to "
+                        f"at least {progress.step} to resume it, or finetune/fewshot from it with --ckpt")
+    apply_hyperparameters(optimizer, scheduler, cfg)
+    finished = f": the run is finished (train.steps={cfg.steps}), nothing to train" if progress.step == cfg.steps else ""
+    accelerator.print(f"resumed from {checkpoint} at step {progress.step}{finished}")
+
+
+class Evaluations:
+    """The run's evaluators, each at its period and all after the last step: scores logged, steps recorded in Progress."""
+
+    def __init__(self, accelerator: Accelerator, objective: Objective, evaluators: tuple[Evaluator, ...], steps: int,
+                 progress: Progress):
+        self.accelerator, self.objective, self.evaluators, self.steps, self.progress = accelerator, objective, evaluators, steps, progress
+        self.metrics = [m for evaluator in evaluators for m in evaluator.metrics]
+
+    def run(self, step: int) -> dict[str, float]:
+        due = [e for e in self.evaluators if step % e.every == 0 or step == self.steps]
+        if due and step == self.steps and self.accelerator.is_main_process:
+            tqdm.write(f"step {step} of {self.steps}: running the final evaluation")
+        scores: dict[str, float] = {}
+        for evaluator in due:
+            scores.update(evaluator.run(self.objective, step))
+            self.objective.train()
+        if scores:
+            self.accelerator.log(scores, step=step)
+        self.progress.evaluated = step
+        return scores
+
+
+class Feed:
+    """The data stream as steps consume it: each micro-batch moved to the device, its wait timed, the stream's position
+    advanced; the last one kept for the panel. A signal while waiting raises SignalWhileWaiting, marked with whether
+    the step it interrupted had consumed nothing yet (see preemption.stopped_waiting)."""
+
+    def __init__(self, accelerator: Accelerator, batches: Iterator[Batch], stream: StreamState):
+        self.device, self.batches, self.stream = accelerator.device, batches, stream
+        self.last: Batch | None = None
+
+    def micro_batches(self, count: int, window: LogWindow, stop: StopOnSignal) -> Iterator[Batch]:
+        for index in range(count):
+            started = time.perf_counter()
+            try:
+                batch = next_batch(self.batches, self.device, stop)
+            except SignalWhileWaiting as signalled:
+                signalled.at_step_boundary = index == 0
+                raise
+            window.read(batch, time.perf_counter() - started)
+            self.stream.advance(batch)
+            self.last = batch
+            yield batch
+
+
+def next_batch(batches: Iterator[Batch], device: torch.device, stop: StopOnSignal | None = None) -> Batch:
+    """The next batch on `device`; a signal while waiting for it raises SignalWhileWaiting (see StopOnSignal)."""
+    with stop.waiting_for_data() if stop else contextlib.nullcontext():
+        batch = next(batches)
+    return Batch(batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True),
+                 batch.skipped, batch.worker, batch.position, batch.keys)

@@ -1,0 +1,154 @@
+"""Stopping on a signal (SIGTERM, SIGINT): at a step boundary, every rank at the same step, with a checkpoint.
+
+A preemptible job gets SIGTERM some time before it is killed; the loop saves and exits 0, naming the command that
+continues the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from mpp.data.stream import StreamState
+from mpp.training.resume import save_checkpoint
+from mpp.rundir import checkpoint_dir, complete_checkpoints
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; the message says how to resume."""
+
+
+class SignalWhileWaiting(BaseException):
+    """A stop signal arrived while the loop was blocked waiting for the data stream; its text is the signal's name.
+
+    A BaseException, as KeyboardInterrupt is: raised wherever the wait happens to be (reading a shard, decoding an
+    image), it must not be caught as one more unreadable shard or undecodable image by code that catches Exception.
+    """
+
+    at_step_boundary = True  # whether the step it interrupted had consumed no micro-batch yet (set by the loop's feed)
+
+
+class StopOnSignal:
+    """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once.
+
+    A signal that arrives while the loop waits for data usually finds the batch moments away (being decoded): the
+    step finishes and every rank stops at its boundary together. A stream that has not delivered WAIT_GRACE_S after
+    the signal (a `pipe:` command that hangs, a stalled network read) is given up: SignalWhileWaiting is raised out of
+    the wait, so it cannot keep the process alive.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # Long enough for a slow remote batch, short beside the 30 s or more a preemption notice gives before the kill.
+    WAIT_GRACE_S = 10.0
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.waiting = False
+        self.signal_name = ""
+        self.previous: dict[int, object] = {}
+        self.pending: tuple | None = None  # the last step's all-reduce of the flag and its result (several processes)
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            self.previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._give_up_waiting)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.pending is not None and exc_type is None:
+            # Every rank posted the last step's all-reduce, so it completes; a process that destroyed its process
+            # groups with it still in flight aborted in gloo ("terminate called without an active exception"), seen
+            # once in a two-process test. After an error on one rank the others may never post theirs: no wait then.
+            self.settle()
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
+
+    def _handle(self, signum: int, frame) -> None:
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, self.WAIT_GRACE_S)  # a wait for data still going on then is given up
+        print(f"\nreceived {self.signal_name}: saving a checkpoint at the end of this step "
+              "(send it again to exit at once)", file=sys.stderr, flush=True)
+
+    def _give_up_waiting(self, signum: int, frame) -> None:
+        if not self.waiting:
+            signal.setitimer(signal.ITIMER_REAL, 1.0)  # the step is on its way to its boundary; look again in a second
+            return
+        self.waiting = False
+        print(f"\nno data came within {self.WAIT_GRACE_S:g} s of {self.signal_name}: stopping without it",
+              file=sys.stderr, flush=True)
+        raise SignalWhileWaiting(self.signal_name)
+
+    def agreed(self, accelerator: Accelerator) -> bool:
+        """Every rank stops at the same step, even if only one of them got the signal.
+
+        With several processes the flag is summed over ranks every step by an asynchronous all-reduce of a host
+        tensor over a gloo group of its own, and read one step later: the device is never involved (no copy, no
+        sync), and the wait is for a reduction that finished during the step. The ranks stop one step after the signal.
+        """
+        if accelerator.num_processes == 1:
+            return self.requested
+        previous = self.pending
+        flag = torch.tensor([float(self.requested)])  # in host memory
+        self.pending = (torch.distributed.all_reduce(flag, group=host_group(), async_op=True), flag)
+        if previous is None:
+            return False
+        work, total = previous
+        work.wait()
+        if total.item() > 0:
+            self.settle()  # the ranks stop here: nothing of theirs is left in flight when they tear down
+            return True
+        return False
+
+    def settle(self) -> None:
+        """Wait for the all-reduce posted at the last step."""
+        self.pending[0].wait()
+        self.pending = None
+
+
+@functools.cache
+def host_group():
+    """A gloo process group of every rank for small host-side agreements, made once per process (every rank makes
+    it at the same point: the first step of its first run)."""
+    return torch.distributed.new_group(backend="gloo")
+
+
+def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg, signalled: SignalWhileWaiting,
+                    resume_hint: str, stream: StreamState) -> Preempted:
+    """The stop for a signal that came while the loop waited for data, after saving what can be saved.
+
+    Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
+    end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
+    step: then the newest checkpoint is what a resume starts from.
+    """
+    newest = complete_checkpoints(output_dir)
+    if signalled.at_step_boundary and accelerator.num_processes == 1 and step > 0:
+        if not newest or newest[-1].name != checkpoint_dir(output_dir, step).name:
+            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)]
+        accelerator.end_training()
+        return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data; checkpoint "
+                         f"saved in {newest[-1]}; continue with {resume_hint}")
+    accelerator.end_training()
+    kept = f"the newest checkpoint is {newest[-1]}; continue with {resume_hint}" if newest else "no checkpoint was written yet"
+    return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data, without saving "
+                     f"this step; {kept}")

@@ -1,0 +1,1 @@
+"""compare's machinery: the plan and its arms, the report, the figure."""

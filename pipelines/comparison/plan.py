@@ -1,0 +1,164 @@
+"""A comparison plan (`compare --config`): which arms, how each is pretrained, the fine-tuning grid, seeds, lengths.
+
+An arm is a starting point for fine-tuning: `scratch` (a fresh backbone), a registered objective by name (`mpp`,
+`supervised`: pretrained with the plan's `pretrain` section), or a named variant of one, `{name: mpp-pixel,
+objective: mpp, pretrain: {mpp.target: pixels}}`, whose keys go on top of the `pretrain` section: so the paper's
+pretext ablations (targets, corruption rates) are arms of one plan. Every arm is tuned, length-searched and seeded
+the same way. The plan is validated when it is loaded, every stage's run config included.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
+
+from mpp.config import Config, ConfigError, Section, dotted, read_layers, validate_config
+from mpp.model.objectives import OBJECTIVES
+from mpp.training.runtime import Device, precision_label, resolve_precision
+
+SCRATCH = "scratch"
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # an arm's or recipe's name is a directory name
+
+
+class Arm(Section):
+    """One starting point: fresh (objective None, the arm named scratch) or pretrained with an objective."""
+
+    name: str = Field(description="The arm's name in the report and its directories (pre/<name>, ft/<name>/...).")
+    objective: str | None = Field(None, description="The pretraining objective (a registered one); null: no pretraining (scratch).")
+    pretrain: dict[str, Any] = Field({}, description="Run-config keys on top of the plan's pretrain section, for this arm only (mpp.target: pixels).")
+
+    @property
+    def summary(self) -> str:
+        if self.objective is None:
+            return "none (random init)"
+        variant = ", ".join(f"{k}={v}" for k, v in dotted(self.pretrain).items())
+        return OBJECTIVES[self.objective].summary + (f" ({variant})" if variant else "")
+
+
+class CompareConfig(Section):
+    output_dir: str = Field("runs/compare", description="Where every stage's run directory, report.md, results.json and comparison.png/svg go.")
+    arms: list[str | Arm] = Field(["mpp", "supervised", SCRATCH], min_length=1, description="The starting points to fine-tune: scratch, a registered objective by name (mpp, supervised), or a variant {name, objective, pretrain: {keys}}.")
+    note: str | None = Field(None, description="A line printed at the top of the report (a smoke-test plan says its numbers mean nothing).")
+    common: dict[str, Any] = Field({}, description="Run-config keys shared by every stage (model.*, fewshot.*, data.num_workers, ...).")
+    pretrain: dict[str, Any] = Field({}, description="Run-config keys of every pretraining run: data.shards (upstream; labelled for supervised), train.*, mpp.*.")
+    finetune: dict[str, Any] = Field({}, description="Run-config keys of every fine-tuning run: data.shards (downstream training), data.val_shards (evaluation), train.*, finetune.eval_every.")
+    lrs: list[float] = Field([], description="Fine-tuning learning rates tried per arm, the best picked on the dev split; empty: finetune's train.lr alone, no dev split.")
+    grid: list[dict[str, Any]] = Field([], description="Fine-tuning recipes tried per arm instead of lrs, each a set of finetune run-config keys (e.g. {train.optimizer: sgd, train.lr: 0.03, train.layer_decay: 0.75}) and optionally a short name; the best dev top-1 per arm is picked (exactly equal scores to the longer, then the earlier recipe).")
+    seeds: list[int] = Field([], description="Fine-tuning seeds (train.seed) each arm's picked recipe is run with; the report gives top-1 mean +- std over them and each gap's paired 95% interval over test images and seeds. Empty: finetune's train.seed alone.")
+    dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's recipe (with dev_folds 0).")
+    dev_folds: int | Literal["auto"] = Field("auto", description="With k >= 2, pick recipes and lengths by k-fold cross-validation over all downstream training images instead of one dev split (k fine-tunings per candidate), then fine-tune the pick on all of them; 0: one split of dev_fraction; auto: 5-fold when the downstream training set holds under 500 labelled images, else one split.")
+    lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's pick, going on while its dev top-1 does not fall below the best so far; the kept length is picked like a recipe (the best dev top-1; exactly equal scores to the longer); [1]: the plan's length only.")
+    sensitivity: bool = Field(True, description="Also fine-tune and test each arm's near-best candidates (those the dev split cannot tell from its pick) at every seed, and report whether each gap's verdict would change had each arm taken one of them.")
+    checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
+    ablate: list[str] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation; names of arms not in `arms` are ignored.")
+
+    @field_validator("arms")
+    @classmethod
+    def _arms(cls, arms: list[str | Arm]) -> list[Arm]:
+        resolved = [Arm(name=a, objective=None if a == SCRATCH else a) if isinstance(a, str) else a for a in arms]
+        names = [arm.name for arm in resolved]
+        for arm in resolved:
+            if not PLAIN_NAME.fullmatch(arm.name) or names.count(arm.name) > 1:
+                raise ValueError(f"arm name '{arm.name}' is taken or not a plain name; give each arm a distinct name of letters, digits, '-', '_' or '.'")
+            if arm.objective is None and arm.name != SCRATCH:
+                raise ValueError(f"arm '{arm.name}' names no objective; a fresh backbone is the arm '{SCRATCH}'")
+            if arm.objective is not None and arm.objective not in OBJECTIVES:
+                raise ValueError(f"arm '{arm.name}' names objective '{arm.objective}'; choose one of {', '.join(OBJECTIVES)} (or the arm {SCRATCH})")
+        return resolved
+
+    @field_serializer("arms")
+    def _arms_as_written(self, arms: list[Arm]) -> list[str | dict]:
+        """An arm that is just an objective's name (or scratch) is written back as that name."""
+        return [arm.name if not arm.pretrain and arm.objective in (arm.name, None) else arm.model_dump() for arm in arms]
+
+    @model_validator(mode="after")
+    def _check(self) -> CompareConfig:
+        if self.lengths[0] != 1 or any(b <= a for a, b in zip(self.lengths, self.lengths[1:])):
+            raise ValueError(f"lengths must start at 1 (the plan's train.steps) and increase, got {self.lengths}; e.g. [1, 2, 4]")
+        if self.grid and self.lrs:
+            raise ValueError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
+        if isinstance(self.dev_folds, int) and (self.dev_folds == 1 or self.dev_folds < 0):
+            raise ValueError(f"dev_folds {self.dev_folds} is no cross-validation; use dev_folds 0 (one dev split), at least 2, or auto")
+        return self
+
+
+def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareConfig:
+    """The comparison YAML <- `key=value` overrides (e.g. pretrain.train.steps=2000); every stage's config is validated now."""
+    raw = read_layers(path, overrides, "comparison config", "(arms:, common:, pretrain:, ...) as in configs/compare/tiny.yaml")
+    try:
+        cc = CompareConfig.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"comparison config key '{key}': {message}; see configs/compare/tiny.yaml" if key else message) from None
+    recipes(cc)  # names and keys of the grid
+    stages = {f"{arm.name} pretraining": pretrain_config(cc, arm) for arm in cc.arms if arm.objective}
+    stages["fine-tuning and few-shot evaluation"] = stage_config(cc, "finetune")
+    stages.update({f"fine-tuning recipe {name}": stage_config(cc, "finetune", **recipe) for name, recipe in recipes(cc).items()})
+    for arm in cc.arms:
+        steps = pretrain_config(cc, arm).train.steps if arm.objective else None
+        if steps and any(not 0 < step < steps for step in cc.checkpoints):
+            raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
+    if any(c.train.epochs is not None for c in stages.values()):
+        raise ConfigError("a comparison plan gives its runs' lengths in train.steps (its lengths multiply them and its "
+                          "checkpoints name pretraining steps); set train.steps in the plan instead of train.epochs")
+    check_one_process(stages)
+    return cc
+
+
+def check_one_process(stages: dict[str, Config]) -> None:
+    """Refuse a plan whose stages need different mixed precision: they all run in one process, whose Accelerate state
+    keeps the first stage's (see compare's docstring)."""
+    device = Device.this_process()
+    (first, cfg), *others = stages.items()
+    precision = resolve_precision(cfg.train.mixed_precision, device)
+    for name, other in others:
+        other_precision = resolve_precision(other.train.mixed_precision, device)
+        if other_precision != precision:
+            raise ConfigError(f"the comparison's {first} runs with train.mixed_precision {precision_label(precision)}, its "
+                              f"{name} with {precision_label(other_precision)}; compare runs every stage in one process, "
+                              f"which keeps the first stage's precision: set it once, in the plan's common section")
+
+
+SHORT = {"train.optimizer": "", "train.lr": "", "finetune.pool": "", "train.layer_decay": "ld", "model.drop_path": "dp",
+         "train.label_smoothing": "ls", "train.weight_decay": "wd", "train.steps": "st"}
+
+
+def recipes(cc: CompareConfig) -> dict[str, dict[str, Any]]:
+    """The fine-tuning grid as {short name: dotted keys}: a recipe's own `name`, else its values (sgd-0.03,
+    adamw-0.001-ld0.75), else r<index> when that is long; short so TensorBoard's run list shows them whole
+    (report.md's legend gives every recipe's keys)."""
+    grid = [dotted(r) for r in cc.grid] or [{"train.lr": lr} for lr in cc.lrs] or [{}]
+    named: dict[str, dict[str, Any]] = {}
+    for i, recipe in enumerate(grid):
+        given = recipe.pop("name", None)
+        parts = [f"{SHORT.get(k, k.split('.')[-1][:4])}{v:g}" if isinstance(v, float) else f"{SHORT.get(k, k.split('.')[-1][:4])}{v}"
+                 for k, v in recipe.items()]
+        name = str(given) if given is not None else "-".join(parts) or "base"
+        if given is not None and (name in named or not PLAIN_NAME.fullmatch(name)):
+            raise ConfigError(f"grid recipe name '{name}' is taken or not a plain name; give each recipe a distinct name of letters, digits, '-', '_' or '.'")
+        if given is None and (len(name) > 24 or name in named or not PLAIN_NAME.fullmatch(name)):
+            name = f"r{i}"
+        named[name] = recipe
+    return named
+
+
+def stage_config(cc: CompareConfig, section: str, extra: dict[str, Any] | None = None, **keys) -> Config:
+    """common <- the section <- `extra` (nested or dotted) <- `keys` (dotted), validated as a run config."""
+    layers = [OmegaConf.create(cc.common), OmegaConf.create(getattr(cc, section)),
+              OmegaConf.from_dotlist([f"{k}={v}" for k, v in dotted(extra or {}).items()]),
+              OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items()])]
+    try:
+        return validate_config(OmegaConf.to_container(OmegaConf.merge(*layers)))
+    except ConfigError as err:
+        raise ConfigError(f"in the comparison's '{section}' runs (common + {section}): {err}") from None
+
+
+def pretrain_config(cc: CompareConfig, arm: Arm, **keys) -> Config:
+    """The pretraining run config of `arm`: common <- pretrain <- the arm's own keys <- its objective <- `keys`."""
+    return stage_config(cc, "pretrain", arm.pretrain, objective=arm.objective, **keys)

@@ -1,0 +1,137 @@
+"""Evaluators from config: which ones a training stage runs, how often, and what each of them scores.
+
+EVALUATORS names every evaluator once: the stages it runs in, how often, read from its own config section (0 turns
+it off), and its builder. A builder is called once, before training, as build(cfg, accelerator, stage) and returns
+what the loop calls as evaluate(objective, step) -> {tag: value} (the contract: mpp.train.Evaluator), with the
+Metric of every tag it returns in `evaluate.metrics`: they reach TensorBoard's charts, HParams, the progress bar,
+results.json and the model card from there. Evaluators read their images through pipelines.run.loaders.eval_batches;
+one that scores a fixed set reads it in its builder, so a bad evaluation set stops the run before its first step.
+Adding an evaluator is one class (its builder) and one line in EVALUATORS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from torch import nn
+
+from mpp.config import Config
+from mpp.data.stream import DataError
+from mpp.evaluation.ridge import LabelledImages
+from mpp.metrics import EVALUATION, TOP1, TOP5, Metric
+from mpp.model.objectives import Objective
+from mpp.training.loop import Evaluator
+from mpp.evaluation.pretext import PretextValidation
+from .fewshot import FewShot
+from .inspection import Inspect
+from .knn import Knn
+from ..run.loaders import eval_batches, labelled
+from .probe import LinearProbe
+
+
+class Evaluate(Protocol):
+    """What a builder returns: evaluate(objective, step) -> {tag: value}, each tag declared in `metrics`."""
+
+    metrics: tuple[Metric, ...]
+
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a training stage tells its evaluators besides the config."""
+
+    name: str  # "pretrain" or "finetune"
+    classes: int | None = None  # the classes the objective is trained on; None: trained without labels
+    objective: Objective | None = None  # what it trains (the pretext validation scores its loss)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One evaluator: the stages it runs in, its period in steps from its config section (0: off), its builder."""
+
+    stages: tuple[str, ...]
+    every: Callable[[Config], int]
+    build: Callable[[Config, Accelerator, Stage], Evaluate]
+
+
+class TopK:
+    """eval/top1 (and eval/top5 with more than 5 classes) of the classifier being fine-tuned, over one pass of
+    data.val_shards split across processes; counts are summed over processes, so the result is exact however
+    unevenly the shards split. `predictions` holds the last pass's per-image top-1 hit by sample key (gathered from
+    every process): what compare pairs between arms scored on the same images."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
+        self.cfg, self.accelerator, self.classes = cfg, accelerator, stage.classes
+        self.predictions: dict[str, bool] = {}
+        # One chart, and its title tells the lines apart (Custom Scalars colours by run and shows no legend).
+        chart = "top-1 (the lower line) and top-5 on data.val_shards" if self.classes > 5 else "top-1 on data.val_shards"
+        self.metrics = (Metric(TOP1, EVALUATION, chart, headline=True, bar="top1", percent=True),
+                        *([Metric(TOP5, EVALUATION, chart, headline=True, percent=True)] if self.classes > 5 else []))
+
+    def __call__(self, classifier: nn.Module, step: int) -> dict[str, float]:
+        return self.scores(classifier)
+
+    @torch.no_grad()
+    def scores(self, classifier: nn.Module) -> dict[str, float]:
+        cfg, accelerator = self.cfg, self.accelerator
+        loader = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers)
+        k = min(5, self.classes)
+        counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
+        keys, top1_hits = [], []
+        classifier.eval()
+        for batch in labelled(loader, self.classes, f"data.val_shards ({cfg.data.val_shards})"):
+            labels = batch.labels.to(accelerator.device)
+            with accelerator.autocast():
+                logits = classifier.logits(batch.images.to(accelerator.device))
+            hits = logits.topk(k, dim=-1).indices == labels[:, None]  # (B, k)
+            counts += torch.stack([hits[:, 0].sum(), hits.any(dim=-1).sum(), torch.tensor(len(labels), device=labels.device)]).float()
+            keys.extend(batch.keys)
+            top1_hits.append(hits[:, 0])
+        top1, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
+        mine = torch.cat(top1_hits).tolist() if top1_hits else []  # one host read per evaluation
+        self.predictions = dict(pair for part in gather_object([list(zip(keys, mine))]) for pair in part)
+        if not total:
+            raise DataError(f"data.val_shards ({cfg.data.val_shards}) holds no readable images; point it at labelled evaluation shards")
+        scores = {TOP1: top1 / total}
+        if self.classes > 5:
+            scores[TOP5] = topk / total
+        return scores
+
+
+class Pretext:
+    """val/loss and the objective's metrics on the first eval.images of data.val_shards, with a fixed corruption."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
+        batches = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.eval.batch_size, labels=stage.classes is not None)
+        if stage.classes:
+            batches = labelled(batches, stage.classes, f"data.val_shards ({cfg.data.val_shards})")
+        images = LabelledImages(accelerator, batches, cfg.eval.images, f"evaluation shards {cfg.data.val_shards}",
+                                need_labels=stage.classes is not None)
+        self.validation = PretextValidation(accelerator, images, cfg.eval.batch_size, cfg.eval.seed)
+        self.metrics = tuple(stage.objective.metrics("val"))
+
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
+        return self.validation.scores(objective)
+
+
+EVALUATORS: dict[str, Registration] = {
+    "top1": Registration(("finetune",), lambda cfg: cfg.finetune.eval_every, TopK),
+    "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every, lambda cfg, accelerator, stage: FewShot(cfg, accelerator)),
+    "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: Knn(cfg, accelerator)),
+    "probe": Registration(("pretrain",), lambda cfg: cfg.probe.every, lambda cfg, accelerator, stage: LinearProbe(cfg, accelerator)),
+    "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext),
+    "inspect": Registration(("pretrain", "finetune"), lambda cfg: cfg.inspect.every, lambda cfg, accelerator, stage: Inspect(cfg, accelerator)),
+}
+
+
+def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tuple[Evaluator, ...]:
+    """The evaluators of `stage` that `cfg` turns on, in EVALUATORS' order, each built (its images read) now."""
+    built = [(every, registration.build(cfg, accelerator, stage)) for registration in EVALUATORS.values()
+             if stage.name in registration.stages and (every := registration.every(cfg))]
+    return tuple(Evaluator(every, evaluate, tuple(evaluate.metrics)) for every, evaluate in built)

@@ -1,0 +1,65 @@
+"""kNN evaluation stage: of a saved backbone (`mpp knn`) or periodically during pretraining (`knn/top1`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from mpp.config import Config
+from mpp.errors import command
+from mpp.evaluation.neighbours import knn_accuracy, missing_classes
+from mpp.metrics import KNN, KNN_TOP1, Metric
+from mpp.model.vit import VisionTransformer
+from ..run.loaders import FrozenFeatureSets
+from .frozen import evaluate_checkpoint
+
+
+class Knn:
+    """The labelled neighbour pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone, and
+    as an evaluator (pipelines.evaluations.evaluators) the backbone of the objective in training.
+
+    Features are gathered from every process before voting, so the accuracy is the same however many there are.
+    """
+
+    def __init__(self, cfg: Config, accelerator: Accelerator):
+        self.cfg = cfg.knn
+        self.sets = FrozenFeatureSets(cfg, accelerator, cfg.knn, "kNN", "knn", "kNN neighbour shards")
+        self.metrics = (Metric(KNN_TOP1, KNN, "kNN top-1 of frozen features", headline=True, percent=True),)
+
+        # A pool short of a few classes of many is normal (5000 neighbours, 1000 classes) and top-1 still measures
+        # something; one short of most only measures that, so the numbers are said, once, before any training.
+        eval_y = self.sets.eval.all_labels(accelerator)
+        missing, share = missing_classes(self.sets.pool.all_labels(accelerator), eval_y)
+        if missing and accelerator.is_main_process:
+            listed = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+            warnings.warn(f"the kNN neighbour pool ({cfg.knn.shards or cfg.data.shards}, first {self.sets.pool.total} "
+                          f"images) holds no image of {len(missing)} of the {len(torch.unique(eval_y))} classes of the "
+                          f"evaluation images (class {listed}); the {share:.0%} of them in those classes can never be "
+                          f"classified right, so kNN top-1 is at most {1 - share:.1%}; "
+                          f"raise knn.train_images or use shards that mix classes (`{command('prepare')}` shuffles them)",
+                          stacklevel=2)
+
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
+        """As an evaluator during pretraining: the objective's backbone."""
+        return self.scores(objective.backbone)
+
+    def scores(self, backbone: VisionTransformer) -> dict[str, float]:
+        c = self.cfg
+        train_x, train_y, eval_x, eval_y = self.sets.features(backbone)
+        return {KNN_TOP1: knn_accuracy(train_x, train_y, eval_x, eval_y, k=c.k, temperature=c.temperature)}
+
+
+def run(cfg: Config, *, ckpt: str) -> dict:
+    """Evaluate the backbone in `ckpt`; print the accuracy and write it to output_dir/knn.json."""
+
+    def measure(cfg: Config, accelerator, backbone) -> tuple[dict, str]:
+        knn, c = Knn(cfg, accelerator), cfg.knn
+        result = {"features": c.features, "k": c.k, "temperature": c.temperature, "train_images": knn.sets.pool.total,
+                  "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)[KNN_TOP1]}
+        return result, (f"kNN top-1 {100 * result['top1']:.2f}% ({c.features} features, k={c.k}, T={c.temperature:g}, "
+                        f"{knn.sets.pool.total} neighbours, {knn.sets.eval.total} evaluation images)")
+
+    return evaluate_checkpoint(cfg, ckpt, "knn.json", measure)

@@ -1,0 +1,156 @@
+"""A stage's data, from config: the shard lists, the training stream, one-pass evaluation loaders, label spaces."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from mpp.config import Config, ConfigError
+from mpp.data.stream import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
+from mpp.errors import command
+from mpp.evaluation.ridge import FewShotError, LabelledImages
+from mpp.model.vit import VisionTransformer
+from mpp.data.randaugment import RandAugment
+from mpp.training.runtime import process_state
+from mpp.data.shardformat import SUMMARY, shard_summary
+from mpp.data.shards import synthetic_samples, write_shards
+
+SYNTHETIC_ROOT = Path("data")
+
+
+def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
+    """'synthetic' is the embedded corpus, generated once (by the main process) under data/."""
+    if spec == "synthetic":
+        out = SYNTHETIC_ROOT / f"synthetic-{cfg.data.synthetic_size}"
+        with accelerator.main_process_first():
+            if accelerator.is_main_process and not (out / SUMMARY).is_file():
+                accelerator.print(f"generating the embedded synthetic corpus ({cfg.data.synthetic_size} images) in {out}")
+                write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True, progress=True)
+        spec = str(out)
+    return expand_shards(spec)
+
+
+def train_transform(cfg: Config) -> TrainTransform:
+    d = cfg.data
+    randaugment = RandAugment(d.randaugment_ops, d.randaugment_magnitude, d.randaugment_magnitude_std) if d.randaugment_ops else None
+    return TrainTransform(cfg.model.image_size, d.crop_scale, d.hflip, randaugment)
+
+
+def with_run_length(cfg: Config) -> Config:
+    """`cfg` with train.steps from train.epochs, over the training set's size (itself when train.epochs is unset)."""
+    if cfg.train.epochs is None:
+        return cfg
+    state = process_state()
+    samples = training_samples(cfg)
+    train = cfg.train.with_epochs(samples, state.num_processes)
+    state.print(f"train.epochs {cfg.train.epochs:g} over {samples} training images: {train.steps} steps")
+    return cfg.model_copy(update={"train": train})
+
+
+def training_samples(cfg: Config) -> int:
+    """The training set's size, for train.epochs: the samples of the summary.json beside data.shards (`prepare`
+    writes it), or of the embedded corpus."""
+    if cfg.data.shards == "synthetic":
+        return cfg.data.synthetic_size
+    summary = shard_summary(expand_shards(cfg.data.shards))
+    if summary is None or summary.samples is None:
+        raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) has "
+                          f"no summary.json giving its samples beside it; give the length in train.steps instead (with "
+                          f"train.epochs=null), or write the shards with `{command('prepare')}`, which writes one")
+    return summary.samples
+
+
+def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
+    return make_loader(
+        urls, cfg.data, train_transform(cfg), cfg.train.batch_size,
+        rank=accelerator.process_index, world=accelerator.num_processes, seed=cfg.train.seed,
+        pin_memory=torch.cuda.is_available(), state=state, labels=labels,
+        class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)
+
+
+def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int, *, labelled_by: str | None = None,
+                 labels: bool = True, num_workers: int = 0):
+    """One pass over `spec`, split across processes, no augmentation, no shuffling: the loader of every evaluation,
+    its own, so the training stream is not touched.
+
+    Named labels map to ids as in training: through the class names of `labelled_by` (default data.shards) and
+    `spec`; labels=False never reads them. Without workers (the default) each process reads its shards in
+    order, so the first n images are the same at every evaluation; a whole pass may decode in `num_workers`.
+    """
+    names = class_names(cfg, accelerator, labelled_by or cfg.data.shards, spec) if labels else None
+    data = cfg.data.model_copy(update={"num_workers": num_workers, "shuffle_buffer": 0})
+    return make_loader(resolve_shards(spec, cfg, accelerator), data, EvalTransform(cfg.model.image_size), batch_size,
+                       rank=accelerator.process_index, world=accelerator.num_processes, one_pass=True, labels=labels,
+                       class_names=names)
+
+
+class FrozenFeatureSets:
+    """A labelled pool and the evaluation images, read once, for scoring a frozen backbone's features (few-shot, kNN).
+
+    `section` is the evaluator's config section: its shards (default data.shards), val_shards (default
+    data.val_shards), train_images, eval_images, batch_size and features. `features(backbone)` -> (pool_x, pool_y,
+    eval_x, eval_y), identical on every process.
+    """
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, section, name: str, key: str, pool_name: str):
+        eval_shards = section.val_shards or cfg.data.val_shards
+        if eval_shards is None:
+            raise FewShotError(f"{name} evaluation needs evaluation images; set {key}.val_shards or data.val_shards to "
+                               f"labelled shards (or {key}.every=0 to turn it off)")
+        self.section, self.accelerator = section, accelerator
+        pool_shards = section.shards or cfg.data.shards
+
+        def images(spec: str, count: int, what: str) -> LabelledImages:
+            batches = eval_batches(spec, cfg, accelerator, section.batch_size, labelled_by=pool_shards)
+            return LabelledImages(accelerator, batches, count, what)
+
+        self.pool = images(pool_shards, section.train_images, f"{pool_name} {pool_shards}")
+        self.eval = images(eval_shards, section.eval_images, f"evaluation shards {eval_shards}")
+
+    def features(self, backbone: VisionTransformer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.section
+        return (*self.pool.features(self.accelerator, backbone, c.features, c.batch_size),
+                *self.eval.features(self.accelerator, backbone, c.features, c.batch_size))
+
+
+def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tuple[str, ...]:
+    """The class names every loader of a run maps named labels through (id = position): the class_names of the
+    summary.json beside the first shard set, else the sorted names found in all of them, so that training and
+    evaluation shards agree on each name's id even when one of them lacks a class."""
+    return shared_label_names({spec: tuple(resolve_shards(spec, cfg, accelerator)) for spec in specs if spec})
+
+
+def num_classes(cfg: Config, urls: list[str]) -> int:
+    """model.num_classes, else the class count of the shards: from the summary.json that `mpp prepare` wrote
+    beside them, or without one from a scan of their labels (cls, json or txt; class names count once each)."""
+    if cfg.model.num_classes:
+        return cfg.model.num_classes
+    space = label_space(tuple(urls))
+    if space.count is None:
+        raise DataError(f"cannot tell how many classes data.shards ({cfg.data.shards}) holds ({space.source}); "
+                        f"set model.num_classes")
+    if not space.count:
+        raise DataError(f"the shards of {cfg.data.shards} have no labels ({space.source} finds no cls, json label "
+                        f"or txt); supervised training needs labelled shards (write them with `{command('prepare')}` "
+                        f"from labelled images), or set model.num_classes if they are labelled after all")
+    return space.count
+
+
+def labelled(batches: Iterable[Batch], classes: int, what: str) -> Iterator[Batch]:
+    """Batches whose labels are all in [0, classes), checked on the host before they reach the device.
+
+    Labels that cannot be read at all (not a number, below 0, an unknown class name) never get here: the stream
+    skips those samples and counts them as data/skipped_bad_label.
+    """
+    for batch in batches:
+        labels = batch.labels
+        if labels.numel() and labels.min() < 0:
+            raise DataError(f"{what} holds images without a label (no cls, json label or txt); supervised pretraining "
+                            f"and fine-tuning need a label for every image (use labelled shards, or objective=mpp)")
+        if labels.numel() and labels.max() >= classes:
+            raise DataError(f"{what} holds label {int(labels.max())} but the head has {classes} classes; "
+                            f"set model.num_classes to the number of classes")
+        yield batch

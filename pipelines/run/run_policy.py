@@ -1,0 +1,201 @@
+"""What a stage may do with its output_dir: write there, continue a run there, change which settings on a resume.
+
+A run holds an exclusive lock on its output_dir; a resume may change only the config fields marked resumable
+(mpp.config.RESUMABLE), each applied from the resumed step on, and a fine-tuning resumes only from the weights it
+started from (its StartingPoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from omegaconf import OmegaConf
+
+from mpp.model.checkpoint import resolve_checkpoint
+from mpp.config import Config, dotted, resumable_keys
+from mpp.errors import UserError
+from mpp.training.resume import resumable_checkpoint
+from mpp.rundir import (CONFIG, LOCK, RUN_OUTPUTS, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256,
+                        too_long)
+from mpp.training.runtime import process_state
+from .invocation import resume_command
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """Where a fine-tuning's weights start: `--ckpt` as given and the sha256 of the weights file it names, or a fresh
+    backbone (all None).
+
+    The file's content is the starting point, not its path: a checkpoint moved or named another way is the same start,
+    and a run directory whose weights were rewritten since (a pretraining resumed for longer) is another one.
+    """
+
+    ckpt: str | None = None
+    weights: str | None = None  # the .safetensors file `ckpt` resolves to, absolute
+    sha256: str | None = None
+
+    @classmethod
+    def of(cls, ckpt: str | None) -> StartingPoint:
+        if ckpt is None:
+            return cls()
+        weights = resolve_checkpoint(ckpt).absolute()
+        return cls(str(ckpt), str(weights), sha256(weights))
+
+    def __str__(self) -> str:
+        return "a fresh backbone (no --ckpt)" if self.ckpt is None else self.ckpt
+
+    def record(self, accelerator: Accelerator, output_dir: str | Path) -> None:
+        """Write it into output_dir as the run starts (under the run's lock, before its first checkpoint)."""
+        if accelerator.is_main_process:
+            (Path(output_dir) / STARTED_FROM).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+
+def check_starting_point(out: Path, start: StartingPoint) -> None:
+    """Refuse a resume of the fine-tuning in `out` from other weights than it started from: its checkpoint holds
+    weights that came from the first, and results.json would name the second."""
+    recorded_file = out / STARTED_FROM
+    if not recorded_file.is_file():
+        return  # a run of an mpp that did not record where it started: nothing to hold the resume to
+    try:
+        recorded = StartingPoint(**json.loads(recorded_file.read_text()))
+    except (ValueError, TypeError):
+        raise UserError(f"{recorded_file} cannot be read, so where the fine-tuning in output_dir {out} started is not "
+                        f"known; set output_dir to a new directory to fine-tune afresh") from None
+    if recorded.sha256 == start.sha256:
+        return
+    if recorded.weights is not None and recorded.weights == start.weights:
+        raise UserError(f"output_dir {out} holds a fine-tuning that started from {recorded}, whose weights have changed "
+                        f"since ({start.weights} no longer has the sha256 recorded in {recorded_file}); a resume continues "
+                        f"from the earlier weights, so set output_dir to a new directory to fine-tune from the new ones")
+    fix = "drop --ckpt" if recorded.ckpt is None else f"pass --ckpt {recorded.ckpt}"
+    raise UserError(f"output_dir {out} holds a fine-tuning that started from {recorded}, and this resume names {start}; "
+                    f"its checkpoints continue the weights it started from, so {fix} to resume it, or set output_dir to "
+                    f"a new directory to fine-tune from {start}")
+
+
+def continues_a_run(output_dir: str | Path, resume: bool | Literal["auto"]) -> bool:
+    """Whether a training stage given --resume (True), --resume auto or neither (False) continues the run in output_dir.
+
+    `--resume auto` continues where output_dir holds a checkpoint and starts afresh where it holds none (nothing,
+    other files, or a run stopped before its first checkpoint), so one command serves a cluster job's first
+    submission and every requeue. A plain --resume is refused where output_dir holds nothing a run writes: a mistyped
+    output_dir would otherwise start a run at step 0 under a command that says it continues one.
+    """
+    out = Path(output_dir)
+    if resume == "auto":
+        if complete_checkpoints(out):
+            return True
+        process_state().print(f"--resume auto: {out} holds no checkpoint, so this run starts afresh")
+        return False
+    if resume and not any((out / name).exists() for name in RUN_OUTPUTS):
+        raise UserError(f"--resume: output_dir {out} holds no run to continue; check output_dir, drop --resume to start a "
+                        f"run there, or pass --resume auto, which starts a run where there is none and continues it where "
+                        f"there is")
+    return bool(resume)
+
+
+def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None, overwrite: bool = False) -> list[str]:
+    """Refuse an output_dir that cannot be written, that holds another run's checkpoints (unless the run starts over
+    there, `overwrite`), or whose run a resume would change in a way it cannot apply (for a fine-tuning, `start`:
+    where its weights come from); returns what the resume changes, as `key before -> after`."""
+    out = Path(cfg.output_dir)
+    if (reason := too_long(out)) is not None:
+        raise UserError(f"output_dir {out} cannot be created: {reason}; set output_dir to a shorter path")
+    nearest = next(p for p in (out, *out.absolute().parents) if p.exists())  # created later, under the run's lock
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as exc:
+        raise UserError(f"output_dir {out} cannot be written ({exc.strerror}); set output_dir to a writable directory") from None
+    if overwrite or not complete_checkpoints(out):
+        return []
+    if not resume:
+        raise UserError(f"output_dir {out} already holds checkpoints of a run; pass --resume to continue it, --overwrite "
+                        f"to start over there, or set output_dir to a new directory")
+    if start is not None:
+        check_starting_point(out, start)
+    saved = out / CONFIG
+    if not saved.is_file():
+        return []
+    before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
+    changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
+               # config.yaml holds the per-process batch (and accumulation) derived from train.global_batch_size;
+               # the checkpoint's process count is checked on its own
+               and not (key in ("train.batch_size", "train.grad_accum") and now.get("train.global_batch_size") is not None)]
+    resumable = resumable_keys()
+    refused = [key for key in changed if key not in resumable]
+    if refused:
+        key = refused[0]
+        raise UserError(f"output_dir {out} holds a run with a different '{key.split('.')[0]}' config ({key}: {before.get(key)} "
+                        f"in its config.yaml, {now.get(key)} now); a resume may change only the length (train.steps, train.epochs), the learning-rate "
+                        f"schedule, the optimiser's hyperparameters and how the run logs, evaluates and saves; resume with the "
+                        f"saved value or set output_dir to a new directory")
+    return [f"{key} {before.get(key)} -> {now.get(key)}" for key in changed if key != "output_dir"]
+
+
+class RunInUse(UserError):
+    """output_dir is locked by another run (its process is alive)."""
+
+
+class OutputDirLock:
+    """An exclusive flock on output_dir/.lock holding the owner's pid, for the life of a run.
+
+    The kernel drops the lock when its process dies, so a crashed run's lock file never blocks the next run.
+    """
+
+    def __init__(self, accelerator: Accelerator, output_dir: str | Path):
+        self.accelerator, self.path, self.file = accelerator, Path(output_dir) / LOCK, None
+
+    def __enter__(self) -> OutputDirLock:
+        holder = [None]
+        if self.accelerator.is_main_process:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("a+")
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.file.seek(0)
+                holder[0] = self.file.read().strip() or "unknown"
+                self.file.close()
+            else:
+                self.file.truncate(0)
+                self.file.write(f"{os.getpid()}\n")
+                self.file.flush()
+        broadcast_object_list(holder)
+        if holder[0] is not None:
+            raise RunInUse(f"output_dir {self.path.parent} is in use by another run (pid {holder[0]}); wait for it to end, "
+                            f"stop it, or set output_dir to another directory")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()  # releases the lock
+
+
+def start_over(accelerator: Accelerator, output_dir: str | Path) -> None:
+    """--overwrite: delete what an earlier run wrote in output_dir (its checkpoints, TensorBoard events, config.yaml,
+    results.json and model.safetensors; other files stay), once this run holds the lock there."""
+    if accelerator.is_main_process:
+        removed = remove_run_outputs(output_dir)
+        if removed:
+            accelerator.print(f"--overwrite: removed the earlier run's {', '.join(removed)} from {output_dir}")
+    accelerator.wait_for_everyone()
+
+
+def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: list[str]) -> Path | None:
+    """The checkpoint to continue from (None: a fresh start), saying what the resume changes."""
+    if not resume:
+        return None
+    latest = resumable_checkpoint(accelerator, cfg.output_dir, relaunch=resume_command, global_batch=cfg.train.global_batch_size)
+    if latest is not None and changes:
+        accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
+    return latest

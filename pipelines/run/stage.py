@@ -1,0 +1,127 @@
+"""The one sequence every training stage runs (`run_training`).
+
+A training stage checks its output_dir, starts, builds what it trains, takes the output_dir's lock, finds the
+checkpoint to resume from, starts tracking, builds its evaluators, trains, and writes results.json. Pretraining and
+fine-tuning differ only in the TrainingStage they hand over: the objective, its data and their own results.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from mpp.config import Config
+from mpp.data.stream import Batch, StreamState
+from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
+from mpp.metrics import Metric, model_metrics, unique
+from mpp.model.objectives import Objective
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
+from mpp.training.runtime import explained_out_of_memory
+from mpp.training.loop import Evaluator, train
+from ..evaluations.evaluators import Stage, build_evaluators
+from .invocation import command_line, resume_command
+from .loaders import with_run_length
+from .run_policy import OutputDirLock, StartingPoint, check_output_dir, continues_a_run, resume_point, start_over
+from .start import Run, run_settings, start_run
+from .tracking import end_tracking, stage_objective, start_tracking
+
+
+@dataclass
+class TrainingStage:
+    """What a training stage hands run_training: the rest of the sequence is the same for every one."""
+
+    name: str  # "pretrain" or "finetune": its TensorBoard run, its evaluators' stage, results.json's "stage"
+    objective: Objective
+    batches: Callable[[StreamState], Iterable[Batch]]  # the training stream from a position (see mpp.train.train)
+    shards: int  # how many training shards, for the start line
+    what: str  # the start line's opening words, e.g. "mpp pretraining of a ViT"
+    classes: int | None = None  # the classes trained on (evaluators score them); None: trained without labels
+    results: Callable[[dict[str, float]], dict] = lambda scores: {}  # the stage's own results.json entries
+    recording: Callable[[Evaluator], Evaluator] = lambda evaluator: evaluator  # wraps each evaluator (fine-tuning's history)
+    checkpointed: tuple = field(default_factory=tuple)  # more state saved with every checkpoint (state_dict/load_state_dict)
+
+
+def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool | Literal["auto"] = False,
+                 start: StartingPoint | None = None, overwrite: bool = False) -> dict:
+    """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started; `resume` continues
+    the run in output_dir (`auto`: where it holds a checkpoint, see run_policy.continues_a_run); `start` is where
+    a fine-tuning's weights come from (None for a stage that starts from nothing else, pretraining), recorded when
+    the run starts and held to on a resume; `overwrite` starts over in an output_dir holding a run. Writes
+    output_dir/results.json and returns what it holds."""
+    cfg = with_run_length(cfg)
+    resume = continues_a_run(cfg.output_dir, resume)
+    changes = check_output_dir(cfg, resume, start, overwrite)
+    started = time.perf_counter()
+    run = start_run(cfg)
+    accelerator, cfg = run.accelerator, run.cfg
+    stage = build(run)
+    with OutputDirLock(accelerator, cfg.output_dir):
+        if overwrite:
+            start_over(accelerator, cfg.output_dir)
+        resume_from = resume_point(accelerator, cfg, resume, changes)
+        if start is not None and resume_from is None:
+            start.record(accelerator, cfg.output_dir)
+        evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective))))
+        metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
+        start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
+        accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.shards} shards with "
+                          f"{accelerator.num_processes} process(es) on {accelerator.device}"
+                          f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
+                          f"{run_settings(accelerator, cfg, run.global_batch)}")
+        for state in stage.checkpointed:
+            accelerator.register_for_checkpointing(state)
+        training_started = time.perf_counter()
+        with explained_out_of_memory(cfg.train):
+            scores = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, cfg.output_dir,
+                           resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
+                           data_workers=cfg.data.num_workers, resume_hint=resume_command())
+        trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
+        end_tracking(accelerator)
+        timing = {"wall_time_s": time.perf_counter() - started,
+                  "images_per_sec": trained_images / (time.perf_counter() - training_started)} if trained_images else {}
+        results = stage_results(cfg, stage, metrics, scores, run.global_batch, resume_from is not None, timing)
+        if accelerator.is_main_process:
+            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
+    shown = ", ".join(f"{m.tag} {m.show(results['final'][m.tag])}" for m in metrics if m.headline and m.tag in results["final"])
+    skipped = ", ".join(f"{count:.0f} {reason}" for reason, count in results["skipped"].items())
+    accelerator.print(f"{stage.name} done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): "
+                      f"{shown or 'no step trained'}; skipped: {skipped or 'none'}; results in {cfg.output_dir}/{RESULTS}, "
+                      f"weights in {cfg.output_dir}/{WEIGHTS}")
+    return results
+
+
+def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scores: dict[str, float], global_batch: int,
+                  resumed: bool, timing: dict[str, float]) -> dict:
+    """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
+    skipped, how long it took (`timing`: wall_time_s and images_per_sec of this invocation, empty if it trained
+    nothing), the stage's own entries, and the command.
+
+    A resumed run keeps what the earlier invocations measured and it did not measure again: a finished run resumed
+    trains nothing and logs no training metric, and its results must not lose them.
+    """
+    earlier = {}
+    saved = Path(cfg.output_dir) / RESULTS
+    if resumed and saved.is_file():
+        earlier = json.loads(saved.read_text())
+    final = {**earlier.get("final", {}), **model_metrics(metrics, scores)}
+    declared = {m.tag: m for m in metrics}
+    shown = {tag: declared[tag].show(value) for tag, value in final.items() if tag in declared}
+    skipped = {reason: scores[f"data/skipped_{reason}"] for reason in SKIP_REASONS if scores.get(f"data/skipped_{reason}")}
+    if timing and "wall_time_s" in earlier:
+        timing = {**timing, "wall_time_s": earlier["wall_time_s"] + timing["wall_time_s"]}  # over every invocation
+    return {"stage": stage.name, "objective": stage_objective(cfg, stage.name),
+            "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * global_batch,
+            "wall_time_s": earlier.get("wall_time_s"), "images_per_sec": earlier.get("images_per_sec"), **timing,
+            "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": command_line()}
+
+
+def describe(objective: Objective) -> str:
+    b = objective.backbone
+    return (f"width {b.width}, depth {b.depth}, {b.heads} heads, patch {b.patch_size}, {b.image_size} px; "
+            f"{sum(p.numel() for p in b.parameters()) / 1e6:.1f}M params")

@@ -1,0 +1,563 @@
+"""Comparison stage: every arm of a plan (pipelines/plan.py) fine-tuned at its best recipe and compared, paired.
+
+`run` is plan -> execute -> collect. The plan is the loaded CompareConfig. Executing it runs, for each arm, stages
+that each live in their own directory under output_dir (so `tensorboard --logdir output_dir` shows every run):
+
+    split/ (or split/fold<i>/)    the dev split(s) held out of the downstream training shards, first, so a split too
+                                  small to rank the grid is refused before any pretraining
+    pre/<arm>                     the arm's pretraining (none for scratch)
+    ft/<arm>/<recipe>[-f<i>]      every grid recipe fine-tuned and scored on the dev split (or each fold)
+    ft/<arm>/<pick>-x<m>[-f<i>]   the pick fine-tuned longer (`lengths`) while dev top-1 does not fall
+    ft/<arm>/<kept>-s<seed>       the kept recipe and length at the other seeds (every seed under cross-validation,
+                                  on all labelled images); every recipe for the arms in `ablate`
+    test/<arm>/<run>              each of those runs scored on the evaluation shards, image by image
+    frozen/<arm>                  kNN and few-shot accuracy of the frozen backbone
+    ft/<arm>/<kept>-p<step>...    for ablated arms, the pick from earlier pretraining checkpoints (`checkpoints`)
+
+Collecting writes results.json, report.md (every gap with its paired 95% interval) and comparison.png/svg. A
+finished stage leaves stage.json and is skipped when the command is repeated; an interrupted training stage resumes
+from its newest checkpoint.
+
+The stages run one after another in this process, each started by start.start_run with its own Accelerator.
+Accelerate keeps one state per process, which the first Accelerator sets and nothing public resets, so every stage of
+a plan must agree on train.mixed_precision: a plan that does not is refused when it is loaded. Each training stage
+compiles its own model from a clean dynamo state.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import math
+import statistics
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import get_args
+
+from safetensors.torch import load_file
+
+from mpp.model.checkpoint import load_backbone
+from mpp.config import Config, Pooling
+from mpp.data.stream import BadLabel, LabelReader
+from mpp.errors import UserError
+from mpp.metrics import KNN_TOP1, TOP1, TOP5
+from mpp.model.vit import build_backbone
+from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
+from mpp.training.runtime import process_state
+from mpp.data.shardformat import IMAGE_KEYS
+from mpp.data.shards import Sample, Source, write_shards
+from mpp.evaluation.stats import Candidate, dev_resolution, mcnemar, paired_bootstrap_gap, pick_recipe, stratified_folds
+from mpp.data.tars import ShardEnd, shard_samples
+from . import finetune, pretrain
+from ..evaluations.evaluators import Stage, TopK
+from ..evaluations.fewshot import FewShot
+from ..evaluations.knn import Knn
+from ..run.loaders import class_names, num_classes, resolve_shards
+from ..comparison.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config
+from ..comparison.plots import comparison_figure
+from ..comparison.report import PRETRAIN_CURVES, report_markdown, scalar_history
+from ..run.run_policy import RunInUse
+from ..run.start import start_run
+
+STAGE_DONE = "stage.json"
+# Fewer dev images of a class than this and the pick is noise: one image moves that class's accuracy by over 10
+# points, and with 10 classes (100 images) top-1's binomial standard error is still up to 5 points.
+DEV_MIN_PER_CLASS = 10
+# Under this many labelled downstream training images, `dev_folds: auto` picks by AUTO_FOLDS-fold cross-validation:
+# a 10% dev split of 500 images is 50 images, whose top-1 standard error is up to 7 points.
+SMALL_DOWNSTREAM = 500
+AUTO_FOLDS = 5
+WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
+
+
+class CompareError(UserError):
+    """A comparison directory that holds stages finished with other settings, or a plan its data cannot serve."""
+
+
+def run(cc: CompareConfig) -> dict:
+    """Run the plan `cc` (resuming what an earlier invocation left) and write its report; returns results.json."""
+    out = Path(cc.output_dir)
+    base = stage_config(cc, "finetune")
+    grid = recipes(cc)
+    selection = Selection.of(cc, base, out, select=len(grid) > 1)  # first: a useless split costs no pretraining
+    arms = {arm.name: ArmRun(cc, arm, base, grid, selection).run() for arm in cc.arms}
+    return collect(cc, base, grid, selection, arms)
+
+
+# ---------------------------------------------------------------- stages
+
+
+def wait_while_running_elsewhere(directory: Path, name: str) -> None:
+    """Return once no other process runs the training stage in `directory` (holds its output_dir lock, see
+    run_policy.OutputDirLock), so that several compare processes of one plan (one per core, say) share its stages: a
+    stage another one is running is waited for and then reused, not run twice."""
+    lock = directory / ".lock"
+    if not lock.is_file():
+        return
+    with lock.open("a+") as file:
+        for waits in itertools.count():
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waits:
+                    print(f"[compare] {name}: running in another process, waiting for it", flush=True)
+                time.sleep(WAIT_POLL_S)
+            else:
+                fcntl.flock(file, fcntl.LOCK_UN)
+                if waits:  # the run has ended; its process writes stage.json right after
+                    time.sleep(WAIT_POLL_S)
+                return
+
+
+def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) -> dict:
+    """Run `work` unless a previous invocation finished it with the same `inputs` (settings, as JSON);
+    record those and what `work` returns in directory/stage.json."""
+    marker = directory / STAGE_DONE
+    inputs = json.loads(json.dumps(inputs, default=str))
+    while True:
+        if process_state().is_main_process:
+            wait_while_running_elsewhere(directory, name)
+        process_state().wait_for_everyone()
+        if marker.is_file():
+            done = json.loads(marker.read_text())
+            if done.get("inputs") != inputs:
+                changed = sorted(k for k in {*inputs, *(done.get("inputs") or {})} if inputs.get(k) != (done.get("inputs") or {}).get(k))
+                raise CompareError(f"{directory} holds a {name} finished with other settings ({', '.join(changed)}); "
+                                   f"set output_dir to a new directory, or delete {directory} to redo that stage")
+            print(f"[compare] {name}: finished before, skipped ({marker})", flush=True)
+            return done
+        print(f"[compare] {name}: running in {directory}", flush=True)
+        started = time.perf_counter()
+        try:
+            info = {**work(), "inputs": inputs}
+            break
+        except RunInUse:  # another process started it a moment before this one: wait for it as above
+            continue
+    info["stage_wall_time_s"] = time.perf_counter() - started
+    state = process_state()
+    if state.is_main_process:
+        directory.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(info, indent=2) + "\n")
+    state.wait_for_everyone()
+    return info
+
+
+def settings(cfg: Config) -> dict:
+    """What a stage's result depends on: its run config, less the directory it writes to, how often it logs and the
+    CPU threads it computes with (so arms run side by side on a small machine, one thread each, are the stages a
+    later plain run of the plan finds finished)."""
+    values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
+    values["train"] = {k: v for k, v in values["train"].items() if k != "cpu_threads"}
+    return values
+
+
+def resuming(cfg: Config) -> bool:
+    """A stage's run continues from a checkpoint an interrupted invocation left, or starts (without a word about
+    resuming: a fresh stage has nothing to resume)."""
+    return bool(complete_checkpoints(cfg.output_dir))
+
+
+def pretrain_stage(cfg: Config) -> dict:
+    results = pretrain.run(cfg, resume=resuming(cfg))
+    return {key: results[key] for key in ("objective", "description", "steps", "images_seen", "wall_time_s", "final")}
+
+
+def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
+    finetune.run(cfg, ckpt=ckpt, resume=resuming(cfg))
+    process_state().wait_for_everyone()  # the main process writes results.json and predictions.json
+    directory = Path(cfg.output_dir)
+    return {**json.loads((directory / RESULTS).read_text()), "correct": json.loads((directory / PREDICTIONS).read_text())}
+
+
+def test_stage(cfg: Config, run_dir: Path) -> dict:
+    """The fine-tuned classifier in run_dir scored on cfg.data.val_shards, image by image."""
+    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
+    classes = num_classes(cfg, resolve_shards(cfg.data.shards, cfg, accelerator))
+    classifier = finetune.build_classifier(cfg, str(run_dir), classes)
+    weights = load_file(str(run_dir / WEIGHTS))
+    classifier.head.load_state_dict({"weight": weights["head.weight"], "bias": weights["head.bias"]})
+    top = TopK(cfg, accelerator, Stage("finetune", classes))
+    scores = top.scores(classifier.to(accelerator.device))
+    return {"run": str(run_dir), "top1": scores[TOP1], **({"top5": scores[TOP5]} if TOP5 in scores else {}),
+            "correct": {key: int(hit) for key, hit in sorted(top.predictions.items())}}
+
+
+def frozen_stage(cfg: Config, ckpt: str | None) -> dict:
+    """kNN top-1 and few-shot accuracy of the frozen backbone (`None`: a fresh one), read from both poolings: MPP never
+    trains the [class] token that supervised pretraining trains, so one pooling for every arm would handicap one.
+    Neighbours and examples come from knn.shards / fewshot.shards (default: the downstream training shards), the
+    images classified from their val_shards (default: the evaluation shards). -> {pooling: {knn, fewshot: {shots: acc}}}"""
+    accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
+    backbone = (load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg.model)).to(accelerator.device)
+    result = {}
+    for pool in get_args(Pooling):
+        pooled = cfg.model_copy(update={"knn": cfg.knn.model_copy(update={"features": pool}),
+                                        "fewshot": cfg.fewshot.model_copy(update={"features": pool})})
+        result[pool] = {"knn": Knn(pooled, accelerator).scores(backbone)[KNN_TOP1],
+                        "fewshot": {str(n): statistics.fmean(a) for n, a in FewShot(pooled, accelerator).accuracies(backbone).items()}}
+    return result
+
+
+# ---------------------------------------------------------------- the dev split and the folds
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Where candidates (recipes, lengths) are scored and the tested runs train.
+
+    One dev split: `splits` = [(train, dev)] and `final` = that train part. Cross-validation (dev_folds k): `splits`
+    = the k (all but fold i, fold i) pairs, every labelled image scored once by a run that did not train on it, and
+    `final` = all the labelled images. Without a grid to choose from: no split, `final` the plan's training shards.
+    """
+
+    splits: tuple[tuple[str, str], ...]
+    final: str
+    final_val: str  # what the tested runs evaluate on while they train: the dev split, or the evaluation shards
+    info: dict  # what the report says of it: images, per class, folds
+
+    @classmethod
+    def of(cls, cc: CompareConfig, base: Config, out: Path, *, select: bool) -> Selection:
+        if not select:
+            return cls((), base.data.shards, base.data.val_shards, {})
+        folds, auto = (cc.dev_folds, None) if cc.dev_folds != "auto" else auto_folds(base)
+        if folds:
+            info = stage(out / "split", f"{folds}-fold split of {base.data.shards}",
+                         {"shards": base.data.shards, "dev_folds": folds},
+                         lambda: fold_stage(base, out / "split", folds))
+            splits = tuple((fold["train"], fold["dev"]) for fold in info["folds"])
+            return cls(splits, base.data.shards, base.data.val_shards, {**info, "auto_folds": auto})
+        info = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
+                     {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
+                     lambda: split_stage(base, out / "split", cc.dev_fraction))
+        return cls(((info["train"], info["dev"]),), info["train"], info["dev"], info)
+
+    @property
+    def folds(self) -> int:
+        return len(self.splits) if len(self.splits) > 1 else 0
+
+
+def auto_folds(base: Config) -> tuple[int, dict | None]:
+    """`dev_folds: auto`: k-fold picks (AUTO_FOLDS, fewer where a class has fewer images) when the downstream training
+    set holds under SMALL_DOWNSTREAM labelled images, where one dev split of it would resolve top-1 to several points;
+    else one dev split (0). Returns k and what the report says of the choice (None for one split)."""
+    per_class: dict[int, int] = {}
+    for images, (_, _, label) in enumerate(labelled_samples(base), start=1):
+        per_class[label] = per_class.get(label, 0) + 1
+        if images >= SMALL_DOWNSTREAM:
+            return 0, None
+    images = sum(per_class.values())
+    k = min(AUTO_FOLDS, min(per_class.values(), default=0))
+    return (k, {"images": images, "below": SMALL_DOWNSTREAM}) if k >= 2 else (0, None)
+
+
+def labelled_samples(cfg: Config) -> Iterator[tuple[str, dict, int]]:
+    """(key, sample, class id) of every labelled image sample of cfg.data.shards, read as training reads labels
+    (cls, json or txt; class names through the shard set's names); unreadable labels are left out. The key is the
+    sample's "<shard file name>/<key>", as Batch.keys name it."""
+    accelerator = process_state()
+    urls = resolve_shards(cfg.data.shards, cfg, accelerator)  # 'synthetic' is generated here if needed
+    reader = LabelReader(class_names(cfg, accelerator, cfg.data.shards))
+
+    def whole(end: ShardEnd) -> None:  # a split of a damaged shard would silently leave images out
+        if end.damage:
+            raise CompareError(f"shard {end.url} could not be read to its end ({end.damage}); repair or remove it "
+                               f"before splitting {cfg.data.shards}")
+
+    for sample in shard_samples(urls, whole):
+        if not any(k in sample for k in IMAGE_KEYS):
+            continue
+        try:
+            label = reader(sample)
+        except BadLabel:
+            continue
+        if label >= 0:
+            yield f"{Path(sample['__url__']).name}/{sample['__key__']}", sample, label
+
+
+def write_part(cfg: Config, out: Path, keep: Callable[[str], bool]) -> int:
+    """The labelled samples of cfg.data.shards whose key `keep` accepts, as shards in `out`; returns their count."""
+    names = list(class_names(cfg, process_state(), cfg.data.shards)) or None
+
+    def read() -> Iterator[Sample]:
+        for ident, sample, label in labelled_samples(cfg):
+            if keep(ident):
+                ext = next(k for k in IMAGE_KEYS if k in sample)
+                yield Sample(ident.replace("/", "_").replace(".", "_"), sample[ext], "jpg" if ext == "jpeg" else ext, label)
+
+    return write_shards(Source(f"part of {cfg.data.shards}", 0, read, names), out, overwrite=True)["samples"]
+
+
+def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
+    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev, stratified: each class gives
+    round(dev_fraction x its images) to dev, chosen by a hash of the key (the same split on every run and machine).
+
+    Refuses a dev split with fewer than DEV_MIN_PER_CLASS images of some class: it could not rank the grid.
+    """
+    by_class: dict[int, list[str]] = {}
+    for ident, _, label in labelled_samples(cfg):
+        by_class.setdefault(label, []).append(ident)
+    dev_counts = {label: math.floor(dev_fraction * len(idents) + 0.5) for label, idents in by_class.items()}
+    if not by_class or min(dev_counts.values()) < DEV_MIN_PER_CLASS:
+        fewest = min(by_class, key=lambda label: len(by_class[label])) if by_class else None
+        have = f"class {fewest} has {len(by_class[fewest])} images, so {dev_counts[fewest]} in dev" if by_class else "no labelled images"
+        raise CompareError(f"the dev split ({dev_fraction:g} of {cfg.data.shards}) is too small to pick recipes: it "
+                           f"needs at least {DEV_MIN_PER_CLASS} images of every class ({have}); raise dev_fraction, use "
+                           f"dev_folds (cross-validation over every image), or use more training images")
+    dev = {ident for label, idents in by_class.items()
+           for ident in sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i))[:dev_counts[label]]}
+    counts = {name: write_part(cfg, out / name, lambda ident, name=name: (ident in dev) == (name == "dev")) for name in ("train", "dev")}
+    return {"train": str(out / "train"), "dev": str(out / "dev"), "train_images": counts["train"], "dev_images": counts["dev"],
+            "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
+
+
+def fold_stage(cfg: Config, out: Path, k: int) -> dict:
+    """k stratified folds of cfg.data.shards (mpp.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
+    samples = [(ident, label) for ident, _, label in labelled_samples(cfg)]
+    fold_of = dict(zip((ident for ident, _ in samples), stratified_folds(samples, k)))
+    folds = []
+    for i in range(k):
+        parts = {name: write_part(cfg, out / f"fold{i}" / name, lambda ident, name=name: (fold_of[ident] == i) == (name == "dev"))
+                 for name in ("train", "dev")}
+        folds.append({"train": str(out / f"fold{i}" / "train"), "dev": str(out / f"fold{i}" / "dev"),
+                      "train_images": parts["train"], "dev_images": parts["dev"]})
+    return {"folds": folds, "images": len(samples)}
+
+
+# ---------------------------------------------------------------- one arm
+
+
+class ArmRun:
+    """Everything one arm runs: its pretraining, the recipe pick, the length search, the seeds, the frozen features
+    and, for an ablated arm, every recipe and the earlier checkpoints. `run()` -> its entry of results.json, with
+    the per-image test hits of its kept recipe at every seed under "correct" (collect pairs them between arms)."""
+
+    def __init__(self, cc: CompareConfig, arm: Arm, base: Config, grid: dict[str, dict], selection: Selection):
+        self.cc, self.arm, self.base, self.grid, self.selection = cc, arm, base, grid, selection
+        self.out = Path(cc.output_dir)
+        self.seeds = cc.seeds or [base.train.seed]
+        self.recipes: dict[str, dict] = dict(grid)  # every recipe run, longer ones included
+        self.ckpt: str | None = None
+        self.fine_tuned: dict[str, tuple[Path, dict]] = {}
+
+    def run(self) -> dict:
+        pretrained = self.pretrain()
+        self.ckpt = str(self.out / "pre" / self.arm.name) if pretrained else None
+        grid_pick = self.choose({name: recipe for name, recipe in self.grid.items()})
+        kept, lengths = self.search_length(grid_pick)
+        ablated = self.arm.name in self.cc.ablate
+        names = [kept.pick] + ([n for n in self.grid if n != kept.pick] if ablated else [])
+        tests = {name: self.tested(name) for name in names}
+        test = over_seeds(tests[kept.pick], self.seeds)
+        entry = {"objective": self.arm.summary, "recipe": kept.pick, "grid_pick": grid_pick.pick,
+                 "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
+                 "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
+                 "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
+                 "length_pick": pick_record(kept), "pretrain": pretrained, "test": test,
+                 "run": tests[kept.pick][self.seeds[0]]["run"], "finetune": tests[kept.pick][self.seeds[0]]["finetune"],
+                 "correct": {str(seed): tests[kept.pick][seed]["correct"] for seed in self.seeds},
+                 "history": {str(seed): tests[kept.pick][seed]["history"] for seed in self.seeds},
+                 "frozen": self.frozen(self.arm.name, self.ckpt)}
+        if self.selection.splits:
+            entry["dev_top1"] = kept.top1[kept.pick]
+        if ablated:
+            entry["ablation"] = {name: over_seeds(result, self.seeds) for name, result in tests.items()}
+        if self.cc.sensitivity:
+            lengths = [name for name in kept.tied if name != kept.pick]  # the split cannot tell them from the kept one
+            recipes = [name for name in grid_pick.tied if name != grid_pick.pick]  # ... nor these from the grid's pick
+            near_best = list(dict.fromkeys(lengths + recipes))
+            entry["near_best"] = {name: {"test": over_seeds(result, self.seeds),
+                                         "correct": {str(seed): result[seed]["correct"] for seed in self.seeds}}
+                                  for name in near_best for result in [tests.get(name) or self.tested(name)]}
+        if pretrained:
+            entry["pretrain_curves"] = scalar_history(self.out / "pre" / self.arm.name, PRETRAIN_CURVES)
+            if ablated and self.cc.checkpoints:
+                entry["checkpoints"] = self.earlier_checkpoints(kept.pick)
+        return entry
+
+    def pretrain(self) -> dict | None:
+        if self.arm.objective is None:
+            return None
+        cfg = pretrain_config(self.cc, self.arm, output_dir=self.out / "pre" / self.arm.name)
+        return stage(self.out / "pre" / self.arm.name, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
+
+    def fine_tune(self, run_name: str, recipe: dict, seed: int, train: str, val: str, ckpt: str | None) -> tuple[Path, dict]:
+        """The fine-tuning stage ft/<arm>/<run_name>, once per invocation (a candidate's run is also a tested one)."""
+        if run_name not in self.fine_tuned:
+            directory = self.out / "ft" / self.arm.name / run_name
+            cfg = stage_config(self.cc, "finetune", output_dir=directory,
+                               **{**recipe, "train.seed": seed, "data.shards": train, "data.val_shards": val})
+            self.fine_tuned[run_name] = directory, stage(directory, f"{self.arm.name} fine-tuning {run_name}",
+                                                         {**settings(cfg), "ckpt": ckpt}, lambda: finetune_stage(cfg, ckpt))
+        return self.fine_tuned[run_name]
+
+    def choose(self, candidates: dict[str, dict]) -> Choice:
+        """Score each candidate recipe on the dev split (each fold) and pick one (mpp.stats.pick_recipe: the best dev
+        top-1; exactly equal scores to the more training steps, then the earlier candidate); one candidate or no
+        split: that one, unscored."""
+        scored = []
+        for name, recipe in candidates.items():
+            correct = {}
+            for i, (train, dev) in enumerate(self.selection.splits):
+                run_name = name if len(self.selection.splits) == 1 else f"{name}-f{i}"
+                correct.update(self.fine_tune(run_name, recipe, self.base.train.seed, train, dev, self.ckpt)[1]["correct"])
+            steps = stage_config(self.cc, "finetune", recipe).train.steps
+            scored.append((name, correct, steps))
+        if not self.selection.splits:
+            name = next(iter(candidates))
+            return Choice(name, {}, (name,), False, {})
+        keys = sorted(scored[0][1])
+        pick = pick_recipe([Candidate(name, [correct[k] for k in keys], steps) for name, correct, steps in scored])
+        return Choice(pick.pick, pick.top1, pick.tied, pick.tie, pick.p_value)
+
+    def search_length(self, grid_pick: Choice) -> tuple[Choice, dict[str, float]]:
+        """The grid's pick fine-tuned at the plan's `lengths` multiples, going on while dev top-1 does not fall below
+        the best so far; the kept length is picked among those tried like a recipe (the best dev top-1)."""
+        if len(self.cc.lengths) == 1 or not self.selection.splits:
+            return grid_pick, {}
+        name = grid_pick.pick
+        steps = stage_config(self.cc, "finetune", self.grid[name]).train.steps
+        tried: dict[str, dict] = {name: self.grid[name]}
+        choice = self.choose(tried)
+        for multiple in self.cc.lengths[1:]:
+            best_so_far = max(choice.top1.values())
+            longer = f"{name}-x{multiple:g}"
+            tried[longer] = self.recipes[longer] = {**self.grid[name], "train.steps": round(steps * multiple)}
+            choice = self.choose(tried)
+            if choice.top1[longer] < best_so_far:
+                break
+        return choice, {(key.rsplit("-x", 1)[1] if "-x" in key else "1"): top1 for key, top1 in choice.top1.items()}
+
+    def tested(self, name: str, ckpt: str | None = None, suffix: str = "") -> dict[int, dict]:
+        """Recipe `name` fine-tuned (from `ckpt`, default the arm's pretraining) on the final training shards at every
+        seed, each scored on the evaluation shards: {seed: test stage result}. Under one dev split the grid's seed
+        reuses the candidate run itself."""
+        ckpt = ckpt if ckpt is not None else self.ckpt
+        results = {}
+        for seed in self.seeds:
+            reuse = self.selection.folds == 0 and seed == self.base.train.seed
+            run_name = f"{name}{suffix}" if reuse else f"{name}{suffix}-s{seed}"
+            directory, trained = self.fine_tune(run_name, self.recipes[name], seed, self.selection.final, self.selection.final_val, ckpt)
+            if self.selection.final_val == self.base.data.val_shards:  # its last evaluation was on the evaluation shards
+                scored = {key: trained[key] for key in ("top1", "top5", "correct") if key in trained}
+            else:
+                cfg = stage_config(self.cc, "finetune", output_dir=self.out / "test" / self.arm.name / run_name,
+                                   **{**self.recipes[name], "train.seed": seed})
+                scored = stage(self.out / "test" / self.arm.name / run_name, f"{self.arm.name}: {run_name} on {self.base.data.val_shards}",
+                               {**settings(cfg), "run": directory}, lambda cfg=cfg, directory=directory: test_stage(cfg, directory))
+            results[seed] = {**scored, "history": trained["history"], "run": str(directory),
+                             "finetune": {k: trained[k] for k in ("steps", "images_seen", "wall_time_s", "top1")}}
+        return results
+
+    def frozen(self, name: str, ckpt: str | None) -> dict:
+        cfg = stage_config(self.cc, "finetune", output_dir=self.out / "frozen" / name)
+        return stage(self.out / "frozen" / name, f"{name} frozen features (kNN, few-shot)", {**settings(cfg), "ckpt": ckpt},
+                     lambda: frozen_stage(cfg, ckpt))
+
+    def earlier_checkpoints(self, pick: str) -> dict:
+        """The pick fine-tuned from earlier checkpoints of the same pretraining, at every seed, with their frozen
+        features: the report's pretraining-length ablation."""
+        pre = self.out / "pre" / self.arm.name
+        points = {}
+        for step in self.cc.checkpoints:
+            earlier = checkpoint_dir(pre, step)
+            if not earlier.is_dir():
+                kept = ", ".join(str(checkpoint_step(c)) for c in complete_checkpoints(pre)) or "none"
+                raise CompareError(f"{pre} keeps no checkpoint at step {step} (kept: {kept}); raise "
+                                   f"pretrain.train.keep_checkpoints, make the step a multiple of checkpoint_every, "
+                                   f"and pretrain again in a new output_dir")
+            tests = self.tested(pick, str(earlier), suffix=f"-p{step}")
+            points[str(step)] = {"test": over_seeds(tests, self.seeds), "frozen": self.frozen(f"{self.arm.name}-p{step}", str(earlier))}
+        return points
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A pick among candidates scored on the dev split(s): see mpp.stats.Pick."""
+
+    pick: str
+    top1: dict[str, float | None]  # every candidate's dev top-1
+    tied: tuple[str, ...]  # the best and those the split cannot tell from it
+    tie: bool
+    p_value: dict[str, float]
+
+
+def pick_record(choice: Choice) -> dict:
+    return {"pick": choice.pick, "tied": list(choice.tied), "tie": choice.tie, "p_value": choice.p_value}
+
+
+def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
+    """Test top-1 (and top-5) of one recipe at every seed -> mean, std and each seed's."""
+    top1 = [tests[seed]["top1"] for seed in seeds]
+    return {"top1": statistics.fmean(top1), "top1_std": statistics.stdev(top1) if len(top1) > 1 else None,
+            "top1_seeds": {str(seed): t for seed, t in zip(seeds, top1)},
+            **({"top5": statistics.fmean(tests[s]["top5"] for s in seeds)} if "top5" in tests[seeds[0]] else {})}
+
+
+# ---------------------------------------------------------------- collect
+
+
+def gaps(arms: dict[str, dict]) -> list[dict]:
+    """Every pair of arms: the difference of mean test top-1, its paired 95% bootstrap interval over the test images
+    and the seeds (mpp.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, and whether
+    the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed)."""
+    result = []
+    for a, b in itertools.combinations(arms, 2):
+        ea, eb = arms[a], arms[b]
+        keys = sorted(next(iter(ea["correct"].values())))
+        if sorted(next(iter(eb["correct"].values()))) != keys:
+            raise CompareError(f"arms {a} and {b} were scored on different evaluation images; rerun their test stages "
+                               f"on the plan's finetune data.val_shards")
+        matrix = {name: [[e["correct"][seed][k] for k in keys] for seed in e["correct"]] for name, e in ((a, ea), (b, eb))}
+        interval = paired_bootstrap_gap(matrix[a], matrix[b])
+        per_seed = {seed: asdict(mcnemar(ra, rb)) for seed, ra, rb in zip(ea["correct"], matrix[a], matrix[b])}
+        ta, tb = ea["test"], eb["test"]
+        spread = None if ta["top1_std"] is None or tb["top1_std"] is None else ta["top1_std"] + tb["top1_std"]
+        result.append({"arms": [a, b], "gap": ta["top1"] - tb["top1"], **{k: v for k, v in asdict(interval).items() if k != "gap"},
+                       "images": len(keys), "mcnemar": per_seed, "spread": spread,
+                       "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread,
+                       **({"sensitivity": sensitivity(a, ea, b, eb, keys)} if "near_best" in ea or "near_best" in eb else {})})
+    return result
+
+
+def verdict(interval) -> int:
+    """+1: the first arm is better, -1: the second, 0: the interval includes 0 (unresolved)."""
+    return 0 if not interval.excludes_zero else (1 if interval.gap > 0 else -1)
+
+
+def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str]) -> list[dict]:
+    """The gap a - b with each arm at each of its near-best candidates (its pick included): every combination's paired
+    interval and verdict, so the report can say whether the verdict depends on the picks."""
+    def choices(entry: dict) -> dict[str, dict]:
+        return {entry["recipe"]: entry["correct"], **{name: alt["correct"] for name, alt in entry.get("near_best", {}).items()}}
+
+    rows = []
+    for (ra, ca), (rb, cb) in itertools.product(choices(ea).items(), choices(eb).items()):
+        interval = paired_bootstrap_gap([[ca[seed][k] for k in keys] for seed in ca], [[cb[seed][k] for k in keys] for seed in cb])
+        rows.append({a: ra, b: rb, "gap": interval.gap, "low": interval.low, "high": interval.high, "verdict": verdict(interval)})
+    return rows
+
+
+def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict]) -> dict:
+    """results.json, report.md and comparison.png/svg from what every arm ran; returns results.json's content."""
+    out = Path(cc.output_dir)
+    report = {"arms": {name: {k: v for k, v in e.items() if k not in ("correct", "history")} for name, e in arms.items()},
+              "config": cc.model_dump(mode="json"), "select_on_dev": bool(selection.splits), "dev_folds": selection.folds,
+              "selection": selection.info, "seeds": cc.seeds or [base.train.seed], "recipes": grid, "gaps": gaps(arms)}
+    if selection.splits:
+        dev_images = selection.info.get("images") or selection.info["dev_images"]
+        report["dev_resolution"] = asdict(dev_resolution(dev_images))
+    if process_state().is_main_process:
+        (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (out / "report.md").write_text(report_markdown(report, cc, base))
+        ylabel = "dev top-1" if selection.folds == 0 and selection.splits else "evaluation top-1"
+        comparison_figure({name: e["history"] for name, e in arms.items()},
+                          {name: e.get("pretrain_curves", {}) for name, e in arms.items()},
+                          [g for g in report["gaps"]], out / "comparison.png", ylabel=ylabel)
+        print(f"[compare] report in {out / 'report.md'}, plots in {out / 'comparison.png'} and .svg, "
+              f"all runs in TensorBoard: tensorboard --logdir {out}")
+    return report
+

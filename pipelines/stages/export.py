@@ -1,0 +1,150 @@
+"""Export stage: a checkpoint of this project as a Hugging Face `transformers` ViT (`mpp export --to hf DIR`), with a
+model card (README.md) that says what it is and how it was made."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from mpp.model.checkpoint import classifier_head, load_backbone, resolve_checkpoint, run_files_in
+from mpp.config import Config
+from mpp.data.stream import DataError, expand_shards
+from mpp.data.shardformat import ShardSummary, shard_summary
+from mpp.model.hf import ExportError, export_hf
+from mpp.model.vit import VisionTransformer
+from mpp.model.objectives import OBJECTIVES
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long
+from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
+from ..run.invocation import command_line
+
+FORMATS = ("hf",)
+
+
+def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
+    """Write the backbone in `ckpt` (ViTModel), with its classifier if it was fine-tuned (ViTForImageClassification).
+
+    A pretraining run's head (MPP's colour head, supervised pretraining's MLP) is the paper's throwaway pretraining
+    head: a pretraining checkpoint exports as a backbone."""
+    if to not in FORMATS:
+        raise ExportError(f"unknown export format '{to}'; use --to hf DIR")
+    check_export_dir(Path(out_dir))
+    backbone = load_backbone(ckpt, cfg.model)
+    weights_file = resolve_checkpoint(ckpt)
+    head = classifier_head(ckpt)
+    kind = export_hf(backbone, out_dir, head, id2label=label_names(cfg, head) if head is not None else None,
+                     pool=cfg.finetune.pool)
+    if head is not None and class_names(cfg) is None:  # said once the export is written (a refused one says why)
+        warnings.warn(f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
+                      f"them), so the classifier's labels were exported as LABEL_0 to LABEL_{head['weight'].shape[0] - 1}; "
+                      f"prepare the shards with --class-names, or set data.shards to shards whose summary.json names them",
+                      stacklevel=2)
+    (Path(out_dir) / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
+    print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
+          f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")
+    return kind
+
+
+def check_export_dir(out: Path) -> None:
+    """Refuse, before any work, a directory the export cannot be written to or must not be: one holding a run, whose
+    model.safetensors the transformers layout would replace (after which no stage could read the run)."""
+    reason = too_long(out)
+    if reason is not None:
+        raise ExportError(f"export directory {out} cannot be created: {reason}; choose a shorter path (--to hf DIR)")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export directory {out} is a file; choose a directory (--to hf DIR)")
+    found = run_files_in(out) if out.is_dir() else None
+    if found is not None:
+        raise ExportError(f"{out} holds a run of this project ({found}); the export would replace its {WEIGHTS} with "
+                          f"the transformers layout, which finetune, fewshot and knn cannot read: choose another "
+                          f"directory (--to hf DIR)")
+
+
+def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
+    """The class names of the training shards, if they name as many classes as the classifier has outputs."""
+    names = class_names(cfg)
+    outputs = head["weight"].shape[0]
+    if names is not None and len(names) != outputs:
+        warnings.warn(f"the training shards ({cfg.data.shards}) name {len(names)} classes but the classifier has {outputs} "
+                      f"outputs, so its labels are exported as LABEL_0 to LABEL_{outputs - 1}; set data.shards to the "
+                      f"fine-tuning's shards to export their names", stacklevel=2)
+        return None
+    return names
+
+
+def class_names(cfg: Config) -> dict[int, str] | None:
+    """Class names from the summary.json that `mpp prepare` wrote beside the training shards, if any."""
+    if cfg.data.shards == "synthetic":
+        return dict(enumerate(SYNTHETIC_CLASS_NAMES))
+    summary = shards_summary(cfg)
+    return dict(enumerate(summary.class_names)) if summary and summary.class_names else None
+
+
+def shards_summary(cfg: Config) -> ShardSummary | None:
+    """The summary.json beside the training shards, checked; None for shards without one or not present here."""
+    try:
+        return shard_summary(expand_shards(cfg.data.shards))
+    except DataError:
+        return None
+
+
+def run_record(weights_file: Path) -> tuple[dict, int | None]:
+    """The results.json of the run that wrote `weights_file` ({} if none) and, for a checkpoints/step_N, its step."""
+    step = checkpoint_step(weights_file.parent) if is_checkpoint(weights_file.parent) else None
+    results = run_dir_of(weights_file) / RESULTS
+    return (json.loads(results.read_text()) if results.is_file() else {}), step
+
+
+def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kind: str, out_dir: str) -> str:
+    record, step = run_record(weights_file)
+    fine_tuned = kind == "ViTForImageClassification"
+    summary = shards_summary(cfg)
+    data = f"`{cfg.data.shards}`" + (f" ({summary.samples:,} images, {summary.classes} classes)" if summary and summary.samples is not None else "")
+    if fine_tuned:
+        if "ckpt" not in record:  # a fine-tuning not finished, or its results.json lost
+            start = "a starting point not recorded (no results.json beside the weights)"
+        else:
+            start = record["ckpt"] or "a fresh backbone (training from scratch)"
+        objective = f"fine-tuned as a classifier (linear head on the [class] token) from {start}"
+    else:
+        described = record.get("description") or OBJECTIVES[cfg.objective].summary
+        objective = f"{described} (pretraining; the pretraining head is not exported)"
+    # Every model metric the run's objective and evaluators declared (results.json's final_shown, in their order).
+    metrics_line = ", ".join(f"{tag} {shown}" for tag, shown in record.get("final_shown", {}).items())
+    if fine_tuned and metrics_line:
+        metrics_line += f" (eval/*: on `{cfg.data.val_shards}`)"
+    if step is not None and step != cfg.train.steps:
+        metrics_line = f"not recorded for step {step} (the run's final metrics are for step {cfg.train.steps})"
+    steps = f"{step if step is not None else cfg.train.steps} of {cfg.train.steps}"
+    batch = cfg.train.global_batch_size or f"{cfg.train.batch_size} per process x {cfg.train.grad_accum} accumulation"
+    lines = [
+        "---", "library_name: transformers", f"pipeline_tag: {'image-classification' if fine_tuned else 'image-feature-extraction'}",
+        "tags: [vit, mpp, masked-patch-prediction]", "---", "",
+        f"# ViT ({backbone.width} wide, {backbone.depth} blocks, {backbone.heads} heads, patch {backbone.patch_size}, "
+        f"{backbone.image_size} px), {'fine-tuned' if fine_tuned else 'pretrained'} with mpp", "",
+        f"- **Objective**: {objective}.",
+        f"- **Data**: {data}.",
+        f"- **Steps**: {steps}, batch {batch}, {cfg.train.optimizer} at peak lr {cfg.train.lr:g}.",
+        f"- **Resolution**: {backbone.image_size} x {backbone.image_size} px; **patch size** {backbone.patch_size} "
+        f"({(backbone.image_size // backbone.patch_size) ** 2} patches).",
+        "- **Pooling**: the [class] token after the final LayerNorm (`last_hidden_state[:, 0]`); the exported pooler is "
+        "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."),
+        f"- **Final metrics**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
+        f"- **Produced by**: `{record['command']}`" if record.get("command") else "- **Produced by**: not recorded.",
+        f"- **Exported by**: `{command_line()}`.", "",
+        "## Use", "", "```python",
+    ]
+    if fine_tuned:
+        lines += ["from transformers import pipeline", "",
+                  f"classify = pipeline('image-classification', model='{out_dir}')", "print(classify('image.jpg'))"]
+    else:
+        lines += ["from transformers import ViTModel", "",
+                  f"model = ViTModel.from_pretrained('{out_dir}')",
+                  "features = model(pixel_values=pixels).pooler_output  # (B, D): the [class] token"]
+    lines += ["```", ""]
+    if not fine_tuned:
+        lines += ["**This is a backbone without a classifier.** `pipeline('image-classification')` or "
+                  "`ViTForImageClassification.from_pretrained` on it adds a randomly initialised 2-class head and prints "
+                  "meaningless labels: fine-tune it first (`mpp finetune --ckpt RUN`, then export that run).", ""]
+    lines += ["Inputs are scaled as in training, (x / 255 - 0.5) / 0.5 per channel (preprocessor_config.json).", ""]
+    return "\n".join(lines)

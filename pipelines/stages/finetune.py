@@ -1,0 +1,107 @@
+"""Fine-tuning stage: a pretrained (or fresh) backbone plus a zero-initialised linear head, trained on labelled
+shards and evaluated on held-out ones, as in the ViT paper's transfer experiments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from torch import nn
+
+from mpp.model.checkpoint import load_backbone
+from mpp.config import Config, ConfigError
+from mpp.data.stream import BadLabel, DataError, LabelReader, label_members
+from mpp.metrics import TOP1, TOP5
+from mpp.rundir import PREDICTIONS
+from mpp.data.shardformat import is_remote
+from mpp.model.vit import build_backbone
+from mpp.model.objectives import Classification, batch_mixing, finetuning_head
+from mpp.training.loop import Evaluator
+from ..run.loaders import class_names, labelled, num_classes, resolve_shards, train_loader
+from ..run.run_policy import StartingPoint
+from ..run.stage import TrainingStage, run_training
+from ..run.start import Run
+
+
+class History:
+    """(step, top-1) of every evaluation, checkpointed, so a resumed run reports the whole curve; and the last
+    evaluation's per-image hits (what predictions.json holds)."""
+
+    def __init__(self) -> None:
+        self.points: list[list[float]] = []
+        self.predictions: dict[str, bool] = {}
+
+    def state_dict(self) -> dict:
+        return {"points": self.points}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.points = [list(p) for p in state["points"]]
+
+    def recording(self, evaluator: Evaluator) -> Evaluator:
+        """`evaluator`, with each top-1 it scores added to the curve."""
+        def run(module: nn.Module, step: int) -> dict[str, float]:
+            scores = evaluator.run(module, step)
+            if TOP1 in scores:
+                self.points.append([step, scores[TOP1]])
+                self.predictions = evaluator.run.predictions
+            return scores
+
+        return Evaluator(evaluator.every, run, evaluator.metrics)
+
+
+def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classification:
+    """The one difference between fine-tuning and training from scratch is where the backbone comes from."""
+    backbone = load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg.model)
+    backbone.set_drop_path(cfg.model.drop_path)
+    backbone.grad_checkpointing = cfg.model.grad_checkpointing
+    return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True, pool=cfg.finetune.pool,
+                          label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes))
+
+
+def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tuple[str, ...]) -> None:
+    """Read the labels of the local evaluation shards (small; the image bytes are skipped over) before training,
+    so a label the head cannot score stops the run now rather than at its first evaluation."""
+    reader = LabelReader(names)
+    for url in urls:
+        if is_remote(url):
+            continue  # streamed: checked batch by batch at evaluation
+        for sample in label_members(url):
+            try:
+                label = reader(sample)
+            except BadLabel:
+                continue  # the evaluation stream counts it as a skipped sample
+            if label >= classes:
+                raise DataError(f"data.val_shards ({spec}) holds label {label} (in {url}) but the head has {classes} classes "
+                                f"(0 to {classes - 1}); set model.num_classes or fix the evaluation shards")
+
+
+def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False, overwrite: bool = False) -> dict:
+    """Fine-tune the backbone in `ckpt` (None: a fresh one, same recipe) and write output_dir/results.json; returns
+    what it holds (top1, top5, the evaluation history, ...)."""
+    if cfg.data.val_shards is None:
+        raise ConfigError("fine-tuning needs held-out labelled images to evaluate on; set data.val_shards")
+    history = History()
+
+    def stage(run: Run) -> TrainingStage:
+        accelerator, cfg = run.accelerator, run.cfg
+        urls = resolve_shards(cfg.data.shards, cfg, accelerator)
+        val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
+        classes = num_classes(cfg, urls)
+        check_evaluation_labels(val_urls, classes, cfg.data.val_shards, class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards))
+
+        def batches(state):
+            return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
+
+        def results(final: dict[str, float]) -> dict:
+            if accelerator.is_main_process:
+                (Path(cfg.output_dir) / PREDICTIONS).write_text(json.dumps({k: int(v) for k, v in sorted(history.predictions.items())}) + "\n")
+            return {"top1": final[TOP1], **({"top5": final[TOP5]} if TOP5 in final else {}),
+                    "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points}
+
+        start = "a fresh backbone (no --ckpt)" if ckpt is None else ckpt
+        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes), batches, len(urls),
+                             f"fine-tuning {start} for {classes} classes", classes, results=results,
+                             recording=history.recording, checkpointed=(history,))
+
+    return run_training(cfg, stage, resume=resume, start=StartingPoint.of(ckpt), overwrite=overwrite)

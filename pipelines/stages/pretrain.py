@@ -1,0 +1,35 @@
+"""Pretraining stage: masked patch prediction on (possibly unlabelled) shards, or supervised on labelled ones."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from mpp.config import Config
+from mpp.model.vit import build_backbone
+from mpp.model.objectives import OBJECTIVES, Objective
+from ..run.loaders import labelled, num_classes, resolve_shards, train_loader
+from ..run.stage import TrainingStage, run_training
+from ..run.start import Run
+
+
+def build_objective(cfg: Config, classes: int | None) -> Objective:
+    return OBJECTIVES[cfg.objective].build(build_backbone(cfg.model), cfg, classes)
+
+
+def run(cfg: Config, *, resume: bool | Literal["auto"] = False, overwrite: bool = False) -> dict:
+    """Pretrain and write output_dir/results.json; returns what it holds. `resume` continues the run in output_dir,
+    `overwrite` starts over there."""
+
+    def stage(run: Run) -> TrainingStage:
+        accelerator, cfg = run.accelerator, run.cfg
+        urls = resolve_shards(cfg.data.shards, cfg, accelerator)
+        classes = num_classes(cfg, urls) if OBJECTIVES[cfg.objective].reads_labels else None
+
+        def batches(state):
+            loader = train_loader(urls, cfg, accelerator, state, labels=classes is not None)
+            return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
+
+        return TrainingStage("pretrain", build_objective(cfg, classes), batches, len(urls),
+                             f"{cfg.objective} pretraining of a ViT", classes)
+
+    return run_training(cfg, stage, resume=resume, overwrite=overwrite)
