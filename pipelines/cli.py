@@ -134,9 +134,9 @@ def add_run_choice(stage: argparse.ArgumentParser) -> None:
     choice = stage.add_mutually_exclusive_group()
     choice.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir that verifies")
     choice.add_argument("--overwrite", action="store_true",
-                        help="start over in an output_dir that holds a run: delete its checkpoints/, tensorboard/, "
-                             "config.yaml, results.json and model.safetensors (other files stay); refused while "
-                             "another run works there")
+                        help="start over in an output_dir that holds a run: delete what runs of mpp wrote there "
+                             "(its checkpoints/, tensorboard/, config.yaml, results.json, model.safetensors, as its "
+                             "run.json lists them; other files stay); refused while another run works there")
 
 
 def class_name_list(text: str) -> list[str]:
