@@ -158,8 +158,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     pretrain = stage_parser(stages, "pretrain", "masked patch prediction pretraining")
     pretrain.add_argument("--config", help=f"a YAML file, or the name of a shipped config (see --list-configs; default: "
-                                           f"{CONFIGS / 'pretrain' / 'default.yaml'}, and for --resume the run's saved "
-                                           f"config.yaml); keys it leaves unset take the defaults below")
+                                           f"{CONFIGS / 'pretrain' / 'default.yaml'}); --resume without it starts from "
+                                           f"the run's saved config.yaml; keys it leaves unset take the defaults below")
     add_run_choice(pretrain)
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
@@ -167,8 +167,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
                                          "from pretrain (either objective) or finetune; omit it to train from scratch")
     finetune.add_argument("--config", help=f"a YAML file, or the name of a shipped config (see --list-configs; default: "
-                                           f"{CONFIGS / 'finetune' / 'default.yaml'}, and for --resume the run's saved "
-                                           f"config.yaml); keys it leaves unset take the defaults below")
+                                           f"{CONFIGS / 'finetune' / 'default.yaml'}); --resume without it starts from "
+                                           f"the run's saved config.yaml; keys it leaves unset take the defaults below")
     add_run_choice(finetune)
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 
