@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.data import jpeg, photo_like  # noqa: E402
 from mpp.data import shards as shards  # noqa: E402
 from mpp.data.shards import default_workers  # noqa: E402
-from pipelines.stages import prepare# noqa: E402
+from pipelines.stages import prepare  # noqa: E402
 
 SIZES = ((500, 375), (1600, 1200))
 

@@ -1,26 +1,42 @@
 """The run directory: what a run writes where, and which run wrote a given file.
 
     output_dir/
+      run.json                      what runs of mpp wrote here (the names below), the config the run trains with
+                                    (copied into every checkpoint) and the command that started it
       config.yaml                   the settings in force, with a comment line per resume that changed some
       results.json                  the stage's final metrics and the command that ran it
       predictions.json              fine-tuning: its last evaluation's top-1 hit (1 or 0) for each image, by key
       started_from.json             a fine-tuning's starting point (--ckpt and its weights' sha256), written as it starts
       model.safetensors             the exported weights (the objective's export_weights())
       tensorboard/<stage>/          event files
-      checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it) and manifest.json
+      checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it), the config.yaml it was
+                                    trained with, and manifest.json
       checkpoints/.partial-step_*   a checkpoint being written; renamed to step_* once complete
       .lock                         the pid of the run working there (locked while it runs)
+
+A run writes only names that run.json lists (or that no file holds yet, which it then lists): a file of the user's
+at one of these names is never replaced, and starting over removes only what run.json lists. A directory of an mpp
+from before run.json is taken for a run's when it holds a checkpoint of this layout or, beside tensorboard/, a
+config.yaml as runs dump it (every section, no comment but resume notes); its config.yaml counts as the run's only
+when it reads so.
 
 Everything that reads or writes these names goes through this module; it knows nothing of Accelerate or the loop.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import yaml
+from safetensors import SafetensorError
 
 CONFIG = "config.yaml"
 RESULTS = "results.json"
@@ -34,14 +50,154 @@ MANIFEST = "manifest.json"
 
 
 LOCK = ".lock"
-RUN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, PREDICTIONS, STARTED_FROM, WEIGHTS)  # what a run writes in output_dir, besides its LOCK
+RUN_MANIFEST = "run.json"
+PRETRAIN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, WEIGHTS)  # what a pretraining writes in output_dir
+RUN_OUTPUTS = (*PRETRAIN_OUTPUTS, PREDICTIONS, STARTED_FROM)  # what any run writes there, besides RUN_MANIFEST and LOCK
+RUN_SECTIONS = ("objective", "output_dir", "data", "model", "train")  # what every config.yaml a run dumps holds
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def read_run_manifest(output_dir: str | Path) -> dict | None:
+    """run.json of output_dir ({written: [names], config: {...}, command: str}), or None where there is none; one
+    that cannot be read lists nothing (the run's files are then the user's to move)."""
+    path = Path(output_dir) / RUN_MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def dumped_by_a_run(config: Path) -> bool:
+    """Whether `config` reads as the config.yaml a run writes: every section of the config, and no comment but the
+    notes of resumes (a config the user wrote has sections left to their defaults, or comments of their own)."""
+    try:
+        text = config.read_text()
+        tree = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    notes = all(line.startswith("# resumed from ") for line in text.splitlines() if line.lstrip().startswith("#"))
+    return notes and isinstance(tree, dict) and all(key in tree for key in RUN_SECTIONS)
+
+
+def run_written(output_dir: str | Path) -> set[str]:
+    """The names in output_dir that runs of mpp wrote (see the module's docstring for directories of an earlier mpp)."""
+    out = Path(output_dir)
+    manifest = read_run_manifest(out)
+    if manifest is not None:
+        written = manifest.get("written")
+        return {name for name in written if name in RUN_OUTPUTS} if isinstance(written, list) else set()
+    config_of_a_run = (out / TENSORBOARD).is_dir() and dumped_by_a_run(out / CONFIG)
+    if not config_of_a_run and not any((c / MANIFEST).is_file() for c in complete_checkpoints(out)):
+        return set()
+    return set(RUN_OUTPUTS) - ({CONFIG} if (out / CONFIG).exists() and not dumped_by_a_run(out / CONFIG) else set())
+
+
+def not_written_by_a_run(output_dir: str | Path, names: tuple[str, ...]) -> list[str]:
+    """Those of `names` that a file or folder in output_dir holds which no run of mpp wrote there."""
+    written = run_written(output_dir)
+    return [name for name in names if name not in written and ((Path(output_dir) / name).exists() or (Path(output_dir) / name).is_symlink())]
+
+
+def record_run(output_dir: str | Path, names: tuple[str, ...], config: dict, command: str, started: bool) -> None:
+    """Write run.json as a run starts in output_dir (under its lock, before it writes anything else): the `names` it
+    writes added to those listed, the `config` it trains with, and `command` when the run `started` there (not
+    resumed), else the command that started it (None where an older mpp started it)."""
+    out = Path(output_dir)
+    earlier = read_run_manifest(out) or {}
+    written = sorted(run_written(out) | set(names))
+    command = command if started else earlier.get("command")  # None: started by an mpp without run.json
+    write_whole(out / RUN_MANIFEST, json.dumps({"written": written, "command": command, "config": config}, indent=1) + "\n")
+
+
+def run_config(output_dir: str | Path) -> dict | None:
+    """The config the run in output_dir trains with, as run.json records it (None: no run.json, or an older one)."""
+    config = (read_run_manifest(output_dir) or {}).get("config")
+    return config if isinstance(config, dict) else None
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` under a temporary name beside it, then rename it into place: a failed write (a full
+    disk) leaves no file cut short, and the one it would replace intact."""
+    temporary = path.with_name(f".partial-{path.name}")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether a failed write says it ran out of space: an OSError by its errno, anywhere in the chain of causes;
+    safetensors by quoting the system's message ('No space left on device (os error 28)'). torch.save says neither
+    ('unexpected pos 576 vs 534'): mpp.resume asks the file system then."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return True
+        if any(os.strerror(code) in str(exc) for code in NO_SPACE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def cause_of(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[-1]
+
+
+class OutputNotWritten(Exception):
+    """A stage's output could not be written (a full disk, a read-only folder); nothing of it was left behind."""
+
+    def __init__(self, what: str, exc: Exception):
+        self.full = out_of_space(exc)
+        self.reason = f"{'the disk is full: ' if self.full else ''}{cause_of(exc)}"
+        super().__init__(f"cannot write {what} ({self.reason})")
+
+
+@contextlib.contextmanager
+def staged(directory: Path, what: str) -> Iterator[Path]:
+    """A folder to write a stage's output files (and folders) into; they are moved into `directory` (made if need be;
+    see move_into) only once every one is written, so a failure leaves none of them, nor a `directory` this made. A
+    write that fails raises OutputNotWritten naming `what`."""
+    made = [p for p in (directory, *directory.parents) if not p.exists()]  # deepest first
+    stage = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=directory))
+        yield stage
+        move_into(stage, directory)
+    except BaseException as exc:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        if isinstance(exc, (OSError, SafetensorError)):
+            raise OutputNotWritten(what, exc) from exc
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def move_into(source: Path, directory: Path) -> None:
+    """Move what `source` holds into `directory` by renames (on one file system, none can fail for want of space),
+    replacing files of the same names and merging folders into folders, so other files there stay."""
+    for path in sorted(source.iterdir()):
+        target = directory / path.name
+        if path.is_dir() and target.is_dir() and not target.is_symlink():
+            move_into(path, target)
+        else:
+            os.replace(path, target)
 
 
 def remove_run_outputs(output_dir: str | Path) -> list[str]:
-    """Delete what a run wrote in output_dir (RUN_OUTPUTS) and nothing else, for a run that starts over there;
+    """Delete what runs of mpp wrote in output_dir (run_written) and nothing else, for a run that starts over there;
     returns the names it deleted. The caller holds the run's LOCK, which stays."""
     removed = []
+    written = run_written(output_dir)
     for name in RUN_OUTPUTS:
+        if name not in written:
+            continue
         path = Path(output_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -104,6 +260,12 @@ def usual_mode(*paths: Path) -> None:
 def sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checkpoint_config(directory: Path) -> Path | None:
+    """The config.yaml a checkpoint carries (the config its run trained with), None in a checkpoint of an older mpp."""
+    config = directory / CONFIG
+    return config if config.is_file() else None
 
 
 def write_manifest(directory: Path, processes: int) -> None:

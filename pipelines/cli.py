@@ -36,6 +36,7 @@ def shipped_configs() -> Path:
 CONFIGS = shipped_configs()
 CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
 RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export")  # the stages that take a run config
+EVALUATION_STAGES = ("fewshot", "knn", "probe", "inspect")  # the stages that score --ckpt and write beside it
 RANK_ERROR_GRACE_S = 20
 
 
@@ -79,13 +80,24 @@ def class_ids(text: str) -> list[int]:
 
 
 def run_config(args: argparse.Namespace) -> Config:
-    """The run config of a stage that takes one: --config (a training stage's default, or the run that wrote --ckpt),
-    then the key=value overrides."""
+    """The run config of a stage that takes one: --config (a training stage's default; for --resume without it, the
+    saved config of the run in output_dir; the run that wrote --ckpt), then the key=value overrides. A stage that
+    scores --ckpt writes beside it unless output_dir is among the overrides."""
     if args.stage in ("pretrain", "finetune"):
-        return load_config(config_file(args.stage, args.config), args.overrides)
+        default = str(CONFIGS / args.stage / "default.yaml")
+        if args.resume and args.config is None:
+            from .run.run_policy import resume_config
+
+            return resume_config(default, args.overrides)
+        return load_config(config_file(args.stage, args.config or default), args.overrides)
     from .run.start import checkpoint_config
 
-    return checkpoint_config(args.ckpt, args.config, args.overrides)
+    cfg = checkpoint_config(args.ckpt, args.config, args.overrides)
+    if args.stage in EVALUATION_STAGES and not any(o.startswith("output_dir=") for o in args.overrides):
+        from .evaluations.frozen import beside_checkpoint
+
+        cfg = cfg.model_copy(update={"output_dir": str(beside_checkpoint(args.ckpt))})
+    return cfg
 
 
 def config_keys_help() -> str:
@@ -112,7 +124,9 @@ def checkpoint_stage(stages, name: str, summary: str, example: str, more_checkpo
     stage = stage_parser(stages, name, summary)
     stage.add_argument("--ckpt", required=True, help=f"a run directory, a checkpoints/step_N directory or a .safetensors file{more_checkpoints}")
     stage.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    stage.add_argument("overrides", nargs="*", metavar="key=value", help=f"dotted overrides, e.g. {example}")
+    stage.add_argument("overrides", nargs="*", metavar="key=value",
+                       help=f"dotted overrides, e.g. {example}; output_dir=DIR: where the result goes (default: the run "
+                            f"directory --ckpt names, else NAME-eval beside the checkpoint, file or folder it names)")
 
 
 RESUME_AUTO = "--resume=auto"  # what `--resume auto` becomes before parsing (resume_auto_as_one_word)
@@ -128,9 +142,9 @@ def add_run_choice(stage: argparse.ArgumentParser) -> None:
                              "job's first submission and every requeue")
     choice.add_argument(RESUME_AUTO, dest="resume", action="store_const", const="auto", default=False, help=argparse.SUPPRESS)
     choice.add_argument("--overwrite", action="store_true",
-                        help="start over in an output_dir that holds a run: delete its checkpoints/, tensorboard/, "
-                             "config.yaml, results.json and model.safetensors (other files stay); refused while "
-                             "another run works there")
+                        help="start over in an output_dir that holds a run: delete what runs of mpp wrote there "
+                             "(its checkpoints/, tensorboard/, config.yaml, results.json, model.safetensors, as its "
+                             "run.json lists them; other files stay); refused while another run works there")
 
 
 def class_name_list(text: str) -> list[str]:
@@ -164,18 +178,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     stages = parser.add_subparsers(dest="stage", required=True)
 
     pretrain = stage_parser(stages, "pretrain", "masked patch prediction pretraining")
-    pretrain.add_argument("--config", default=str(CONFIGS / "pretrain" / "default.yaml"),
-                          help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
-                               "keys it leaves unset take the defaults below")
+    pretrain.add_argument("--config", help=f"a YAML file, or the name of a shipped config (see --list-configs; default: "
+                                           f"{CONFIGS / 'pretrain' / 'default.yaml'}); --resume without it starts from "
+                                           f"the run's saved config.yaml; keys it leaves unset take the defaults below")
     add_run_choice(pretrain)
     pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
 
     finetune = stage_parser(stages, "finetune", "fine-tune a pretrained backbone (or a fresh one) with a linear head")
     finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
                                          "from pretrain (either objective) or finetune; omit it to train from scratch")
-    finetune.add_argument("--config", default=str(CONFIGS / "finetune" / "default.yaml"),
-                          help="a YAML file, or the name of a shipped config (see --list-configs; default: %(default)s); "
-                               "keys it leaves unset take the defaults below")
+    finetune.add_argument("--config", help=f"a YAML file, or the name of a shipped config (see --list-configs; default: "
+                                           f"{CONFIGS / 'finetune' / 'default.yaml'}); --resume without it starts from "
+                                           f"the run's saved config.yaml; keys it leaves unset take the defaults below")
     add_run_choice(finetune)
     finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
 

@@ -110,8 +110,8 @@ def test_an_export_into_a_run_is_refused_and_the_run_stays_usable(runs, tmp_path
     weights_only.mkdir()
     shutil.copy(runs / "ft" / "model.safetensors", weights_only / "model.safetensors")
     in_our_layout = "its model.safetensors, in this project's layout"
-    targets = {runs / "ft": "its config.yaml", runs / "pre" / "checkpoints" / "step_00000002": in_our_layout,
-               weights_only: in_our_layout}
+    targets = {runs / "ft": "its config.yaml", runs / "pre" / "checkpoints" / "step_00000002": "its config.yaml",
+               weights_only: in_our_layout}  # a checkpoint carries the config it was trained with
     for target, found in targets.items():
         before = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
         assert launch.main(["export", "--ckpt", str(runs / "ft"), "--to", "hf", str(target)]) == 2

@@ -6,7 +6,6 @@ each rank's data stream position.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -17,15 +16,16 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from omegaconf import OmegaConf
 from safetensors import SafetensorError
 
 from mpp.data.stream import StreamState
 from mpp.errors import UserError
 from mpp.rundir import (MANIFEST, WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, checkpoint_step,
-                        complete_checkpoints, newest_verified, saved_processes, usual_mode, write_manifest)
+                        complete_checkpoints, newest_verified, saved_processes, usual_mode, write_manifest, CONFIG,
+                        cause_of, out_of_space, run_config)
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # What a failed write raises in a save: an OSError from Python's own writes, safetensors' error for the model, and
 # torch.save's RuntimeError for the optimiser, scheduler and RNG states.
 WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
@@ -100,7 +100,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
     """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete.
 
     Accelerate saves the model, optimiser, scheduler, Progress and every rank's RNG; each rank adds its own `stream`
-    position (Accelerate saves registered objects from the main process only). A write that fails (a full disk)
+    position (Accelerate saves registered objects from the main process only), and the main process the config the
+    run trains with (from run.json: a resume checks against it, not against a config.yaml edited since). A write that fails (a full disk)
     raises SaveFailed naming the newest checkpoint that survives and `resume_hint`, the command that continues.
     """
     root = checkpoint_root(output_dir)
@@ -116,8 +117,10 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep:
         raise not_saved(accelerator, output_dir, step, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        usual_mode(*(p for p in partial.iterdir() if p.is_file()))  # Accelerate's model.safetensors included
         try:
+            if (config := run_config(output_dir)) is not None:
+                (partial / CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+            usual_mode(*(p for p in partial.iterdir() if p.is_file()))  # Accelerate's model.safetensors included
             write_manifest(partial, accelerator.num_processes)
         except OSError as exc:
             raise not_saved(accelerator, output_dir, step, exc, resume_hint) or exc
@@ -169,23 +172,6 @@ def weights_not_saved(output_dir: Path, exc: Exception, resume_hint: str) -> Sav
     return SaveFailed(f"cannot write the run's weights {weights}: {why} ({cause_of(exc)}); its last checkpoint "
                       f"{newest_verified(output_dir)} holds them: {fix}, then continue with {resume_hint}, which writes "
                       f"them from it")
-
-
-def cause_of(exc: Exception) -> str:
-    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[-1]
-
-
-def out_of_space(exc: BaseException) -> bool:
-    """Whether a failed write says it ran out of space: an OSError by its errno, anywhere in the chain of causes;
-    safetensors by quoting the system's message ('No space left on device (os error 28)'). torch.save says neither
-    ('unexpected pos 576 vs 534'): not_saved asks the file system then."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
-            return True
-        if any(os.strerror(code) in str(exc) for code in NO_SPACE):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def space_left(directory: Path) -> int:

@@ -24,6 +24,7 @@ from ..run.loaders import eval_batches
 
 DISTANCE_FIRST, DISTANCE_LAST = "inspect/attention_distance_first", "inspect/attention_distance_last"
 POOLINGS = {"cls": "[class] token", "mean": "mean of patches"}  # the outputs the rollout is drawn to
+FOLDER = "inspect"  # what `mpp inspect` writes in output_dir
 
 
 @dataclass(frozen=True)
@@ -137,18 +138,20 @@ class Inspect:
 
 def run(cfg: Config, *, ckpt: str) -> dict:
     """The four views of the backbone in `ckpt`: PNGs and inspect.json in output_dir/inspect/."""
+    drawn = {}
 
     def measure(cfg: Config, accelerator: Accelerator, backbone: VisionTransformer) -> tuple[dict, str]:
         views = Inspector(cfg, accelerator).views(backbone)
-        out = Path(cfg.output_dir) / "inspect"
         if accelerator.is_main_process:
-            out.mkdir(parents=True, exist_ok=True)
-            for name, figure in views.figures().items():
-                figure.savefig(out / f"{name}.png", dpi=120)
+            drawn.update(views.figures())
         first, last = views.scalars().values()
         return views.numbers(), (f"mean attention distance {first:.1f} px in layer 1 and {last:.1f} px in layer "
                                  f"{backbone.depth} (uniform attention: {views.uniform_distance:.1f} px) over "
                                  f"{views.images_averaged} images; figures (filters, position_similarity, "
-                                 f"attention_distance, rollout .png) in {out}")
+                                 f"attention_distance, rollout .png) in {Path(cfg.output_dir) / FOLDER}")
 
-    return evaluate_checkpoint(cfg, ckpt, "inspect/inspect.json", measure)
+    def draw(folder: Path) -> None:
+        for name, figure in drawn.items():
+            figure.savefig(folder / f"{name}.png", dpi=120)
+
+    return evaluate_checkpoint(cfg, ckpt, f"{FOLDER}/inspect.json", measure, draw)

@@ -1,7 +1,9 @@
 """What a stage may do with its output_dir: write there, continue a run there, change which settings on a resume.
 
-A run holds an exclusive lock on its output_dir; a resume may change only the config fields marked resumable
-(mpp.config.RESUMABLE), each applied from the resumed step on, and a fine-tuning resumes only from the weights it
+A run holds an exclusive lock on its output_dir and writes there only over what runs of mpp wrote (mpp.rundir's
+run.json), never over the weights it starts from; a resume starts from the run's saved config, may change only the
+config fields marked resumable (mpp.config.RESUMABLE), each applied from the resumed step on, checked against the
+config its checkpoint carries (not a config.yaml edited since), and a fine-tuning resumes only from the weights it
 started from (its StartingPoint).
 """
 
@@ -11,23 +13,25 @@ import dataclasses
 import fcntl
 import json
 import os
+import shlex
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
-from omegaconf import OmegaConf
 
 from mpp.model.checkpoint import resolve_checkpoint
-from mpp.config import Config, dotted, resumable_keys
+from mpp.config import Config, dotted, resumable_keys, load_config, read_layers
 from mpp.errors import UserError
 from mpp.training.resume import resumable_checkpoint
 from mpp.rundir import (CONFIG, LOCK, RUN_OUTPUTS, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256,
-                        too_long)
+                        too_long, PRETRAIN_OUTPUTS, checkpoint_config, not_written_by_a_run, record_run)
 from mpp.training.runtime import process_state
-from .invocation import resume_command
+from .invocation import resume_command, command_line
 
 
 @dataclass(frozen=True)
@@ -103,19 +107,54 @@ def continues_a_run(output_dir: str | Path, resume: bool | Literal["auto"]) -> b
     return bool(resume)
 
 
-def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None, overwrite: bool = False) -> list[str]:
-    """Refuse an output_dir that cannot be written, that holds another run's checkpoints (unless the run starts over
-    there, `overwrite`), or whose run a resume would change in a way it cannot apply (for a fine-tuning, `start`:
-    where its weights come from); returns what the resume changes, as `key before -> after`."""
-    out = Path(cfg.output_dir)
+def check_writable(out: Path, what: str = "output_dir", choose: str = "set output_dir to") -> None:
+    """Refuse a directory that cannot be created or written, before any work (what is in it is not looked at); `what`
+    and `choose` name it and its setting in the message."""
     if (reason := too_long(out)) is not None:
-        raise UserError(f"output_dir {out} cannot be created: {reason}; set output_dir to a shorter path")
+        raise UserError(f"{what} {out} cannot be created: {reason}; {choose} a shorter path")
     nearest = next(p for p in (out, *out.absolute().parents) if p.exists())  # created later, under the run's lock
     try:
         with tempfile.TemporaryFile(dir=nearest):
             pass
     except OSError as exc:
-        raise UserError(f"output_dir {out} cannot be written ({exc.strerror}); set output_dir to a writable directory") from None
+        raise UserError(f"{what} {out} cannot be written ({exc.strerror}); {choose} a writable directory") from None
+
+
+def run_outputs(start: StartingPoint | None) -> tuple[str, ...]:
+    """The names a training stage writes in its output_dir: a fine-tuning (`start` given) also its predictions and
+    starting point."""
+    return PRETRAIN_OUTPUTS if start is None else RUN_OUTPUTS
+
+
+def check_ownership(out: Path, start: StartingPoint | None, overwrite: bool) -> None:
+    """Refuse a run that would write over (or, starting over, delete) the weights it starts from, or over a file in
+    output_dir that no run of mpp wrote there (a config of the user's, weights copied in)."""
+    names = run_outputs(start)
+    if start is not None and start.weights is not None:
+        weights = Path(os.path.realpath(start.weights))
+        for name in names:
+            written = Path(os.path.realpath(out / name))
+            if weights == written or written in weights.parents:
+                raise UserError(f"output_dir {out} holds the weights this fine-tuning starts from ({start.weights}), and "
+                                f"the run would {'delete' if overwrite else 'write over'} them; set output_dir to another "
+                                f"directory (e.g. {str(out).rstrip('/')}-finetune)")
+    foreign = not_written_by_a_run(out, names)
+    if foreign:
+        listed = ", ".join(f"{name}/" if (out / name).is_dir() else name for name in foreign)
+        raise UserError(f"output_dir {out} holds {listed}, which no run of mpp wrote there, and a run writes "
+                        f"{'those names' if len(foreign) > 1 else 'that name'}; move {'them' if len(foreign) > 1 else 'it'} "
+                        f"elsewhere, or set output_dir to a new directory (nothing was written)")
+
+
+def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None, overwrite: bool = False) -> list[str]:
+    """Refuse an output_dir that cannot be written, that holds another run's checkpoints (unless the run starts over
+    there, `overwrite`), files no run wrote or the weights the run starts from, or whose run a resume would change in
+    a way it cannot apply (for a fine-tuning, `start`: where its weights come from); returns what the resume changes,
+    as `key before -> after`."""
+    out = Path(cfg.output_dir)
+    check_writable(out)
+    if out.is_dir():
+        check_ownership(out, start, overwrite)
     if overwrite or not complete_checkpoints(out):
         return []
     if not resume:
@@ -123,10 +162,8 @@ def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = No
                         f"to start over there, or set output_dir to a new directory")
     if start is not None:
         check_starting_point(out, start)
-    saved = out / CONFIG
-    if not saved.is_file():
-        return []
-    before, now = dotted(OmegaConf.to_container(OmegaConf.load(saved))), dotted(cfg.model_dump(mode="json"))
+    trained, source = trained_config(out)
+    before, now = dotted(trained), dotted(cfg.model_dump(mode="json"))
     changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
                # config.yaml holds the per-process batch (and accumulation) derived from train.global_batch_size;
                # the checkpoint's process count is checked on its own
@@ -136,10 +173,81 @@ def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = No
     if refused:
         key = refused[0]
         raise UserError(f"output_dir {out} holds a run with a different '{key.split('.')[0]}' config ({key}: {before.get(key)} "
-                        f"in its config.yaml, {now.get(key)} now); a resume may change only the length (train.steps, train.epochs), the learning-rate "
-                        f"schedule, the optimiser's hyperparameters and how the run logs, evaluates and saves; resume with the "
-                        f"saved value or set output_dir to a new directory")
+                        f"in {source}, {now.get(key)} now); a resume may change only the length (train.steps, train.epochs), the learning-rate "
+                        f"schedule, the optimiser's hyperparameters and how the run logs, evaluates and saves; resume "
+                        f"from its saved config with {command_without(refused)}, or set output_dir to a new directory")
     return [f"{key} {before.get(key)} -> {now.get(key)}" for key in changed if key != "output_dir"]
+
+
+def trained_config(out: Path) -> tuple[dict, str]:
+    """The config the run in `out` was trained with and where it was read: its newest checkpoint's copy, once
+    config.yaml (what a resume starts from) is checked against it; a run of an older mpp, whose checkpoints carry
+    none, its config.yaml. A config.yaml missing, unreadable or changed where a resume cannot change it is refused,
+    with the command that restores it."""
+    saved = out / CONFIG
+    carried, trained = next(((c, t) for c in map(checkpoint_config, reversed(complete_checkpoints(out)))
+                             if c is not None and (t := readable(c)) is not None), (None, None))
+    restore = f"restore it with `cp {shlex.quote(str(carried))} {shlex.quote(str(saved))}`" if carried else \
+        "restore it from a copy"
+    if not saved.is_file():
+        raise UserError(f"{saved} is missing, and a resume starts from it; {restore}, or set output_dir to a new "
+                        f"directory to start afresh")
+    try:
+        edited = yaml.safe_load(saved.read_text())
+        if not isinstance(edited, dict):
+            raise ValueError("it holds no mapping of sections")
+    except (ValueError, yaml.YAMLError) as exc:
+        raise UserError(f"{saved} cannot be read ({one_line_cause(exc)}), and a resume starts from it; {restore}") from None
+    if carried is None:
+        return edited, f"its {CONFIG}"
+    resumable, flat = resumable_keys(), dotted(trained)
+    for key, value in dotted(edited).items():
+        if key not in resumable and key in flat and flat[key] != value:
+            raise UserError(f"{saved} says {key}: {value}, but the run was trained with {flat[key]} (its checkpoint "
+                            f"{carried.parent.name} says so): config.yaml was edited, and a resume cannot change "
+                            f"{key}; {restore}, or set output_dir to a new directory to train with {key}={value}")
+    return trained, f"its checkpoint {carried.parent.name}"
+
+
+def readable(config: Path) -> dict | None:
+    """A checkpoint's config.yaml as data (None where it cannot be read: the checkpoint fails its manifest then)."""
+    try:
+        tree = yaml.safe_load(config.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return tree if isinstance(tree, dict) else None
+
+
+def one_line_cause(exc: Exception) -> str:
+    return " ".join(str(exc).split())[:160] or type(exc).__name__
+
+
+def command_without(keys: list[str]) -> str:
+    """This process's resume command without --config and the overrides of `keys`: it starts from the run's saved
+    config, so it resumes the run as it was trained."""
+    args, skip = [], False
+    for arg in sys.argv:
+        if skip:
+            skip = False
+        elif arg == "--config":
+            skip = True
+        elif not arg.startswith("--config=") and arg.split("=", 1)[0] not in keys:
+            args.append(arg)
+    if "--resume" not in args:
+        stage = next((i for i, a in enumerate(args) if a in ("pretrain", "finetune")), len(args) - 1)
+        args.insert(stage + 1, "--resume")
+    return f"`{command_line(args)}`"
+
+
+def resume_config(default_config: str, overrides: list[str]) -> Config:
+    """The config of `--resume` without --config: the run's saved config.yaml in output_dir (checked against the config
+    its checkpoint carries) with `overrides` on top; where output_dir holds no checkpoint yet, `default_config` with
+    them (the run starts afresh there)."""
+    out = read_layers(default_config, overrides).get("output_dir", Config.model_fields["output_dir"].default)
+    if not complete_checkpoints(out):
+        return load_config(default_config, overrides)
+    trained_config(Path(out))  # a config.yaml that is missing, unreadable or edited is refused with its fix
+    return load_config(Path(out) / CONFIG, overrides).model_copy(update={"output_dir": str(out)})
 
 
 class RunInUse(UserError):
@@ -182,8 +290,9 @@ class OutputDirLock:
 
 
 def start_over(accelerator: Accelerator, output_dir: str | Path) -> None:
-    """--overwrite: delete what an earlier run wrote in output_dir (its checkpoints, TensorBoard events, config.yaml,
-    results.json and model.safetensors; other files stay), once this run holds the lock there."""
+    """--overwrite: delete what earlier runs of mpp wrote in output_dir (its checkpoints, TensorBoard events,
+    config.yaml, results.json, model.safetensors, ... as run.json lists them; other files stay), once this run holds
+    the lock there."""
     if accelerator.is_main_process:
         removed = remove_run_outputs(output_dir)
         if removed:
@@ -199,3 +308,11 @@ def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: l
     if latest is not None and changes:
         accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
     return latest
+
+
+def record_run_start(accelerator: Accelerator, cfg: Config, start: StartingPoint | None, resumed: bool) -> None:
+    """run.json, before the run writes anything else in output_dir: the names it writes, the config it trains with
+    (`cfg`, as config.yaml shows it; every checkpoint carries it) and the command that started the run."""
+    if accelerator.is_main_process:
+        record_run(cfg.output_dir, run_outputs(start), cfg.model_dump(mode="json"), command_line(), started=not resumed)
+    accelerator.wait_for_everyone()

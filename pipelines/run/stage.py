@@ -21,13 +21,14 @@ from mpp.data.stream import Batch, StreamState
 from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
 from mpp.metrics import Metric, model_metrics, unique
 from mpp.model.objectives import Objective
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
 from mpp.training.runtime import explained_out_of_memory
 from mpp.training.loop import Evaluator, train
 from ..evaluations.evaluators import Stage, build_evaluators
 from .invocation import command_line, resume_command
 from .loaders import with_run_length
-from .run_policy import OutputDirLock, StartingPoint, check_output_dir, continues_a_run, resume_point, start_over
+from .run_policy import (OutputDirLock, StartingPoint, check_output_dir, continues_a_run, resume_point, start_over,
+                         record_run_start)
 from .start import Run, run_settings, start_run
 from .tracking import end_tracking, stage_objective, start_tracking
 
@@ -65,6 +66,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         if overwrite:
             start_over(accelerator, cfg.output_dir)
         resume_from = resume_point(accelerator, cfg, resume, changes)
+        record_run_start(accelerator, cfg, start, resumed=resume_from is not None)
         if start is not None and resume_from is None:
             start.record(accelerator, cfg.output_dir)
         evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective))))
@@ -100,10 +102,11 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scor
                   resumed: bool, timing: dict[str, float]) -> dict:
     """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
     skipped, how long it took (`timing`: wall_time_s and images_per_sec of this invocation, empty if it trained
-    nothing), the stage's own entries, and the command.
+    nothing), the stage's own entries, and the command that started the run (`resumed_with`: the resumes that
+    trained more steps).
 
     A resumed run keeps what the earlier invocations measured and it did not measure again: a finished run resumed
-    trains nothing and logs no training metric, and its results must not lose them.
+    trains nothing and logs no training metric, and its results must not lose them, nor the command that trained it.
     """
     earlier = {}
     saved = Path(cfg.output_dir) / RESULTS
@@ -115,10 +118,14 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scor
     skipped = {reason: scores[f"data/skipped_{reason}"] for reason in SKIP_REASONS if scores.get(f"data/skipped_{reason}")}
     if timing and "wall_time_s" in earlier:
         timing = {**timing, "wall_time_s": earlier["wall_time_s"] + timing["wall_time_s"]}  # over every invocation
+    now = command_line()
+    started_by = (read_run_manifest(cfg.output_dir) or {}).get("command") or earlier.get("command") or now
+    resumed_with = [*earlier.get("resumed_with", []), *([now] if resumed and timing else [])]
     return {"stage": stage.name, "objective": stage_objective(cfg, stage.name),
             "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * global_batch,
             "wall_time_s": earlier.get("wall_time_s"), "images_per_sec": earlier.get("images_per_sec"), **timing,
-            "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": command_line()}
+            "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": started_by,
+            **({"resumed_with": resumed_with} if resumed_with else {})}
 
 
 def describe(objective: Objective) -> str:

@@ -14,9 +14,10 @@ from mpp.data.shardformat import ShardSummary, shard_summary
 from mpp.model.hf import ExportError, export_hf
 from mpp.model.vit import VisionTransformer
 from mpp.model.objectives import OBJECTIVES
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long, OutputNotWritten, staged
 from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
 from ..run.invocation import command_line
+from ..run.run_policy import check_writable
 
 FORMATS = ("hf",)
 
@@ -32,14 +33,19 @@ def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
     backbone = load_backbone(ckpt, cfg.model)
     weights_file = resolve_checkpoint(ckpt)
     head = classifier_head(ckpt)
-    kind = export_hf(backbone, out_dir, head, id2label=label_names(cfg, head) if head is not None else None,
-                     pool=cfg.finetune.pool)
+    try:
+        with staged(Path(out_dir), out_dir) as stage:  # all the export's files, or none
+            kind = export_hf(backbone, stage, head, id2label=label_names(cfg, head) if head is not None else None,
+                             pool=cfg.finetune.pool)
+            (stage / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
+    except OutputNotWritten as failed:
+        fix = "free some space" if failed.full else "make it writable"
+        raise ExportError(f"{failed}; nothing was written: {fix}, or choose another directory (--to hf DIR)") from None
     if head is not None and class_names(cfg) is None:  # said once the export is written (a refused one says why)
         warnings.warn(f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
                       f"them), so the classifier's labels were exported as LABEL_0 to LABEL_{head['weight'].shape[0] - 1}; "
                       f"prepare the shards with --class-names, or set data.shards to shards whose summary.json names them",
                       stacklevel=2)
-    (Path(out_dir) / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
     print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
           f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")
     return kind
@@ -53,6 +59,7 @@ def check_export_dir(out: Path) -> None:
         raise ExportError(f"export directory {out} cannot be created: {reason}; choose a shorter path (--to hf DIR)")
     if out.exists() and not out.is_dir():
         raise ExportError(f"export directory {out} is a file; choose a directory (--to hf DIR)")
+    check_writable(out, "export directory", "set --to hf DIR to")
     found = run_files_in(out) if out.is_dir() else None
     if found is not None:
         raise ExportError(f"{out} holds a run of this project ({found}); the export would replace its {WEIGHTS} with "
@@ -116,6 +123,7 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
     if step is not None and step != cfg.train.steps:
         metrics_line = f"not recorded for step {step} (the run's final metrics are for step {cfg.train.steps})"
     steps = f"{step if step is not None else cfg.train.steps} of {cfg.train.steps}"
+    continued = "".join(f", continued with `{resume}`" for resume in record.get("resumed_with", []))
     batch = cfg.train.global_batch_size or f"{cfg.train.batch_size} per process x {cfg.train.grad_accum} accumulation"
     lines = [
         "---", "library_name: transformers", f"pipeline_tag: {'image-classification' if fine_tuned else 'image-feature-extraction'}",
@@ -130,7 +138,7 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         "- **Pooling**: the [class] token after the final LayerNorm (`last_hidden_state[:, 0]`); the exported pooler is "
         "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."),
         f"- **Final metrics**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
-        f"- **Produced by**: `{record['command']}`" if record.get("command") else "- **Produced by**: not recorded.",
+        f"- **Produced by**: `{record['command']}`{continued}." if record.get("command") else "- **Produced by**: not recorded.",
         f"- **Exported by**: `{command_line()}`.", "",
         "## Use", "", "```python",
     ]
