@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import ProjectConfiguration, parse_flag_from_env
 from torch import nn
 
 from mpp.errors import UserError
@@ -41,7 +41,7 @@ class Device:
 
     @classmethod
     def this_process(cls) -> Device:
-        if torch.cuda.is_available():
+        if cuda_in_use():
             # including_emulation=False: pre-Ampere GPUs report bf16 as supported because it can be emulated.
             return cls("cuda", torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_capability(),
                        importlib.util.find_spec("triton") is not None)
@@ -50,6 +50,13 @@ class Device:
     @property
     def name(self) -> str:
         return f"a GPU of compute capability {self.capability[0]}.{self.capability[1]}" if self.capability else "this CPU"
+
+
+def cuda_in_use() -> bool:
+    """Whether this process trains on a GPU: one is visible and Accelerate was not told to use the CPU
+    (`accelerate launch --cpu` exports ACCELERATE_USE_CPU; the Accelerator then trains on the CPU, and the precision
+    and compile decisions must be the CPU's too)."""
+    return torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
 
 
 def cpu_has_bf16() -> bool:
@@ -98,9 +105,11 @@ def precision_label(mixed_precision: str) -> str:
 
 
 def cpu_processes() -> bool:
-    """Several processes without GPUs: Accelerate 1.x sets up gloo for them only when told cpu=True; otherwise every
-    process silently trains alone. The process's first state decides, so everything that makes one asks this."""
-    return not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process trains on the CPU, told to Accelerate as cpu=True: with several processes and no GPU,
+    Accelerate 1.x sets up gloo only when told (otherwise every process silently trains alone), and on a machine
+    with a GPU that `accelerate launch --cpu` keeps out, a state made without it would take the GPU. The process's
+    first state decides, so everything that makes one asks this."""
+    return not cuda_in_use()
 
 
 def process_state() -> PartialState:

@@ -289,6 +289,15 @@ def test_auto_precision_is_bf16_where_the_hardware_has_it_else_fp16_on_gpus_and_
         resolve_precision("fp16", Device("cpu", native_bf16=True))
 
 
+def test_accelerate_launch_cpu_on_a_gpu_machine_decides_precision_and_compile_for_the_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU is visible ...
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # ... and `accelerate launch --cpu` keeps the run off it
+    assert Device.this_process() == Device("cpu", runtime.cpu_has_bf16())
+    assert not resolve_compile("auto", Device.this_process()) and runtime.cpu_processes()
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what the launcher exports without --cpu
+    assert not runtime.cpu_processes()
+
+
 def test_cpu_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     monkeypatch.setattr(runtime, "Path", lambda path: cpuinfo if path == "/proc/cpuinfo" else Path(path))
