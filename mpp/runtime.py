@@ -157,12 +157,12 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def compiled(model: nn.Module, backend: str) -> nn.Module:
+def compiled(model: nn.Module, backend: str, mode: str = "default") -> nn.Module:
     """torch.compile of the prepared model (the DDP wrapper under several processes, so DDP's no_sync and bucketing
     stay visible to it), from a clean dynamo state: models compiled by earlier stages of this process (compare runs
     many) would otherwise use up dynamo's recompile limit, after which every later stage silently runs eager."""
     torch.compiler.reset()
-    return torch.compile(model, backend=backend)
+    return torch.compile(model, backend=backend, mode=mode)
 
 
 def compile_failure(exc: BaseException) -> bool:

@@ -43,9 +43,10 @@ def images(batch=4, size=16, seed=0):
     return torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def test_compiled_step_gives_the_eager_loss_and_gradients():
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])  # train.compile_mode
+def test_compiled_step_gives_the_eager_loss_and_gradients(mode):
     eager = tiny_objective()
-    compiled = torch.compile(tiny_objective())
+    compiled = runtime.compiled(tiny_objective(), "inductor", mode)
     batch = images()
     # One corruption for both, drawn outside the model: inductor draws random numbers its own way.
     corruption = eager.draw_corruption(batch.shape[0], generator=torch.Generator().manual_seed(1))
