@@ -299,6 +299,18 @@ def test_accelerate_launch_cpu_on_a_gpu_machine_decides_precision_and_compile_fo
     assert not runtime.cpu_processes()
 
 
+def test_auto_data_workers_are_one_on_a_cpu_and_the_cores_of_each_gpu_process_less_one(monkeypatch):
+    monkeypatch.setattr(runtime, "available_cpus", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert runtime.data_workers("auto") == 1 and runtime.data_workers(3) == 3  # this test trains on the CPU
+    monkeypatch.setattr(runtime, "cuda_in_use", lambda: True)
+    assert runtime.data_workers("auto") == 15
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert runtime.data_workers("auto") == 1  # 2 cores per GPU process
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert runtime.data_workers("auto") == 1 and runtime.data_workers(0) == 0
+
+
 def test_cpu_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     monkeypatch.setattr(runtime, "Path", lambda path: cpuinfo if path == "/proc/cpuinfo" else Path(path))
