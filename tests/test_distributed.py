@@ -1,7 +1,6 @@
 """Two processes on CPU (gloo) through `accelerate launch`: no hangs, the same numbers as one process, exact resume."""
 
 import json
-import os
 import re
 import shlex
 import shutil

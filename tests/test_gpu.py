@@ -21,6 +21,7 @@ from mpp.data import Batch, TrainTransform, make_loader
 from mpp.model import build_vit
 from mpp.objectives import MaskedPatchPrediction
 from mpp.optim import build_optimizer, build_schedule, param_groups
+from mpp.rundir import complete_checkpoints
 from mpp.runtime import compiled, make_accelerator
 from mpp.train import next_batch, train_step
 
@@ -153,7 +154,7 @@ def test_the_attention_of_a_bf16_step_runs_a_fused_kernel_not_the_math_one(tmp_p
 
 def pretrain(tmp_path, *overrides, resume=False, deterministic=False, cwd=ROOT, timeout=600):
     """`launch.py pretrain` on this GPU in a child process (deterministic: torch.use_deterministic_algorithms first)."""
-    args = ["pretrain", f"output_dir={tmp_path / 'run'}", *overrides, *(["--resume"] if resume else [])]
+    args = ["pretrain", *(["--resume"] if resume else []), f"output_dir={tmp_path / 'run'}", *overrides]
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import torch; "
             f"torch.use_deterministic_algorithms({deterministic}); import launch; sys.exit(launch.main({args!r}))")
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # what deterministic cuBLAS needs
@@ -168,7 +169,9 @@ def test_an_interrupted_and_resumed_compiled_bf16_run_ends_with_the_uninterrupte
     first = pretrain(tmp_path, *common, deterministic=True)
     assert first.returncode == 0, first.stderr[-3000:]
     uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000006")  # as if the run had died after step 3's
+    checkpoints = complete_checkpoints(tmp_path / "run")
+    assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]
+    shutil.rmtree(checkpoints[-1])  # as if the run had died after step 3's checkpoint
     (tmp_path / "run" / "model.safetensors").unlink()
     resumed_run = pretrain(tmp_path, *common, resume=True, deterministic=True)
     assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
