@@ -54,8 +54,8 @@ def missing_imports() -> list[str]:
 
 
 def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[dict], dict]:
-    """The parts in the order they run: name, command, time limit, lane ('gpu': one after another; 'cpu': the suite,
-    beside them)."""
+    """The parts that run one after another, in order (name, command, time limit in seconds), and the suite, which
+    runs beside them from the step benchmarks on."""
     me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
     mode = ["--smoke"] if smoke else []
     peak_args = ["--peak-tflops", str(peak)] if peak else []
@@ -89,8 +89,13 @@ def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[d
         {"name": "gpu_tests", "cmd": [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-o", "addopts=", "-v", "-rA",
                                       "-p", "no:cacheprovider"], "limit": 60 if smoke else 420},
     ]
-    suite_part = {"name": "suite", "cmd": [*suite, "-o", "addopts=", "-v", "-rA", "-p", "no:cacheprovider"], "limit": 60 if smoke else 420,
-                  "lane": "cpu"}
+    # Each test trains on all the cores it may use, beside the other xdist workers: threads that sleep while they
+    # wait, not spin (docs/benchmarks.md, OpenMP's wait policy), or they starve one another.
+    suite_part = {"name": "suite", "cmd": [*suite, "-o", "addopts=", "-v", "-rA", "-p", "no:cacheprovider"],
+                  "limit": 60 if smoke else 420, "env": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    if smoke:  # on the CPU even where a GPU is visible
+        for part in (*parts, suite_part):
+            part["env"] = {**part.get("env", {}), "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
     return parts, suite_part
 
 
@@ -108,7 +113,7 @@ def start(part: dict, out: Path, cpus: list[int] | None = None) -> subprocess.Po
     log = open(out / f"{part['name']}.log", "w")
     log.write(" ".join(cmd) + "\n\n")
     log.flush()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **part.get("env", {})}
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec,
                             start_new_session=True)
