@@ -36,7 +36,7 @@ def cpu_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True)
-def test_device(request, monkeypatch):
+def device_of_the_test(request, monkeypatch):
     """The device a test means. A test marked `gpu` trains on the GPU (and is skipped without one); every other test
     tests CPU semantics (exact equality after training, thread counts, fp32 or CPU bf16 tolerances) and trains on
     the CPU, in this process and in the processes it starts, also on a machine with a GPU."""

@@ -1,6 +1,6 @@
 """The device-independent promises on a CUDA GPU: bf16 and fp16, torch.compile, fused kernels, no host syncs, NCCL.
 
-Every test here is marked `gpu`: skipped where torch sees no CUDA device (conftest's test_device), selected alone
+Every test here is marked `gpu`: skipped where torch sees no CUDA device (conftest's device_of_the_test), selected alone
 with `pytest -m gpu`. They run in `python benchmarks/gpu_report.py` on a GPU machine. Tolerances are bf16's: its
 8-bit mantissa rounds to about 0.4%, and a compiled graph fuses (so rounds) differently from eager kernels.
 """
