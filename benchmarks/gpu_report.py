@@ -91,7 +91,9 @@ def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[d
     ]
     # Each test trains on all the cores it may use, beside the other xdist workers: threads that sleep while they
     # wait, not spin (docs/benchmarks.md, OpenMP's wait policy), or they starve one another.
-    suite_part = {"name": "suite", "cmd": [*suite, "-o", "addopts=", "-v", "-rA", "-p", "no:cacheprovider"],
+    report_log = lambda name: ["--report-log", str(out / f"{name}.jsonl")] if has("pytest_reportlog") else []
+    parts[-1]["cmd"] += report_log("gpu_tests")
+    suite_part = {"name": "suite", "cmd": [*suite, "-o", "addopts=", "-v", "-rA", "-p", "no:cacheprovider", *report_log("suite")],
                   "limit": 60 if smoke else 420, "env": {"OMP_WAIT_POLICY": "PASSIVE"}}
     if smoke:  # on the CPU even where a GPU is visible
         for part in (*parts, suite_part):
