@@ -66,7 +66,7 @@ def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[d
         steps = [("step_b16", step("b16", 8), 60), ("step_s16", step("s16", 8, "--no-peer"), 60),
                  ("step_l16", step("l16", 8, "--no-peer"), 60), ("step_b16_b128", step("b128", 4, "--no-peer"), 60),
                  ("step_b16_b512", step("b512", 16, "--no-peer"), 60),
-                 ("step_b16_autotune", step("autotune", 8, "--no-peer", "--compile", "on", "--compile-mode",
+                 ("step_b16_autotune", step("autotune", 8, "--no-peer", "--compile", "on", "--compare-compile-mode",
                                             "max-autotune-no-cudagraphs"), 120)]
         steps = steps[:1]  # smoke: the run with the peer (the other runs are the same code at other sizes)
         suite = [sys.executable, "-m", "pytest", "tests/test_config_model.py", "-k", "mixed_precision_no", "-m", "not gpu"]
@@ -77,7 +77,8 @@ def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[d
                  ("step_l16", step("vit_l16", 128, "--no-peer"), 100),
                  ("step_b16_b128", step("vit_b16", 128, "--no-peer"), 75),
                  ("step_b16_b512", step("vit_b16", 512, "--no-peer"), 90),
-                 ("step_b16_autotune", step("vit_b16", 256, "--no-peer", "--compile-mode", "max-autotune-no-cudagraphs"), 180)]
+                 ("step_b16_autotune", step("vit_b16", 256, "--no-peer", "--compare-compile-mode",
+                                                 "max-autotune-no-cudagraphs"), 240)]
         suite = [sys.executable, "-m", "pytest", "-m", "not gpu", *(["-n", str(max(1, cores - 4))] if has("xdist") else []),
                  *(["--timeout", "300"] if has("pytest_timeout") else [])]
     parts = [

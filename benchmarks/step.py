@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="ours (auto: as train.mixed_precision auto)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile ours (auto: on cuda only, as train.compile)")
     parser.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default", help="as train.compile_mode")
+    parser.add_argument("--compare-compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default=None,
+                        help="also time ours compiled in this mode, side by side (when compiling)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per implementation, interleaved")
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps each before the first round (compilation happens here)")
@@ -143,19 +145,31 @@ def main(argv: list[str] | None = None) -> int:
     device = accelerator.device
 
     vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads)
-    objective = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
-    ours = accelerator.prepare(objective)
-    ours_optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
-    schedule = build_schedule(ours_optimizer, cfg)
     compile_ours = resolve_compile(cfg.compile, Device.this_process())
-    forward = compiled(ours, cfg.compile_backend, cfg.compile_mode) if compile_ours else ours
-    ours.train()
     unlabelled = torch.full((args.batch_size,), -1, device=device)
 
-    def our_step(images: torch.Tensor) -> None:  # the training loop's step, as train() runs it
-        train_step(accelerator, ours, forward, ours_optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
+    def ours_step(compile_mode: str):
+        """The training loop's step on a fresh model, as train() runs it (compiled in `compile_mode` when compiling)."""
+        torch.manual_seed(0)
+        objective = MaskedPatchPrediction(build_vit(args.model, args.image_size, args.patch_size, width=args.width,
+                                                    depth=args.depth, heads=args.heads),
+                                          corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
+        ours = accelerator.prepare(objective)
+        ours_optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+        schedule = build_schedule(ours_optimizer, cfg)
+        forward = compiled(ours, cfg.compile_backend, compile_mode) if compile_ours else ours
+        ours.train()
 
-    steps = {f"ours (mpp, {precision_label(precision)})": our_step}
+        def step(images: torch.Tensor) -> None:
+            train_step(accelerator, ours, forward, ours_optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
+
+        return step
+
+    # Every compiled model is made before the first is called: making one resets dynamo, which would discard the
+    # code of any compiled before.
+    steps = {f"ours (mpp, {precision_label(precision)})": ours_step(cfg.compile_mode)}
+    if args.compare_compile_mode and compile_ours:
+        steps[f"ours (mpp, {precision_label(precision)}, {args.compare_compile_mode})"] = ours_step(args.compare_compile_mode)
     classes = None if args.no_peer else load_peer()
     if classes is not None:
         for peer_precision in ("no", "bf16") if precision == "bf16" else ("no",):
