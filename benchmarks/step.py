@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import statistics
 import sys
 import tempfile
@@ -114,12 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="ours (auto: as train.mixed_precision auto)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile ours (auto: on cuda only, as train.compile)")
+    parser.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default", help="as train.compile_mode")
+    parser.add_argument("--compare-compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default=None,
+                        help="also time ours compiled in this mode, side by side (when compiling)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per implementation, interleaved")
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps each before the first round (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak at this precision, for MFU (H100 SXM bf16: 989)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as train.cpu_threads auto)")
     parser.add_argument("--no-peer", action="store_true", help="time ours only")
+    parser.add_argument("--json", type=Path, default=None, help="also write the table to this file (benchmarks/gpu_report.py reads it)")
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -132,26 +137,39 @@ def main(argv: list[str] | None = None) -> int:
     precision = resolve_precision(args.precision, Device.this_process())
     compile_ours = {"auto": "auto", "on": True, "off": False}[args.compile]
     cfg = TrainConfig(lr=1e-4, warmup_steps=0, clip_grad_norm=1.0, mixed_precision=precision, compile=compile_ours,
-                      optimizer="adamw", batch_size=args.batch_size, cpu_threads=args.threads or "auto")
+                      optimizer="adamw", batch_size=args.batch_size, cpu_threads=args.threads or "auto",
+                      compile_mode=args.compile_mode)
     accelerator = make_accelerator(cfg, tempfile.mkdtemp(prefix="mpp-bench-"))
     if accelerator.device.type != args.device:
         parser.error(f"Accelerate picked {accelerator.device}, not {args.device}")
     device = accelerator.device
 
     vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads)
-    objective = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
-    ours = accelerator.prepare(objective)
-    ours_optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
-    schedule = build_schedule(ours_optimizer, cfg)
     compile_ours = resolve_compile(cfg.compile, Device.this_process())
-    forward = compiled(ours, cfg.compile_backend) if compile_ours else ours
-    ours.train()
     unlabelled = torch.full((args.batch_size,), -1, device=device)
 
-    def our_step(images: torch.Tensor) -> None:  # the training loop's step, as train() runs it
-        train_step(accelerator, ours, forward, ours_optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
+    def ours_step(compile_mode: str):
+        """The training loop's step on a fresh model, as train() runs it (compiled in `compile_mode` when compiling)."""
+        torch.manual_seed(0)
+        objective = MaskedPatchPrediction(build_vit(args.model, args.image_size, args.patch_size, width=args.width,
+                                                    depth=args.depth, heads=args.heads),
+                                          corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
+        ours = accelerator.prepare(objective)
+        ours_optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+        schedule = build_schedule(ours_optimizer, cfg)
+        forward = compiled(ours, cfg.compile_backend, compile_mode) if compile_ours else ours
+        ours.train()
 
-    steps = {f"ours (mpp, {precision_label(precision)})": our_step}
+        def step(images: torch.Tensor) -> None:
+            train_step(accelerator, ours, forward, ours_optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
+
+        return step
+
+    # Every compiled model is made before the first is called: making one resets dynamo, which would discard the
+    # code of any compiled before.
+    steps = {f"ours (mpp, {precision_label(precision)})": ours_step(cfg.compile_mode)}
+    if args.compare_compile_mode and compile_ours:
+        steps[f"ours (mpp, {precision_label(precision)}, {args.compare_compile_mode})"] = ours_step(args.compare_compile_mode)
     classes = None if args.no_peer else load_peer()
     if classes is not None:
         for peer_precision in ("no", "bf16") if precision == "bf16" else ("no",):
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else f", {torch.cuda.get_device_name()}"
     print(f"{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
           f"batch {args.batch_size}, {device.type}{threads}, precision {precision}, compile ours "
-          f"{compile_ours}; {args.rounds} rounds x {args.steps} steps, medians; "
+          f"{compile_ours}{f' ({args.compile_mode})' if compile_ours else ''}; {args.rounds} rounds x {args.steps} steps, medians; "
           f"model FLOPs per image {flops / 1e9:.3g} GFLOP (3x forward)")
     width = max(map(len, rates))
     print(f"{'':{width}s} {'images/s':>10s} {'min':>9s} {'max':>9s} {'ours/this':>9s} {'MFU':>7s} {'warmup s':>9s}")
@@ -190,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"{medians[name] * flops / (args.peak_tflops * 1e12):.1%}" if args.peak_tflops else "-"
         print(f"{name:{width}s} {medians[name]:10.1f} {min(r):9.1f} {max(r):9.1f} {ours_rate / medians[name]:8.2f}x "
               f"{mfu:>7s} {setup[name]:9.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": args.model, "image_size": args.image_size, "batch_size": args.batch_size, "precision": precision,
+            "compile": compile_ours, "compile_mode": args.compile_mode, "device": device.type,
+            "gflop_per_image": flops / 1e9, "peak_tflops": args.peak_tflops,
+            "rows": {name: {"images_per_s": medians[name], "min": min(r), "max": max(r), "warmup_s": setup[name],
+                            "mfu": medians[name] * flops / (args.peak_tflops * 1e12) if args.peak_tflops else None}
+                     for name, r in rates.items()}}, indent=1))
     if classes is None and not args.no_peer:
         print(f"peer not timed: vit-pytorch is not installed; `{PEER_INSTALL}` adds it (benchmark only, needs torch and einops)")
     return 0

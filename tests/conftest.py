@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import webdataset as wds
 from accelerate.state import AcceleratorState, GradientState
 
@@ -17,6 +18,35 @@ sys.path.insert(0, str(ROOT))  # launch.py and pipelines/ for the stage tests
 # A small, fast run: overrides that every stage test starts from.
 TINY = ["model.name=vit_ti", "model.width=64", "model.depth=2", "model.heads=2", "model.image_size=16",
         "model.patch_size=4", "data.num_workers=0", "data.shuffle_buffer=50", "log.every=5", "log.images_every=50"]
+
+
+# A child process that trains on the CPU: no GPU visible (`--multi_gpu --num_processes 2` then starts two gloo
+# processes instead of asking a one-GPU machine for a second GPU), and Accelerate and mpp told to use the CPU
+# (`accelerate launch --cpu` sets ACCELERATE_USE_CPU; mpp.runtime.cuda_in_use reads it).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
+GPU = torch.cuda.is_available()
+
+
+def cpu_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
+    """The environment for a child process of a CPU test: CPU_ONLY, `threads` OpenMP threads (None: as inherited)."""
+    env = {**os.environ, **CPU_ONLY, **extra}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+@pytest.fixture(autouse=True)
+def device_of_the_test(request, monkeypatch):
+    """The device a test means. A test marked `gpu` trains on the GPU (and is skipped without one); every other test
+    tests CPU semantics (exact equality after training, thread counts, fp32 or CPU bf16 tolerances) and trains on
+    the CPU, in this process and in the processes it starts, also on a machine with a GPU."""
+    if request.node.get_closest_marker("gpu") is not None:
+        if not GPU:
+            pytest.skip("needs a CUDA GPU")
+    else:
+        for name, value in CPU_ONLY.items():  # the CUDA runtime read CUDA_VISIBLE_DEVICES when GPU was computed
+            monkeypatch.setenv(name, value)
+    yield
 
 
 def reset_accelerator() -> None:

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import re
 import shlex
 import shutil
@@ -18,10 +17,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mpp.rundir import complete_checkpoints
 
-from conftest import ROOT, TINY, write_test_shards
+from conftest import ROOT, TINY, cpu_env, write_test_shards
 from test_compare import TINY_RUNS
 
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+ENV = cpu_env()
 TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
 
 

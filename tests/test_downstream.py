@@ -1,6 +1,5 @@
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pipelines.stages import finetune, pretrain
 from mpp.model.vit import build_backbone
 from pipelines.run.invocation import resume_command
 
-from conftest import ROOT, TINY, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, cpu_env, reset_accelerator, write_test_shards
 
 
 def pretrain_config(tmp_path, *overrides):
@@ -167,7 +166,7 @@ def test_malformed_vit_checkpoints_are_refused_with_one_line(tmp_path, changes, 
 
 
 def launch(*args):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -276,7 +275,7 @@ def test_evaluation_is_exact_over_two_processes_with_uneven_shards(tmp_path, lab
            "finetune", f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}",
            f"output_dir={tmp_path / 'ft'}", *TINY, "model.num_classes=10", "train.steps=2", "train.warmup_steps=1",
            "train.global_batch_size=8", "finetune.eval_every=2"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "with 2 process(es)" in proc.stdout, proc.stdout[-2000:]

@@ -1,6 +1,5 @@
 import io
 import json
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from mpp.data.synthetic import synthetic_image
 import launch
 from pipelines.stages import pretrain
 
-from conftest import ROOT, TINY, reset_accelerator
+from conftest import ROOT, TINY, cpu_env, reset_accelerator
 
 
 def separable_problem(per_class: int, classes: int = 4, dim: int = 16, noise_seed: int = 0):
@@ -140,7 +139,7 @@ def test_fewshot_command_with_two_processes_gathers_every_image(tmp_path, make_s
     pretrain.run(tiny(tmp_path))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py", "fewshot",
            "--ckpt", str(tmp_path / "run"), f"output_dir={tmp_path / 'eval'}", "fewshot.train_images=50", "fewshot.eval_images=60"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = json.loads((tmp_path / "eval" / "fewshot.json").read_text())

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from mpp.model.objectives import MaskedPatchPrediction
 from mpp.evaluation.pretext import PretextValidation
 from pipelines.stages import pretrain
 
-from conftest import ROOT, reset_accelerator
+from conftest import ROOT, cpu_env, reset_accelerator
 from test_fewshot import tiny, write_two_class_shards
 
 
@@ -86,7 +85,7 @@ def test_knn_command_over_two_processes_equals_one(tmp_path, make_shards):
     assert launch.main([*args, f"output_dir={tmp_path / 'one'}"]) == 0
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
            *args, f"output_dir={tmp_path / 'two'}"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout, proc.stdout[-2000:]

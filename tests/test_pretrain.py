@@ -18,7 +18,7 @@ from mpp.training.runtime import Device, resolve_precision
 from mpp.rundir import complete_checkpoints
 from pipelines.stages import pretrain
 
-from conftest import ROOT, TINY, exported_card, reset_accelerator, where_metrics_show
+from conftest import ROOT, TINY, cpu_env, exported_card, reset_accelerator, where_metrics_show
 
 
 def config(tmp_path, shards, *overrides):
@@ -114,7 +114,7 @@ def test_two_processes_on_cpu_with_accelerate_launch(tmp_path, make_shards):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}",
            *TINY, "train.steps=4", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=4"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"with 2 process\(es\)", proc.stdout), proc.stdout[-2000:]
@@ -128,7 +128,7 @@ def test_accelerate_launch_on_cpu_trains_on_every_core(tmp_path, make_shards):
     make_shards([20], size=32)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
            f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2", "train.warmup_steps=1", "train.batch_size=4"]
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"CUDA_VISIBLE_DEVICES": ""}
+    env = {k: v for k, v in cpu_env(threads=None).items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     precision = "bf16" if resolve_precision("auto", Device.this_process()) == "bf16" else "fp32"  # what auto picks here

@@ -43,9 +43,10 @@ def images(batch=4, size=16, seed=0):
     return torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def test_compiled_step_gives_the_eager_loss_and_gradients():
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])  # train.compile_mode
+def test_compiled_step_gives_the_eager_loss_and_gradients(mode):
     eager = tiny_objective()
-    compiled = torch.compile(tiny_objective())
+    compiled = runtime.compiled(tiny_objective(), "inductor", mode)
     batch = images()
     # One corruption for both, drawn outside the model: inductor draws random numbers its own way.
     corruption = eager.draw_corruption(batch.shape[0], generator=torch.Generator().manual_seed(1))
@@ -287,6 +288,27 @@ def test_auto_precision_is_bf16_where_the_hardware_has_it_else_fp16_on_gpus_and_
     assert resolve_precision("bf16", volta) == "bf16"  # what the user asks for
     with pytest.raises(UserError, match=r"train.mixed_precision=fp16 needs a GPU .*; use bf16 .* or no"):
         resolve_precision("fp16", Device("cpu", native_bf16=True))
+
+
+def test_accelerate_launch_cpu_on_a_gpu_machine_decides_precision_and_compile_for_the_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU is visible ...
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # ... and `accelerate launch --cpu` keeps the run off it
+    assert Device.this_process() == Device("cpu", runtime.cpu_has_bf16())
+    assert not resolve_compile("auto", Device.this_process()) and runtime.cpu_processes()
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what the launcher exports without --cpu
+    assert not runtime.cpu_processes()
+
+
+def test_auto_data_workers_are_one_on_a_cpu_and_the_cores_of_each_gpu_process_less_one(monkeypatch):
+    monkeypatch.setattr(runtime, "available_cpus", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert runtime.data_workers("auto") == 1 and runtime.data_workers(3) == 3  # this test trains on the CPU
+    monkeypatch.setattr(runtime, "cuda_in_use", lambda: True)
+    assert runtime.data_workers("auto") == 15
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert runtime.data_workers("auto") == 1  # 2 cores per GPU process
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert runtime.data_workers("auto") == 1 and runtime.data_workers(0) == 0
 
 
 def test_cpu_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):

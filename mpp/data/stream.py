@@ -32,6 +32,7 @@ from mpp.errors import DataError, command
 from mpp.data.randaugment import RandAugment
 from mpp.data.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary, summary_beside
 from mpp.data.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
+from mpp.training.runtime import data_workers
 
 ORIENTATION_TAG = 0x0112  # EXIF
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
@@ -589,7 +590,7 @@ def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_si
     once, in order (evaluation). labels=False never reads labels (pretraining without them must not stop on one it
     cannot parse); class names map to ids through `class_names`, by default the shard set's own (`label_names`).
     """
-    num_workers, resampled, loop = data.num_workers, data.resampled and not one_pass, not one_pass
+    num_workers, resampled, loop = data_workers(data.num_workers), data.resampled and not one_pass, not one_pass
     if loop and not resampled:
         if len(urls) < world:
             raise DataError(f"{len(urls)} shards cannot give each of {world} processes one; write more shards or set data.resampled=true")

@@ -141,7 +141,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     model = accelerator.prepare(objective)  # on its device; DDP-wrapped under several processes
     optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
     scheduler = build_schedule(optimizer, cfg)  # not prepared: Accelerate would step it once per process
-    forward = compiled(model, cfg.compile_backend) if resolve_compile(cfg.compile, Device.this_process()) else model
+    forward = compiled(model, cfg.compile_backend, cfg.compile_mode) if resolve_compile(cfg.compile, Device.this_process()) else model
     progress, stream = Progress(), StreamState()
     accelerator.register_for_checkpointing(scheduler, progress, *([ema] if ema else []))
     evaluations = Evaluations(accelerator, scored, evaluators, cfg.steps, progress)

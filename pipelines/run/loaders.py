@@ -67,7 +67,7 @@ def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: 
     return make_loader(
         urls, cfg.data, train_transform(cfg), cfg.train.batch_size,
         rank=accelerator.process_index, world=accelerator.num_processes, seed=cfg.train.seed,
-        pin_memory=torch.cuda.is_available(), state=state, labels=labels,
+        pin_memory=accelerator.device.type == "cuda", state=state, labels=labels,
         class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)
 
 

@@ -22,7 +22,7 @@ from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
 from mpp.metrics import Metric, model_metrics, unique
 from mpp.model.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
-from mpp.training.runtime import explained_out_of_memory
+from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, train
 from ..evaluations.evaluators import Stage, build_evaluators
 from .invocation import command_line, resume_command
@@ -82,7 +82,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         with explained_out_of_memory(cfg.train):
             scores = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, cfg.output_dir,
                            resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
-                           data_workers=cfg.data.num_workers, resume_hint=resume_command())
+                           data_workers=data_workers(cfg.data.num_workers), resume_hint=resume_command())
         trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
         end_tracking(accelerator)
         timing = {"wall_time_s": time.perf_counter() - started,

@@ -47,7 +47,8 @@ def run_settings(accelerator: Accelerator, cfg: Config, global_batch: int) -> st
     """How the run computes, for its start line: precision, compile and how the global batch is split."""
     t = cfg.train
     compiling = resolve_compile(t.compile, Device.this_process())
-    return (f"{precision_label(accelerator.mixed_precision)}, compile {f'on ({t.compile_backend})' if compiling else 'off'}, "
+    compile_how = t.compile_backend if t.compile_mode == "default" else f"{t.compile_backend}, {t.compile_mode}"
+    return (f"{precision_label(accelerator.mixed_precision)}, compile {f'on ({compile_how})' if compiling else 'off'}, "
             f"global batch {global_batch} = {accelerator.num_processes} process(es) x {t.batch_size} images"
             f" x {t.grad_accum} accumulation step(s)")
 
