@@ -23,6 +23,7 @@ from mpp.config import Config, ConfigError, config_reference, config_to_yaml, lo
 from mpp.errors import UserError, command  # noqa: E402
 from mpp.runtime import compile_failure, out_of_memory  # noqa: E402
 from mpp.train import Preempted  # noqa: E402
+from . import parts  # noqa: E402,F401 (every part's config section, which --help lists)
 
 
 def shipped_configs() -> Path:
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"train without it")
         if out_of_memory(err):  # outside training (building the model, evaluating): the model itself is too big
             return fail(f"out of memory ({one_line(err)}); shrink model.width, model.depth or model.image_size, or pick "
-                        f"a smaller mpp.target / mpp.color_bits")
+                        f"a target with fewer outputs (mpp.target and its settings)")
         raise
     return 0
 
