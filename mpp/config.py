@@ -61,7 +61,7 @@ RESUMABLE = {"resumable": True}
 
 
 class DataConfig(Section):
-    shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
+    shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus; also a folder of images in class sub-folders or a directory of Parquet files, read as they are (mpp/readers.py).")
     val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.", json_schema_extra=RESUMABLE)
     synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated on first use into data/synthetic-<size> (data/synthetic-20000 by default) under the working directory.")
     num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank that decode images.")

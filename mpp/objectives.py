@@ -173,19 +173,6 @@ def apply_corruption(tokens: torch.Tensor, mask_embedding: torch.Tensor, corrupt
     return tokens.scatter(1, corruption.positions[..., None].expand(-1, -1, d), replacement)
 
 
-def corrupt_patches(tokens: torch.Tensor, mask_embedding: torch.Tensor, rate: float, mask_prob: float, random_prob: float,
-                    masking: str = "random") -> tuple[torch.Tensor, Corruption]:
-    """BERT-style corruption of patch embeddings (B, N, D), as in the ViT paper's appendix B.1.2.
-
-    `rate` of the positions are chosen per image (at random, or in rectangles with masking="block"); of those,
-    `mask_prob` get the [mask] embedding, `random_prob` the embedding of a random other patch from the batch,
-    and the rest stay as they are.
-    """
-    b, n, _ = tokens.shape
-    corruption = draw_corruption(b, n, rate, mask_prob, random_prob, masking, tokens.device)
-    return apply_corruption(tokens, mask_embedding, corruption), corruption
-
-
 def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (B, N, ...) , (B, K) -> (B, K, ...)
     index = positions.view(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
     return x.gather(1, index)

@@ -15,7 +15,7 @@ from mpp.hf import ExportError, export_hf
 from mpp.model import VisionTransformer
 from mpp.objectives import OBJECTIVES
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long
-from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
+from mpp.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES, is_synthetic
 from .invocation import command_line
 
 FORMATS = ("hf",)
@@ -74,7 +74,7 @@ def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
 
 def class_names(cfg: Config) -> dict[int, str] | None:
     """Class names from the summary.json that `mpp prepare` wrote beside the training shards, if any."""
-    if cfg.data.shards == "synthetic":
+    if is_synthetic(cfg.data.shards):
         return dict(enumerate(SYNTHETIC_CLASS_NAMES))
     summary = shards_summary(cfg)
     return dict(enumerate(summary.class_names)) if summary and summary.class_names else None

@@ -17,13 +17,14 @@ from mpp.randaugment import RandAugment
 from mpp.runtime import process_state
 from mpp.shardformat import SUMMARY, shard_summary
 from mpp.shards import synthetic_samples, write_shards
+from mpp.synthetic import is_synthetic
 
 SYNTHETIC_ROOT = Path("data")
 
 
 def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
     """'synthetic' is the embedded corpus, generated once (by the main process) under data/."""
-    if spec == "synthetic":
+    if is_synthetic(spec):
         out = SYNTHETIC_ROOT / f"synthetic-{cfg.data.synthetic_size}"
         with accelerator.main_process_first():
             if accelerator.is_main_process and not (out / SUMMARY).is_file():
@@ -53,7 +54,7 @@ def with_run_length(cfg: Config) -> Config:
 def training_samples(cfg: Config) -> int:
     """The training set's size, for train.epochs: the samples of the summary.json beside data.shards (`prepare`
     writes it), or of the embedded corpus."""
-    if cfg.data.shards == "synthetic":
+    if is_synthetic(cfg.data.shards):
         return cfg.data.synthetic_size
     summary = shard_summary(expand_shards(cfg.data.shards))
     if summary is None or summary.samples is None:

@@ -1,9 +1,16 @@
 import torch
 
 from mpp.model import build_vit
-from mpp.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, corrupt_patches, normalize, num_corrupted,
-                            random_rectangles)
+from mpp.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, apply_corruption, draw_corruption, normalize,
+                            num_corrupted, random_rectangles)
 from mpp.targets import TARGETS
+
+
+def corrupt_patches(tokens, mask_embedding, rate, mask_prob, random_prob, masking="random"):
+    """Patch embeddings (B, N, D) corrupted as MaskedPatchPrediction.predict corrupts them, and the corruption."""
+    b, n, _ = tokens.shape
+    corruption = draw_corruption(b, n, rate, mask_prob, random_prob, masking, tokens.device)
+    return apply_corruption(tokens, mask_embedding, corruption), corruption
 
 
 def test_fractions_match_the_paper_split():

@@ -24,7 +24,7 @@ from mpp.config import TrainConfig
 from mpp.data import Batch, EvalTransform, TrainTransform, crop_resize
 from mpp.errors import UserError
 from mpp.model import Attention, build_vit
-from mpp.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
+from mpp.objectives import MaskedPatchPrediction, gather_positions, normalize
 from mpp.optim import build_optimizer, build_schedule, param_groups
 from mpp.runtime import CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile, resolve_precision
 from mpp.meters import EARLY_STEPS, RECENT_STEPS, LogWindow, StepPace
@@ -32,6 +32,7 @@ from mpp.train import StepResult, train_step
 from pipelines import prepare
 
 from conftest import ROOT
+from test_corruption import corrupt_patches
 
 
 def tiny_objective(seed=0):
