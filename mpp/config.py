@@ -250,6 +250,10 @@ class Config(Section):
     log: LogConfig = Field(default_factory=LogConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
+    def __reduce__(self):
+        # The composed class is made at run time and cannot be found by name: a pickle rebuilds it from the parts.
+        return _composed_config, (self.model_dump(),)
+
     @model_validator(mode="after")
     def _check(self) -> Config:
         for name in type(self).model_fields:
@@ -275,6 +279,10 @@ def config_schema() -> type[Config]:
 @functools.lru_cache(maxsize=32)
 def _composed(fields: tuple) -> type[Config]:
     return create_model("Config", __base__=Config, **dict(fields))
+
+
+def _composed_config(values: dict) -> Config:
+    return config_schema().model_validate(values)
 
 
 @functools.lru_cache(maxsize=None)
