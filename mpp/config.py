@@ -192,7 +192,7 @@ class TrainConfig(Section):
         `processes` processes, and an unset warmup from those steps; itself without train.epochs."""
         if self.epochs is None:
             return self
-        steps = math.ceil(self.epochs * samples / self.for_processes(processes).global_batch(processes))
+        steps = math.ceil(self.epochs * samples / self.global_batch(processes))
         warmup = default_warmup(steps) if self.warmup_steps is None else self.warmup_steps
         if warmup >= steps:
             raise ConfigError(f"train.warmup_steps ({warmup}) must be smaller than the {steps} steps train.epochs "
@@ -200,8 +200,9 @@ class TrainConfig(Section):
         return self.model_copy(update={"steps": steps, "warmup_steps": warmup})
 
     def global_batch(self, processes: int) -> int:
-        """Images per optimiser step over `processes` processes, of this config as split for them (for_processes)."""
-        return self.batch_size * processes * self.grad_accum
+        """Images per optimiser step over `processes` processes: train.global_batch_size when set (for_processes
+        checks that it splits), else train.batch_size x processes x train.grad_accum."""
+        return self.global_batch_size or self.batch_size * processes * self.grad_accum
 
     def for_processes(self, processes: int) -> TrainConfig:
         """This config with train.global_batch_size split over `processes`: into train.batch_size per process and

@@ -6,4 +6,4 @@ through it, and the tests (conftest). A registry of new parts is one more import
 """
 
 import mpp.objectives  # noqa: F401  (objective=, the mpp section and the targets' settings)
-import pipelines.evaluators  # noqa: F401  (the evaluators' sections: fewshot, knn, probe, eval, inspect)
+from . import evaluators  # noqa: F401  (the evaluators' sections: fewshot, knn, probe, eval, inspect)
