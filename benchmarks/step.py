@@ -177,6 +177,16 @@ def main(argv: list[str] | None = None) -> int:
             steps[f"peer ({precision_label(peer_precision)}, {label})"] = peer_step(classes, vit, device, peer_precision)
 
     images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8, device=device)
+    setup, rates = time_steps(steps, images, args)
+    print_rates(args, vit, device, precision, compile_ours, setup, rates)
+    if classes is None and not args.no_peer:
+        print(f"peer not timed: vit-pytorch is not installed; `{PEER_INSTALL}` adds it (benchmark only, needs torch and einops)")
+    return 0
+
+
+def time_steps(steps: dict, images: torch.Tensor, args) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(seconds of each step's warmup, its images/s in each round), the rounds interleaving the steps."""
+    device = images.device
     setup = {}
     for name, step in steps.items():
         started = time.perf_counter()
@@ -193,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                 step(images)
             sync(device)
             rates[name].append(args.steps * args.batch_size / (time.perf_counter() - started))
+    return setup, rates
 
+
+def print_rates(args, vit: VisionTransformer, device: torch.device, precision: str, compile_ours: bool,
+                setup: dict[str, float], rates: dict[str, list[float]]) -> None:
+    """The table: each step's median images/s, spread, ratio to ours, MFU and warmup time."""
     flops = 3 * forward_flops(vit, num_corrupted(vit.num_patches, RATE))
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else f", {torch.cuda.get_device_name()}"
     print(f"{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
@@ -216,9 +231,6 @@ def main(argv: list[str] | None = None) -> int:
             "rows": {name: {"images_per_s": medians[name], "min": min(r), "max": max(r), "warmup_s": setup[name],
                             "mfu": medians[name] * flops / (args.peak_tflops * 1e12) if args.peak_tflops else None}
                      for name, r in rates.items()}}, indent=1))
-    if classes is None and not args.no_peer:
-        print(f"peer not timed: vit-pytorch is not installed; `{PEER_INSTALL}` adds it (benchmark only, needs torch and einops)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError, command
 from mpp.model.vit import Variant, parse_model_name, resolve_variant
-from mpp.model.objectives import OBJECTIVES
-from mpp.model.targets import TARGETS
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator, create_model
 from pydantic.fields import FieldInfo
-
-
-MAX_HEAD_BYTES = 10**9  # a larger MPP head (e.g. color4x4 at 8 bits: 268M outputs) only exhausts memory
 
 
 class ConfigError(UserError):
@@ -36,12 +32,26 @@ def one_of(key: str, value: str, choices) -> str:
     if value in choices:
         return value
     names = [f"'{c}'" for c in choices]
-    listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
-    raise ValueError(f"invalid value for '{key}': Input should be {listed} (got {value!r})")
+    raise ValueError(f"invalid value for '{key}': Input should be {listed(names)} (got {value!r})")
+
+
+def listed(items: list[str]) -> str:
+    """['a', 'b', 'c'] -> 'a, b or c'."""
+    return f"{', '.join(items[:-1])} or {items[-1]}" if len(items) > 1 else items[0]
 
 
 class Section(BaseModel):
+    """A config section: its fields (each with a default and a one-line description) and their validation.
+
+    A part with settings of its own (an objective, a target, an evaluator, a reader) declares its section beside its
+    code and registers it (`SECTION_SOURCES`); `check` is where a section validates itself against the rest of the
+    run's config; `hparams` names its fields that are HParams columns (the few settings that tell runs apart)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    hparams: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, cfg: Config) -> None:
+        """Raise ValueError (one sentence naming the keys and the fix) where this section does not fit `cfg`."""
 
 
 # Marks a field that a resume may change (json_schema_extra=RESUMABLE): it applies from the resumed step on. Every
@@ -51,7 +61,7 @@ RESUMABLE = {"resumable": True}
 
 
 class DataConfig(Section):
-    shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus.")
+    shards: str = Field("synthetic", description="Training shards: a directory of .tar files, a brace pattern, URLs, 'pipe:' commands, or 'synthetic' for the embedded corpus; also a folder of images in class sub-folders or a directory of Parquet files, read as they are (mpp/readers.py).")
     val_shards: str | None = Field(None, description="Evaluation shards (same forms as data.shards); used by fine-tuning, few-shot and kNN evaluation, and the pretext validation of pretraining.", json_schema_extra=RESUMABLE)
     synthetic_size: int = Field(20000, gt=0, description="Images in the embedded synthetic corpus, generated on first use into data/synthetic-<size> (data/synthetic-20000 by default) under the working directory.")
     num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field("auto", description="Dataloader worker processes per rank that decode images, or auto: on a GPU the CPUs each process may use less one, on a CPU one.")
@@ -73,6 +83,7 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
+    hparams = ("name", "width", "depth", "patch_size", "image_size")  # TensorBoard ticks the first five: the shape
     name: str = Field("vit_ti", description="ViT variant: vit_ti, vit_s, vit_b, vit_l or vit_h, optionally with the patch size appended (vit_b16).")
     image_size: int = Field(224, gt=0, description="Input resolution in pixels (square).")
     patch_size: int | None = Field(None, gt=0, description="Patch side in pixels; defaults to the number in model.name, else 16.")
@@ -109,32 +120,13 @@ class ModelConfig(Section):
         return resolve_variant(self.name, self.patch_size, width=self.width, depth=self.depth, heads=self.heads)
 
 
-class MPPConfig(Section):
-    target: str = Field("color", description="What a corrupted patch predicts: color, its mean colour at mpp.color_bits per channel (512 classes at 3 bits, the paper); color4x4, the colours of its 4x4 downsizing (16 x 512); or pixels, its pixel values (L2 loss).")
-    corrupt_rate: float = Field(0.5, gt=0, lt=1, description="Fraction of patch positions corrupted per image (paper: 0.5; 0.15 also tried).")
-    mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
-    random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
-    color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
-    masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: random, uniformly at random (the paper), or block, in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
-
-    @field_validator("target")
-    @classmethod
-    def _known_target(cls, target: str) -> str:
-        return one_of("mpp.target", target, TARGETS)
-
-    @model_validator(mode="after")
-    def _check(self) -> MPPConfig:
-        if self.mask_prob + self.random_prob > 1:
-            raise ValueError(f"mpp.mask_prob + mpp.random_prob must be at most 1, got {self.mask_prob} + {self.random_prob}")
-        return self
-
-
 def default_warmup(steps: int) -> int:
     """train.warmup_steps when unset: 10% of the run, at most 100 steps."""
     return min(100, steps // 10)
 
 
 class TrainConfig(Section):
+    hparams = ("optimizer", "lr", "global_batch_size", "steps", "layer_decay", "label_smoothing")
     steps: int | None = Field(1000, gt=0, description="Optimiser steps in the whole run (replaced by the steps train.epochs comes to when that is set).", json_schema_extra=RESUMABLE)
     epochs: float | None = Field(None, gt=0, description="The run's length in passes over the training set, instead of train.steps: at the start the run sets train.steps to ceil(epochs x samples / global batch), samples from the summary.json beside data.shards (shards without one need train.steps), and config.yaml records both. A resume may change it as it may train.steps; a comparison plan sets train.steps instead (its lengths multiply them).", json_schema_extra=RESUMABLE)
     batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")
@@ -201,13 +193,17 @@ class TrainConfig(Section):
         `processes` processes, and an unset warmup from those steps; itself without train.epochs."""
         if self.epochs is None:
             return self
-        split = self.for_processes(processes)
-        steps = math.ceil(self.epochs * samples / (split.batch_size * processes * split.grad_accum))
+        steps = math.ceil(self.epochs * samples / self.global_batch(processes))
         warmup = default_warmup(steps) if self.warmup_steps is None else self.warmup_steps
         if warmup >= steps:
             raise ConfigError(f"train.warmup_steps ({warmup}) must be smaller than the {steps} steps train.epochs "
                               f"({self.epochs:g}) comes to over {samples} images; lower it or raise train.epochs")
         return self.model_copy(update={"steps": steps, "warmup_steps": warmup})
+
+    def global_batch(self, processes: int) -> int:
+        """Images per optimiser step over `processes` processes: train.global_batch_size when set (for_processes
+        checks that it splits), else train.batch_size x processes x train.grad_accum."""
+        return self.global_batch_size or self.batch_size * processes * self.grad_accum
 
     def for_processes(self, processes: int) -> TrainConfig:
         """This config with train.global_batch_size split over `processes`: into train.batch_size per process and
@@ -239,112 +235,62 @@ class LogConfig(Section):
     images_every: int = Field(200, gt=0, description="Log the image panel (crops, corrupted view, true and predicted colours) every N steps.", json_schema_extra=RESUMABLE)
 
 
-class FewShotConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining, run the few-shot evaluation every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
-    shots: list[int] = Field([1, 5, 10, 25], min_length=1, description="Labelled examples per class given to the linear classifier; one accuracy per entry.", json_schema_extra=RESUMABLE)
-    draws: int = Field(5, gt=0, description="Random draws of the examples per shot count; the accuracy is their mean.", json_schema_extra=RESUMABLE)
-    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).", json_schema_extra=RESUMABLE)
-    l2: float = Field(1.0, gt=0, description="Ridge penalty of the closed-form least squares (on standardised features).", json_schema_extra=RESUMABLE)
-    shards: str | None = Field(None, description="Labelled shards the examples are drawn from; defaults to data.shards.", json_schema_extra=RESUMABLE)
-    val_shards: str | None = Field(None, description="Labelled shards the classifiers are scored on; defaults to data.val_shards.", json_schema_extra=RESUMABLE)
-    train_images: int = Field(2000, gt=0, description="Images read from the front of the labelled shards to draw the examples from.", json_schema_extra=RESUMABLE)
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of fewshot.val_shards to score the classifiers on.", json_schema_extra=RESUMABLE)
-    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.", json_schema_extra=RESUMABLE)
-    seed: int = Field(0, description="Seed of the example draws (independent of train.seed and of the training run's RNG).", json_schema_extra=RESUMABLE)
-
-    @model_validator(mode="after")
-    def _check(self) -> FewShotConfig:
-        if any(n <= 0 for n in self.shots):
-            raise ValueError(f"fewshot.shots must be positive counts, got {self.shots}")
-        return self
-
-
 class FinetuneConfig(Section):
     eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).", json_schema_extra=RESUMABLE)
     pool: Pooling = Field("cls", description="What the linear classifier reads: the [class] token's output (cls, the paper) or the mean of the patch outputs (mean, as BEiT, SimMIM and MAE fine-tune).")
 
 
-class EvalConfig(Section):
-    every: int = Field(500, ge=0, description="Pretext validation: when data.val_shards is set, pretraining computes its loss and metrics (MPP: val/loss, val/color_acc) on held-out images every N steps and at the end (0 = off).")
-    images: int = Field(512, gt=0, description="Images read from the front of data.val_shards for the pretext validation; the same images and corrupted positions at every evaluation.")
-    batch_size: int = Field(128, gt=0, description="Images per forward pass of the pretext validation.")
-    seed: int = Field(0, description="Seed of the pretext validation's fixed corruption (a private generator, independent of the training run's RNG).")
-
-
-class KnnConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining, run the kNN evaluation every N steps and at the end (0 = off).")
-    k: int = Field(20, gt=0, description="Neighbours that vote (DINO's k=20).")
-    temperature: float = Field(0.07, gt=0, description="Votes are weighted by exp(cosine similarity / temperature) (DINO's 0.07).")
-    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
-    shards: str | None = Field(None, description="Labelled shards the neighbours come from; defaults to data.shards.")
-    val_shards: str | None = Field(None, description="Labelled shards whose images are classified; defaults to data.val_shards (set it when pretraining validates on other classes than kNN scores).")
-    train_images: int = Field(5000, gt=0, description="Images read from the front of the labelled shards as the neighbour pool.")
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of knn.val_shards to classify.")
-    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
-
-
-class ProbeConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining, run the linear probe every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
-    epochs: int = Field(90, gt=0, description="Passes of SGD over the cached frozen features (MAE's linear probe: 90).", json_schema_extra=RESUMABLE)
-    lr: float = Field(0.1, gt=0, description="Peak learning rate of the probe's SGD (momentum 0.9, no weight decay, cosine decay to 0 over its steps).", json_schema_extra=RESUMABLE)
-    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).", json_schema_extra=RESUMABLE)
-    shards: str | None = Field(None, description="Labelled shards the probe is trained on; defaults to data.shards.", json_schema_extra=RESUMABLE)
-    val_shards: str | None = Field(None, description="Labelled shards the probe is scored on; defaults to data.val_shards.", json_schema_extra=RESUMABLE)
-    train_images: int = Field(5000, gt=0, description="Images read from the front of the labelled shards to train the probe on.", json_schema_extra=RESUMABLE)
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of probe.val_shards to score the probe on.", json_schema_extra=RESUMABLE)
-    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features, and features per SGD step of the probe.", json_schema_extra=RESUMABLE)
-    seed: int = Field(0, description="Seed of the probe's initialisation and feature order (a private generator, independent of the training run's RNG).", json_schema_extra=RESUMABLE)
-
-
-class InspectConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining and fine-tuning, draw the inspection views (patch-embedding filters, position-embedding similarity, mean attention distance, attention rollout) in TensorBoard every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
-    shards: str | None = Field(None, description="Shards whose images the attention views are computed on; defaults to data.val_shards, else data.shards.", json_schema_extra=RESUMABLE)
-    images: int = Field(64, gt=0, description="Images read from the front of inspect.shards; the mean attention distance averages over all of them.", json_schema_extra=RESUMABLE)
-    rollout_images: int = Field(4, gt=0, description="How many of them the attention-rollout figure overlays.", json_schema_extra=RESUMABLE)
-    filters: int = Field(28, gt=0, description="Principal components of the patch embedding's filters shown (the paper's Figure 7 shows 28).", json_schema_extra=RESUMABLE)
-    batch_size: int = Field(64, gt=0, description="Images per forward pass of the explicit-attention path.", json_schema_extra=RESUMABLE)
-
-    @model_validator(mode="after")
-    def _rollout_among_images(self) -> InspectConfig:
-        if self.rollout_images > self.images:
-            raise ValueError(f"inspect.rollout_images={self.rollout_images} is more than the inspect.images={self.images} "
-                             f"read; lower it or raise inspect.images")
-        return self
-
-
 class Config(Section):
-    objective: str = Field("mpp", description="Pretraining objective: mpp (masked patch prediction) or supervised (classification of the shards' cls labels).")
+    """The run config: the sections every run has, declared here, and the sections of the registered parts, added
+    by `config_schema` (an instance is always of that composed class, so `cfg.knn` and `cfg.mpp` are there)."""
+
+    objective: str = Field("mpp", description="What pretraining trains; the objectives register the choices (config_schema).")
     output_dir: str = Field("runs/pretrain", description="Where checkpoints, TensorBoard events, model.safetensors and config.yaml go.", json_schema_extra=RESUMABLE)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    mpp: MPPConfig = Field(default_factory=MPPConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
-    fewshot: FewShotConfig = Field(default_factory=FewShotConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    knn: KnnConfig = Field(default_factory=KnnConfig)
-    probe: ProbeConfig = Field(default_factory=ProbeConfig)
-    inspect: InspectConfig = Field(default_factory=InspectConfig)
 
-    @field_validator("objective")
-    @classmethod
-    def _known_objective(cls, objective: str) -> str:
-        return one_of("objective", objective, OBJECTIVES)
+    def __reduce__(self):
+        # The composed class is made at run time and cannot be found by name: a pickle rebuilds it from the parts.
+        return _composed_config, (self.model_dump(),)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
-        if self.objective != "mpp":
-            return self
-        bits = self.mpp.color_bits
-        outputs = TARGETS[self.mpp.target].from_settings(self.model.patch_size, self.mpp).outputs  # raises for a patch size it cannot use
-        width = self.model.variant.width
-        head_bytes = 4 * (width + 1) * outputs  # fp32 weights and biases
-        if head_bytes > MAX_HEAD_BYTES:
-            raise ValueError(f"mpp.target={self.mpp.target} with mpp.color_bits={bits} needs a {outputs:,}-way prediction head of "
-                             f"{head_bytes / 1e9:.1f} GB (width {width}); heads over {MAX_HEAD_BYTES / 1e9:.1f} GB are refused, "
-                             f"lower mpp.color_bits (the paper uses 3)")
+        for name in type(self).model_fields:
+            if isinstance(section := getattr(self, name), Section):
+                section.check(self)
         return self
+
+
+# Where the config's other fields come from: each registry of parts with settings (objectives, targets, evaluators,
+# readers) adds a function returning its fields, {name: (type, Field)}: a part's section ({"knn": (KnnConfig,
+# Field(default_factory=KnnConfig))}) or a field naming a part (`objective`, with the registry as its choices). They
+# are called at each validation, so a part registered since counts; config imports none of them (each registry
+# module appends its function when it is imported; pipelines.parts imports them all).
+SECTION_SOURCES: list[Callable[[], dict[str, tuple[Any, FieldInfo]]]] = []
+
+
+def config_schema() -> type[Config]:
+    """The Config class composed of the fields every run has and those the registered parts declare."""
+    fields = {name: field for source in SECTION_SOURCES for name, field in source().items()}
+    return _composed(tuple(fields.items()))
+
+
+@functools.lru_cache(maxsize=32)
+def _composed(fields: tuple) -> type[Config]:
+    return create_model("Config", __base__=Config, **dict(fields))
+
+
+def _composed_config(values: dict) -> Config:
+    return config_schema().model_validate(values)
+
+
+@functools.lru_cache(maxsize=None)
+def section_field(section: type[Section]) -> tuple[type[Section], FieldInfo]:
+    """A section as a field of the config: filled with its defaults when the config leaves it out."""
+    return section, Field(default_factory=section)
 
 
 def dotted(tree: dict, prefix: str = "") -> dict:
@@ -357,7 +303,7 @@ def dotted(tree: dict, prefix: str = "") -> dict:
 
 def settings(section: type[BaseModel] | None = None, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
     """Every setting of the run config as (dotted key, its field), section by section in the order declared."""
-    for name, field in (section or Config).model_fields.items():
+    for name, field in (section or config_schema()).model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             yield from settings(field.annotation, f"{prefix}{name}.")
         else:
@@ -380,7 +326,7 @@ def _closest_key(section: type[BaseModel], prefix: str, key: str) -> str:
 
 
 def _section_at(loc: tuple) -> type[BaseModel]:
-    section: type[BaseModel] = Config
+    section: type[BaseModel] = config_schema()
     for part in loc:
         field = section.model_fields.get(str(part))
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
@@ -444,7 +390,7 @@ def read_layers(path: str | Path | None, overrides: list[str], what: str = "conf
 
 def validate_config(raw: dict) -> Config:
     try:
-        cfg = Config.model_validate(raw)
+        cfg = config_schema().model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
     return cfg

@@ -21,7 +21,6 @@ MODEL_CATEGORIES = CATEGORIES[:7]  # what measures the model (results.json's fin
 HELD_OUT_FIRST = (EVALUATION, VALIDATION, KNN, PROBE, FEWSHOT, TRAINING, INSPECTION)  # the order a model card lists them in
 
 # Tags that more than one module reads (the loop writes them, the report or a test reads them back).
-LOSS = "train/loss"
 LR = "train/lr"
 TOP1, TOP5 = "eval/top1", "eval/top5"
 VAL_LOSS = "val/loss"

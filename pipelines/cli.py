@@ -21,8 +21,8 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.training.runtime import compile_failure, out_of_memory  # noqa: E402
-from mpp.training.loop import Preempted  # noqa: E402
+from mpp.training.runtime import compile_failure, out_of_memory
+from mpp.training.loop import Preempted
 
 
 def shipped_configs() -> Path:
@@ -214,6 +214,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     compare.add_argument("--print-config", action="store_true", help="print the plan as loaded (the file, then the overrides) and exit")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
+    add_prepare(stages)
+    return parser.parse_args(argv)
+
+
+def add_prepare(stages) -> None:
+    """`prepare`'s arguments: the source, where the shards go, and how they are written."""
     prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
     prepare.add_argument("source", help="a folder of images (class = sub-folder), a tar of them or of per-class tars "
                                         "(ImageNet's ILSVRC2012_img_train.tar), a Hugging Face dataset name or local path, "
@@ -240,7 +246,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                               "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
                               "IDX files store none: MNIST's and Fashion-MNIST's are known when a folder or the file "
                               "name says which (mnist, fashion-mnist)")
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,14 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stop:
         print(stop, file=sys.stderr)
     except Exception as err:
-        if compile_failure(err):
-            return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
-                        f"train without it")
-        if out_of_memory(err):  # outside training (building the model, evaluating): the model itself is too big
-            return fail(f"out of memory ({one_line(err)}); shrink model.width, model.depth or model.image_size, or pick "
-                        f"a smaller mpp.target / mpp.color_bits")
-        raise
+        return explained_failure(err)
     return 0
+
+
+def explained_failure(err: Exception) -> int:
+    """A failure a user can fix without a traceback (compile, memory) said in one line; anything else raised on."""
+    if compile_failure(err):
+        return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
+                    f"train without it")
+    if out_of_memory(err):  # outside training (building the model, evaluating): the model itself is too big
+        return fail(f"out of memory ({one_line(err)}); shrink model.width, model.depth or model.image_size, or pick "
+                    f"a target with fewer outputs (mpp.target and its settings)")
+    raise err
 
 
 def fail(message: str) -> int:

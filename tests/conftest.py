@@ -14,6 +14,7 @@ from mpp.data.synthetic import synthetic_image
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))  # launch.py and pipelines/ for the stage tests
+import pipelines.parts  # noqa: E402,F401 (every built-in part's config section, as the command line has them)
 
 # A small, fast run: overrides that every stage test starts from.
 TINY = ["model.name=vit_ti", "model.width=64", "model.depth=2", "model.heads=2", "model.image_size=16",
@@ -112,8 +113,12 @@ def where_metrics_show(run_dir: Path, stage: str) -> dict:
     layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         events.SummaryMetadata("_hparams_/experiment").plugin_data.content).experiment
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        events.SummaryMetadata("_hparams_/session_start_info").plugin_data.content).session_start_info
     return {"charts": {c.title: [t.strip("^$") for chart in c.chart for t in chart.multiline.tag] for c in layout.category},
             "hparams": [m.name.tag for m in experiment.metric_infos],
+            "columns": [h.name for h in experiment.hparam_infos],  # the settings' columns, and this run's values
+            "values": {name: getattr(v, v.WhichOneof("kind")) for name, v in start.hparams.items()},
             "results": json.loads((run_dir / "results.json").read_text())}
 
 

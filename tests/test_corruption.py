@@ -1,9 +1,16 @@
 import torch
 
 from mpp.model.vit import build_vit
-from mpp.model.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, corrupt_patches, normalize, num_corrupted,
-                            random_rectangles)
+from mpp.model.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, normalize, num_corrupted,
+                                  random_rectangles, apply_corruption, draw_corruption)
 from mpp.model.targets import TARGETS
+
+
+def corrupt_patches(tokens, mask_embedding, rate, mask_prob, random_prob, masking="random"):
+    """Patch embeddings (B, N, D) corrupted as MaskedPatchPrediction.predict corrupts them, and the corruption."""
+    b, n, _ = tokens.shape
+    corruption = draw_corruption(b, n, rate, mask_prob, random_prob, masking, tokens.device)
+    return apply_corruption(tokens, mask_embedding, corruption), corruption
 
 
 def test_fractions_match_the_paper_split():

@@ -12,7 +12,8 @@ from PIL import Image
 
 from mpp.data.synthetic import synthetic_image
 from mpp.config import DataConfig
-from mpp.data.stream import DataError, EvalTransform, StreamState, TrainTransform, expand_shards, make_loader
+from mpp.data.stream import DataError, EvalTransform, StreamState, TrainTransform, make_loader
+from mpp.data.readers import expand_shards
 from mpp.data.randaugment import OPERATIONS, RandAugment
 
 NO_WORKERS = DataConfig(num_workers=0, shuffle_buffer=0)

@@ -1,8 +1,10 @@
 """Evaluators from config: one class and one EVALUATORS line put an evaluator into training, nothing else."""
 
+import pytest
+from pydantic import Field
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mpp.config import load_config
+from mpp.config import ConfigError, Section, config_reference, load_config
 from mpp.metrics import EVALUATION, Metric
 from pipelines.evaluations import evaluators
 from pipelines.stages import pretrain
@@ -10,6 +12,10 @@ from pipelines.evaluations.evaluators import EVALUATORS, Registration, Stage, bu
 
 from conftest import exported_card, where_metrics_show
 from test_fewshot import tiny
+
+
+class WidthProbeConfig(Section):
+    every: int = Field(0, ge=0, description="Record the backbone's width every N steps (0 = off).")
 
 
 class Probe:
@@ -29,11 +35,17 @@ class Probe:
 
 def test_a_registered_evaluator_runs_during_pretraining_and_shows_everywhere(tmp_path, make_shards, monkeypatch):
     # One class and one EVALUATORS line: run at its period, charted, an HParams column, in results.json and the card.
-    monkeypatch.setitem(EVALUATORS, "probe", Registration(("pretrain",), lambda cfg: cfg.train.steps // 3, Probe))
+    # Its own config section comes with the line: validated, in the config reference, --help and config.yaml.
+    monkeypatch.setitem(EVALUATORS, "probe", Registration(("pretrain",), lambda cfg: cfg.widthprobe.every, Probe,
+                                                          ("widthprobe", WidthProbeConfig)))
     monkeypatch.setattr(Probe, "built", [])
     monkeypatch.setattr(Probe, "steps", [])
+    with pytest.raises(ConfigError, match="'widthprobe.every': Input should be greater than or equal to 0"):
+        load_config(None, ["widthprobe.every=-1"])
+    assert ("widthprobe.every", "0", WidthProbeConfig.model_fields["every"].description) in config_reference()
     make_shards([40] * 2, size=32)
-    pretrain.run(tiny(tmp_path, "eval.every=0"))
+    pretrain.run(tiny(tmp_path, "eval.every=0", "widthprobe.every=2"))
+    assert load_config(tmp_path / "run" / "config.yaml").widthprobe.every == 2
     assert [(s.name, s.classes) for s in Probe.built] == [("pretrain", None)] and Probe.steps == [2, 4, 6]
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     assert [e.step for e in EventAccumulator(str(events.parent)).Reload().Scalars("probe/width")] == [2, 4, 6]
@@ -45,11 +57,12 @@ def test_a_registered_evaluator_runs_during_pretraining_and_shows_everywhere(tmp
 
 def test_only_the_stages_evaluators_that_its_config_turns_on_are_built(monkeypatch):
     built = []
+    fewshot = EVALUATORS["fewshot"].section  # the registry holds the sections too: "a" brings the one it reads
     monkeypatch.setattr(evaluators, "EVALUATORS", {
-        name: Registration(stages, every, lambda cfg, accelerator, stage, name=name: built.append(name) or Probe)
-        for name, stages, every in [("a", ("pretrain",), lambda cfg: cfg.fewshot.every),
-                                    ("b", ("finetune",), lambda cfg: 7),
-                                    ("c", ("pretrain", "finetune"), lambda cfg: 5)]})
+        name: Registration(stages, every, lambda cfg, accelerator, stage, name=name: built.append(name) or Probe, section)
+        for name, stages, every, section in [("a", ("pretrain",), lambda cfg: cfg.fewshot.every, fewshot),
+                                             ("b", ("finetune",), lambda cfg: 7, None),
+                                             ("c", ("pretrain", "finetune"), lambda cfg: 5, None)]})
     cfg = load_config(None, ["fewshot.every=0"])
     assert [e.every for e in build_evaluators(cfg, None, Stage("pretrain"))] == [5] and built == ["c"]
     assert [e.every for e in build_evaluators(cfg, None, Stage("finetune"))] == [7, 5]

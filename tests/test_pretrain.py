@@ -7,10 +7,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mpp.config import ConfigError, load_config
+from mpp.config import ConfigError, Section, config_reference, load_config
 from mpp.metrics import split_metric
 from mpp.model.vit import normalize
 from mpp.model.objectives import OBJECTIVES, Objective, ObjectiveKind, StepOutput
@@ -45,20 +46,26 @@ def test_short_pretrain_learns_and_beats_the_colour_prior(tmp_path, make_shards)
     assert (tmp_path / "run" / "config.yaml").read_text().count("vit_ti") == 1
 
 
+class BrightnessConfig(Section):
+    hparams = ("weight",)
+
+    weight: float = Field(1.0, gt=0, description="Weight of the brightness loss.")
+
+
 class MeanBrightness(Objective):
     """A test-local objective: regress each image's mean brightness from its [class] token (no panel, no own tokens)."""
 
     description = "regression of each image's mean brightness"
 
-    def __init__(self, backbone):
+    def __init__(self, backbone, weight=1.0):
         super().__init__()
-        self.backbone = backbone
+        self.backbone, self.weight = backbone, weight
         self.head = torch.nn.Linear(backbone.width, 1)
 
     def forward(self, images, labels=None):
         x = normalize(images)
         predicted = self.head(self.backbone(x)[:, 0]).squeeze(-1).float()
-        return StepOutput(F.mse_loss(predicted, x.mean(dim=(1, 2, 3))))
+        return StepOutput(self.weight * F.mse_loss(predicted, x.mean(dim=(1, 2, 3))))
 
     def metrics(self, split):
         return [split_metric(split, "loss", "brightness error", headline=True, bar="loss")]
@@ -70,16 +77,20 @@ class MeanBrightness(Objective):
 def test_a_registered_objective_is_chosen_by_the_config_and_shows_everywhere(tmp_path, make_shards, monkeypatch):
     # One class and one OBJECTIVES line: selectable, trained by the loop, its metric charted, in HParams, the progress
     # bar, results.json and the model card, validated by the pretext validation.
-    monkeypatch.setitem(OBJECTIVES, "brightness", ObjectiveKind(lambda backbone, cfg, classes: MeanBrightness(backbone),
-                                                                reads_labels=False, summary="mean brightness"))
+    monkeypatch.setitem(OBJECTIVES, "brightness", ObjectiveKind(
+        lambda backbone, cfg, classes: MeanBrightness(backbone, cfg.brightness.weight), reads_labels=False,
+        summary="mean brightness", section=lambda: ("brightness", BrightnessConfig)))
     with pytest.raises(ConfigError, match="Input should be 'mpp', 'supervised' or 'brightness' \\(got 'brightnes'\\)"):
         load_config(None, ["objective=brightnes"])
+    reference = {key: meaning for key, _, meaning in config_reference()}
+    assert "brightness (mean brightness)" in reference["objective"] and "brightness.weight" in reference
     make_shards([20] * 2, size=32)
     cfg = config(tmp_path, tmp_path / "shards", "objective=brightness", "train.steps=4", "train.warmup_steps=1",
                  "train.batch_size=4", "log.every=2", "log.images_every=2", f"data.val_shards={tmp_path / 'shards'}",
-                 "eval.every=2", "eval.images=8", "eval.batch_size=4")
+                 "eval.every=2", "eval.images=8", "eval.batch_size=4", "brightness.weight=2")
     pretrain.run(cfg)
     shows = where_metrics_show(tmp_path / "run", "pretrain")
+    assert shows["values"]["brightness.weight"] == 2 and "mpp.target" not in shows["values"]  # MPP's columns blank
     assert shows["charts"]["training"] == ["train/loss"] and shows["charts"]["pretext validation"] == ["val/loss"]
     assert {"train/loss", "val/loss"} <= set(shows["hparams"]) and {"train/loss", "val/loss"} <= set(shows["results"]["final"])
     assert shows["results"]["description"] == MeanBrightness.description

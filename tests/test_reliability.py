@@ -20,7 +20,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import DataConfig, load_config
-from mpp.data.stream import EvalTransform, expand_shards, make_loader
+from mpp.data.stream import EvalTransform, make_loader
+from mpp.data.readers import expand_shards
 from mpp.model.objectives import MaskedPatchPrediction
 from mpp.training.runtime import make_accelerator
 from mpp.errors import UserError

@@ -24,14 +24,16 @@ from mpp.config import TrainConfig
 from mpp.data.stream import Batch, EvalTransform, TrainTransform, crop_resize
 from mpp.errors import UserError
 from mpp.model.vit import Attention, build_vit
-from mpp.model.objectives import MaskedPatchPrediction, corrupt_patches, gather_positions, normalize
+from mpp.model.objectives import MaskedPatchPrediction, gather_positions, normalize
 from mpp.training.optim import build_optimizer, build_schedule, param_groups
-from mpp.training.runtime import CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile, resolve_precision
+from mpp.training.runtime import (CompileUnavailable, Device, cpu_threads, make_accelerator, resolve_compile,
+                                  resolve_precision)
 from mpp.training.meters import EARLY_STEPS, RECENT_STEPS, LogWindow, StepPace
 from mpp.training.loop import StepResult, train_step
 from pipelines.stages import prepare
 
 from conftest import ROOT
+from test_corruption import corrupt_patches
 
 
 def tiny_objective(seed=0):

@@ -13,7 +13,8 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from mpp.config import DataConfig, load_config
-from mpp.data.stream import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, expand_shards, make_loader
+from mpp.data.stream import Batch, DataError, EvalTransform, StreamPosition, TrainTransform, make_loader
+from mpp.data.readers import expand_shards
 from mpp.model.objectives import MaskedPatchPrediction
 import mpp.training.loop
 from mpp.training.runtime import make_accelerator

@@ -3,13 +3,16 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from mpp.config import ConfigError, load_config
+from pydantic import Field
+
+from mpp.config import ConfigError, Section, config_reference, load_config
 from mpp.metrics import split_metric
 from mpp.model.vit import normalize
 from mpp.model.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
 from pipelines.stages import pretrain
 
 from conftest import TINY, exported_card, where_metrics_show
+from pipelines import cli
 
 
 def solid_patches(colors, patch):
@@ -77,17 +80,30 @@ def test_class_to_rgb_returns_bin_centres():
     assert color_class_to_rgb(torch.tensor([color_id(0, 7, 3)])).tolist() == [[16, 240, 112]]
 
 
+class GraySettings(Section):
+    hparams = ("gray_gamma",)
+
+    gray_gamma: float = Field(1.0, gt=0, description="Gamma of the grey target: mean grey level ** gamma, in [0, 1].")
+
+
 class MeanGray(Target):
-    """A test-local target: each patch's mean grey level in [-1, 1], regressed."""
+    """A test-local target: each patch's mean grey level, raised to mpp.gray_gamma and mapped to [-1, 1], regressed."""
 
     description = "its mean grey level (L1-scored regression)"
+    meaning = "its mean grey level (regressed)"
+    settings = GraySettings
 
-    def __init__(self, patch_size):
+    def __init__(self, patch_size, gamma=1.0):
         super().__init__(patch_size)
-        self.outputs = 1
+        self.outputs, self.gamma = 1, gamma
+
+    @classmethod
+    def from_settings(cls, patch_size, settings):
+        return cls(patch_size, settings.gray_gamma)
 
     def __call__(self, images):  # (B, N, 1)
-        return pixel_targets(images, self.patch_size).mean(-1, keepdim=True)
+        grey = pixel_targets(images, self.patch_size).mean(-1, keepdim=True) * 0.5 + 0.5
+        return grey.clamp(min=0) ** self.gamma * 2 - 1
 
     def loss(self, predictions, targets):
         return F.mse_loss(predictions, targets), {"gray_error": (predictions - targets).abs().mean()}
@@ -108,8 +124,10 @@ def test_a_registered_target_is_chosen_by_the_config_and_brings_its_head_loss_me
     monkeypatch.setitem(TARGETS, "gray", MeanGray)
     with pytest.raises(ConfigError, match="Input should be 'color', 'color4x4', 'pixels' or 'gray' \\(got 'grey'\\)"):
         load_config(None, [*TINY, "mpp.target=grey"])
-    objective = pretrain.build_objective(load_config(None, [*TINY, "mpp.target=gray"]), None)
-    assert objective.head.out_features == 1
+    objective = pretrain.build_objective(load_config(None, [*TINY, "mpp.target=gray", "mpp.gray_gamma=2"]), None)
+    assert objective.head.out_features == 1 and objective.target.gamma == 2
+    with pytest.raises(ConfigError, match="'mpp.gray_gamma': Input should be greater than 0"):
+        load_config(None, [*TINY, "mpp.target=gray", "mpp.gray_gamma=0"])
     images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
     out = objective(images)
     out.loss.backward()
@@ -126,14 +144,23 @@ def test_a_registered_target_shows_everywhere(tmp_path, make_shards, monkeypatch
     monkeypatch.setitem(TARGETS, "gray", MeanGray)
     make_shards([40], size=32)
     pretrain.run(load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
-                                    "mpp.target=gray", "train.steps=4", "train.warmup_steps=1", "train.batch_size=8",
-                                    "log.every=2"]))
+                                    "mpp.target=gray", "mpp.gray_gamma=0.5", "train.steps=4", "train.warmup_steps=1",
+                                    "train.batch_size=8", "log.every=2"]))
     shows = where_metrics_show(tmp_path / "run", "pretrain")
+    # Its own setting: in the config reference (what --help and README's check list), an HParams column, config.yaml.
+    assert ("mpp.gray_gamma", "1.0", GraySettings.model_fields["gray_gamma"].description) in config_reference()
+    assert "mpp.gray_gamma" in shows["columns"] and shows["values"]["mpp.gray_gamma"] == 0.5
+    assert load_config(tmp_path / "run" / "config.yaml").mpp.gray_gamma == 0.5
+    assert "mpp.target" in [key for key, _, meaning in config_reference() if "gray, its mean grey level" in meaning]
     assert shows["charts"]["training"] == ["train/loss", "train/gray_error"]
     assert {"train/loss", "train/gray_error"} <= set(shows["hparams"]) and "train/gray_error" in shows["results"]["final"]
     assert "gray=" in capsys.readouterr().err  # the progress bar
     card = exported_card(tmp_path / "run", tmp_path / "hf")
     assert MeanGray.description in card and "train/gray_error " in card
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["pretrain", "--help"])
+    assert "mpp.gray_gamma = 1.0" in capsys.readouterr().out
 
 
 def test_each_target_keeps_its_head_size_and_metrics():

@@ -11,7 +11,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 from mpp.config import load_config
 from mpp.training.panel import PANEL_GAP, PANEL_IMAGES, panel_grid
 from pipelines.stages import finetune, pretrain
-from pipelines.run.tracking import HPARAMS, hparams_summaries
+from pipelines.run.tracking import hparams_summaries, hparam_columns
 
 from conftest import ROOT, TINY, reset_accelerator
 
@@ -52,7 +52,7 @@ def test_pretraining_run_reads_at_a_glance(tmp_path, make_shards, capsys):
     assert [m.name.tag for m in experiment.metric_infos] == ["train/loss", "train/color_acc"]  # the run's headline metrics
     assert {"train/loss", "train/color_acc"} <= set(acc.Tags()["scalars"])  # the metrics' values, logged by the run
     # The few settings that tell runs apart, not the whole config (that is under Text); the same columns for every stage.
-    assert [h.name for h in experiment.hparam_infos] == list(HPARAMS) and len(HPARAMS) <= 16
+    assert [h.name for h in experiment.hparam_infos] == list(hparam_columns()) and len(hparam_columns()) <= 16
     start = hparams_content(acc, "_hparams_/session_start_info").session_start_info
     assert start.hparams["train.lr"].number_value == pytest.approx(cfg.train.lr)
     assert start.hparams["objective"].string_value == "mpp" and start.hparams["mpp.target"].string_value == "color"

@@ -1,4 +1,5 @@
-"""Stream WebDataset shards (image under jpg/png/webp, optional label in cls, json or txt) as uint8 batches."""
+"""Stream a data set's samples (image under jpg/png/webp, optional label in cls, json or txt) as uint8 batches: tar
+shards, or whatever format a reader of mpp.readers reads."""
 
 from __future__ import annotations
 
@@ -10,62 +11,28 @@ import math
 import os
 import random
 import re
-import tarfile
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from glob import glob
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 import webdataset as wds
-from braceexpand import braceexpand
 from einops import rearrange
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.tariterators import base_plus_ext
 
-from mpp.config import DataConfig
-from mpp.errors import DataError, command
+from mpp.errors import DataError
 from mpp.data.randaugment import RandAugment
-from mpp.data.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary, summary_beside
-from mpp.data.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
-from mpp.training.runtime import data_workers
+from mpp.data.shardformat import IMAGE_KEYS, is_remote, shard_summary, summary_beside
+from mpp.data.tars import LossEstimate, ShardEnd, end_commands_on_sigterm
+from mpp.data.readers import read_samples, reader_of
 
 ORIENTATION_TAG = 0x0112  # EXIF
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
-
-
-def expand_shards(spec: str) -> list[str]:
-    """A directory, a brace pattern, URLs or `pipe:` commands (several joined by '::') -> shard list."""
-    if os.path.isdir(spec):
-        shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
-        if not shards:
-            raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files; "
-                            f"write shards into it with `{command(f'prepare SOURCE --out {spec}')}`")
-        check_local_shards(shards)
-        return shards
-    shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
-    if not shards:
-        raise DataError(f"shard spec '{spec}' names no shards; pass a directory, a brace pattern or URLs")
-    check_local_shards([s for s in shards if not is_remote(s)])
-    return shards
-
-
-def check_local_shards(paths: list[str]) -> None:
-    """Each path is a readable file: a directory, a dangling or looping link or a missing file is named, not streamed."""
-    problems = {
-        "does not exist": [p for p in paths if not os.path.lexists(p)],
-        "is a symbolic link to nothing (dangling, or a loop)": [p for p in paths if os.path.islink(p) and not os.path.exists(p)],
-        "is a directory, not a tar file": [p for p in paths if os.path.isdir(p)],
-        "cannot be read (permissions)": [p for p in paths if os.path.isfile(p) and not os.access(p, os.R_OK)],
-    }
-    for problem, found in problems.items():
-        if found:
-            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `{command('prepare')}`")
 
 
 @dataclass
@@ -330,48 +297,8 @@ def _raw_or_none(sample: dict) -> int | str | None:
 
 
 def label_members(url: str) -> Iterator[dict]:
-    """{"__key__": key, "cls"|"json"|"txt": bytes} per labelled sample of a local tar, skipping over the image members."""
-    sample: dict = {"__key__": None}
-    try:
-        with tarfile.open(url) as tar:
-            for member in tar:
-                key, ext = base_plus_ext(member.name)  # as webdataset splits it: the key ends at the first dot
-                if key != sample["__key__"]:
-                    if len(sample) > 1:
-                        yield sample
-                    sample = {"__key__": key}
-                if member.isreg() and ext and ext.lower() in LABEL_KEYS:
-                    sample[ext.lower()] = tar.extractfile(member).read()
-    except READ_ERRORS:
-        pass  # an unreadable shard is the stream's to count
-    if len(sample) > 1:
-        yield sample
-
-
-@functools.lru_cache(maxsize=16)
-def labelled_keys(url: str) -> frozenset[str]:
-    """The keys of a local shard's members that hold a label, from the tar headers alone."""
-    keys = set()
-    try:
-        with tarfile.open(url) as tar:
-            for member in tar:
-                key, ext = base_plus_ext(member.name)
-                if key is not None and ext.lower() in LABEL_KEYS:
-                    keys.add(key)
-    except READ_ERRORS:
-        pass  # an unreadable shard is the stream's to count
-    return frozenset(keys)
-
-
-def misplaced_label(url: str, key: str, neighbours: Sequence[str]) -> str | None:
-    """Why sample `key` of shard `url`, an image without a label, has none, where its label is in the wrong place:
-    a member of the same shard not next to the image, or of a `neighbours` shard (local shards only); else None."""
-    if is_remote(url):
-        return None
-    if key in labelled_keys(url):
-        return members_apart(url, key, "its label is not next to its image")
-    holder = next((other for other in neighbours if not is_remote(other) and key in labelled_keys(other)), None)
-    return members_apart(url, key, f"its image is here and its label in {holder}") if holder else None
+    """{"__key__": key, label member: bytes} per labelled sample of a unit, as its reader reads them without images."""
+    return reader_of(url).label_members(url)
 
 
 # ---------------------------------------------------------------- streaming
@@ -499,7 +426,7 @@ class ShardStream(IterableDataset):
                 return
             barren.shards.update(shards)
             got_image = False
-            samples = shard_samples(shards, on_end=shard_ended)
+            samples = read_samples(shards, on_end=shard_ended)
             if self.shuffle_buffer:
                 samples = wds.shuffle(self.shuffle_buffer, min(self.shuffle_buffer, 100), rng=random.Random(key))(samples)
             resume_at, pulled = (start.consumed if group == start.group else 0), 0
@@ -525,7 +452,7 @@ class ShardStream(IterableDataset):
                 if label < 0 and self.labels:
                     url = sample["__url__"]
                     at = place[url]
-                    misplaced = misplaced_label(url, name, self.urls[max(at - 1, 0):at] + self.urls[at + 1:at + 2])
+                    misplaced = reader_of(url).misplaced_label(url, name, self.urls[max(at - 1, 0):at] + self.urls[at + 1:at + 2])
                     if misplaced:
                         raise DataError(misplaced)
                 got_image = True
@@ -580,7 +507,15 @@ class Barren:
                 f"evaluator's shards) at usable ones")
 
 
-def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_size: int, *, rank: int = 0,
+class StreamSettings(Protocol):
+    """What make_loader reads of the run config's data section."""
+
+    num_workers: int  # resolved: no "auto" here
+    shuffle_buffer: int
+    resampled: bool
+
+
+def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batch_size: int, *, rank: int = 0,
                 world: int = 1, seed: int = 0, one_pass: bool = False, pin_memory: bool = False,
                 state: StreamState | None = None, labels: bool = True, class_names: Sequence[str] | None = None) -> DataLoader:
     """A DataLoader over a ShardStream of `data`'s workers and shuffle buffer; `state` (from a checkpoint) continues
@@ -590,7 +525,7 @@ def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_si
     once, in order (evaluation). labels=False never reads labels (pretraining without them must not stop on one it
     cannot parse); class names map to ids through `class_names`, by default the shard set's own (`label_names`).
     """
-    num_workers, resampled, loop = data_workers(data.num_workers), data.resampled and not one_pass, not one_pass
+    num_workers, resampled, loop = data.num_workers, data.resampled and not one_pass, not one_pass
     if loop and not resampled:
         if len(urls) < world:
             raise DataError(f"{len(urls)} shards cannot give each of {world} processes one; write more shards or set data.resampled=true")

@@ -29,6 +29,12 @@ CLASS_NAMES = (
     "star",
 )
 NUM_CLASSES = len(CLASS_NAMES)
+SPEC = "synthetic"  # what data.shards (or another *shards key) says to read this corpus
+
+
+def is_synthetic(spec: str | None) -> bool:
+    """Whether a shards setting names the embedded corpus (generated on first use, pipelines.run.loaders.resolve_shards)."""
+    return spec == SPEC
 
 RGB = tuple[int, int, int]
 _GRAIN = 10  # +- grey levels of per-pixel noise

@@ -2,8 +2,10 @@
 
 A target owns everything that depends on what is predicted: the per-patch targets computed from the raw uint8
 pixels, the head's output size, the loss and the metrics it declares, how targets look in the TensorBoard panel,
-and how the model card describes it. To add one, write a `Target` subclass and give it a name in TARGETS;
-`mpp.target=<name>` then selects it, and its metrics reach TensorBoard, the progress bar and results.json.
+and how the model card describes it, and the settings of its own (fields of the `mpp` config section). To add one,
+write a `Target` subclass and give it a name in TARGETS; `mpp.target=<name>` then selects it, its settings join the
+config (with their defaults and meanings, in --help and README's reference), and its metrics reach TensorBoard, the
+progress bar and results.json.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
+from mpp.config import Section
 from mpp.metrics import Metric, split_metric
 from mpp.model.vit import PIXEL_MEAN, PIXEL_STD, normalize, patchify, unpatchify
 
@@ -64,15 +68,19 @@ class Target(ABC):
     - `metrics(split)`: the Metric of the loss and of each named value (split "train" or "val", see split_metric);
     - `decode(predictions)`: head outputs (B, K, outputs) -> the targets they predict (B, K, ...);
     - `render(targets)`: targets (B, K, ...) -> uint8 patches (B, K, P*P*3) in patchify's layout, for the panel;
-    - `description`: what a corrupted patch predicts, for the model card ("its 3-bit mean colour (512 classes)").
+    - `description`: what a corrupted patch predicts, for the model card ("its 3-bit mean colour (512 classes)");
+    - `meaning`: the same in general, for the config reference of `mpp.target` ("its mean colour at ...");
+    - `settings`: the Section of its own hyperparameters, if it has any: its fields join the `mpp` config section
+      (mpp.color_bits), and those it names in `hparams` are HParams columns.
 
     A run builds it with `from_settings(patch_size, settings)`, `settings` being the run's `mpp` config section, of
-    which it reads the keys it uses (a hyperparameter of its own is a field there). It raises ValueError, naming the
-    config keys, for a patch size it cannot use.
+    which it reads the keys it uses. It raises ValueError, naming the config keys, for a patch size it cannot use.
     """
 
     outputs: int
     description: str
+    meaning: str
+    settings: type[Section] | None = None
 
     def __init__(self, patch_size: int):
         self.patch_size = patch_size
@@ -97,8 +105,16 @@ class Target(ABC):
     def metrics(self, split: str) -> list[Metric]: ...
 
 
+class ColorBits(Section):
+    """The settings of the colour targets, in the `mpp` section."""
+
+    color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
+
+
 class ColorClasses(Target):
     """Targets that are colour classes, `mpp.color_bits` per channel: cross-entropy, scored against the batch's prior."""
+
+    settings = ColorBits
 
     def __init__(self, patch_size: int, bits: int = 3):
         super().__init__(patch_size)
@@ -133,6 +149,8 @@ class ColorClasses(Target):
 class MeanColor(ColorClasses):
     """The paper's target: each patch's mean colour, one of 512 classes at 3 bits."""
 
+    meaning = "its mean colour at mpp.color_bits per channel (512 classes at 3 bits, the paper)"
+
     def __init__(self, patch_size: int, bits: int = 3):
         super().__init__(patch_size, bits)
         self.outputs = self.num_colors
@@ -148,6 +166,8 @@ class MeanColor(ColorClasses):
 
 class Color4x4(ColorClasses):
     """The paper's variant: each patch downsized to 4 x 4, a colour class per cell (16 predictions per patch)."""
+
+    meaning = "the colours of its 4x4 downsizing (16 x 512)"
 
     def __init__(self, patch_size: int, bits: int = 3):
         if patch_size % 4:
@@ -171,6 +191,7 @@ class Pixels(Target):
     """The normalised pixels of each patch, regressed with an L2 loss and scored against the batch's mean patch."""
 
     description = "its normalised pixels (L2 regression)"
+    meaning = "its pixel values (L2 loss)"
 
     def __init__(self, patch_size: int):
         super().__init__(patch_size)

@@ -178,11 +178,28 @@ def pick_lines(report: dict) -> list[str]:
 
 
 def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
-    out = Path(cc.output_dir)
-    arms, grid, seeds = report["arms"], report["recipes"], report["seeds"]
-    on_dev = report["select_on_dev"]
-    evaluated_on = ("the dev split" if on_dev and not report["dev_folds"] else val_shards_name(base))
+    """report.md: the arms' results, then a section each for the frozen features, the pretraining curves, the
+    fine-tuning lengths, the ablation, the pretraining lengths and the grid, then the recipes and the compute."""
+    arms, seeds = report["arms"], report["seeds"]
     seeds_note = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    shots = sorted({int(n) for e in arms.values() for n in e["frozen"]["cls"]["fewshot"]})
+    lines = results_lines(report, cc, base, seeds_note)
+    lines += frozen_lines(arms, base, shots)
+    lines += curve_lines(arms)
+    lines += length_lines(arms, base)
+    lines += ablation_lines(arms, seeds_note)
+    for arm, e in arms.items():
+        if e.get("checkpoints"):
+            lines += checkpoint_lines(arm, e, shots, seeds_note)
+    lines += grid_lines(report)
+    lines += closing_lines(report, cc, base)
+    return "\n".join(lines)
+
+
+def results_lines(report: dict, cc: CompareConfig, base: Config, seeds_note: str) -> list[str]:
+    """The title, the note and warnings, how fine-tuning ran and was picked, the arms' table, the gaps and picks."""
+    out = Path(cc.output_dir)
+    arms, on_dev = report["arms"], report["select_on_dev"]
     lines = [f"# {' vs '.join(arms)}", ""]
     if cc.note:
         lines += [f"> **Note:** {cc.note}", ""]
@@ -204,82 +221,111 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
                      f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values())])
     lines += table(head, rows)
     lines.append("")
-    lines += gap_lines(report, seeds)
+    lines += gap_lines(report, report["seeds"])
     lines += pick_lines(report)
+    return lines
 
-    shots = sorted({int(n) for e in arms.values() for n in e["frozen"]["cls"]["fewshot"]})
-    lines += ["", "## Frozen features", "",
-              f"kNN (k={base.knn.k}, T={base.knn.temperature:g}) top-1 and few-shot ridge accuracy (mean of "
-              f"{base.fewshot.draws} draws) of each arm's backbone before fine-tuning (scratch: a fresh one), read from "
-              f"the [class] token (cls) and from the mean of the patch outputs (mean).", ""]
+
+def frozen_lines(arms: dict, base: Config, shots: list[int]) -> list[str]:
+    lines = ["", "## Frozen features", "",
+             f"kNN (k={base.knn.k}, T={base.knn.temperature:g}) top-1 and few-shot ridge accuracy (mean of "
+             f"{base.fewshot.draws} draws) of each arm's backbone before fine-tuning (scratch: a fresh one), read from "
+             f"the [class] token (cls) and from the mean of the patch outputs (mean).", ""]
     lines += table(["arm", "kNN cls", "kNN mean", *[f"{n}-shot {pool}" for n in shots for pool in ("cls", "mean")]],
                    [[arm, f"{100 * e['frozen']['cls']['knn']:.2f}%", f"{100 * e['frozen']['mean']['knn']:.2f}%",
                      *[f"{100 * e['frozen'][pool]['fewshot'][str(n)]:.1f}%" for n in shots for pool in ("cls", "mean")]]
                     for arm, e in arms.items()])
     lines.append("")
+    return lines
 
+
+def curve_lines(arms: dict) -> list[str]:
     curves = {arm: e["pretrain_curves"] for arm, e in arms.items() if e.get("pretrain_curves")}
-    if curves:
-        lines += ["## Pretraining", "",
-                  "Pretext validation loss (`val/loss`, on data.val_shards of the pretraining) and kNN top-1 of the "
-                  "downstream classes as pretraining went; `change` is over the last quarter of the steps (a flat curve "
-                  "changes little).", ""]
-        for arm, curve in curves.items():
-            steps = sorted({int(step) for series in curve.values() for step, _ in series})
-            values = {tag: dict((int(step), value) for step, value in series) for tag, series in curve.items()}
-            rows = [[tag, *[f"{values[tag][step]:.4f}" if step in values[tag] else "" for step in steps],
-                     "" if (change := last_quarter_change(curve[tag])) is None else f"{change:+.4f}"] for tag in curve]
-            lines += [f"**{arm}**", ""] + table(["step", *map(str, steps), "change"], rows) + [""]
+    if not curves:
+        return []
+    lines = ["## Pretraining", "",
+             "Pretext validation loss (`val/loss`, on data.val_shards of the pretraining) and kNN top-1 of the "
+             "downstream classes as pretraining went; `change` is over the last quarter of the steps (a flat curve "
+             "changes little).", ""]
+    for arm, curve in curves.items():
+        steps = sorted({int(step) for series in curve.values() for step, _ in series})
+        values = {tag: dict((int(step), value) for step, value in series) for tag, series in curve.items()}
+        rows = [[tag, *[f"{values[tag][step]:.4f}" if step in values[tag] else "" for step in steps],
+                 "" if (change := last_quarter_change(curve[tag])) is None else f"{change:+.4f}"] for tag in curve]
+        lines += [f"**{arm}**", ""] + table(["step", *map(str, steps), "change"], rows) + [""]
+    return lines
 
+
+def length_lines(arms: dict, base: Config) -> list[str]:
     multiples = sorted({float(m) for e in arms.values() for m in e["lengths"]})
-    if len(multiples) > 1:
-        lines += ["## Fine-tuning length", "",
-                  f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
-                  f"fell below its best so far; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its "
-                  f"name ends in -x<multiple> when longer).", ""]
-        rows = []
-        for arm, e in arms.items():
-            rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else
-                                                 (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == e["length"]
-                                                  else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
-        lines += table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
-    ablated = {arm: e["ablation"] for arm, e in arms.items() if "ablation" in e}
-    if ablated:
-        lines += ["## Ablation: every recipe at every seed", "",
-                  f"Test top-1 ({seeds_note}) of every recipe of the grid, not only the pick; the levers differ between "
-                  f"recipes as their keys below say.", ""]
-        names = [*{name: None for a in ablated.values() for name in a}]  # the picks (longer ones included) first
-        lines += table(["recipe", *ablated], [[name, *[percent_with_spread(a[name]) if name in a else "" for a in ablated.values()]]
-                                              for name in names])
-        lines.append("")
+    if len(multiples) <= 1:
+        return []
+    lines = ["## Fine-tuning length", "",
+             f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
+             f"fell below its best so far; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its "
+             f"name ends in -x<multiple> when longer).", ""]
+    rows = []
     for arm, e in arms.items():
-        if not e.get("checkpoints"):
-            continue
-        pre, most = e["pretrain"], max(shots)
-        loss = dict((int(step), value) for step, value in e.get("pretrain_curves", {}).get(VAL_LOSS, []))
-        points = {**{int(step): c for step, c in e["checkpoints"].items()}, pre["steps"]: {"test": e["test"], "frozen": e["frozen"]}}
-        lines += [f"## Pretraining length ({arm})", "",
-                  f"The pick ({e['recipe']}) fine-tuned from earlier checkpoints of the same pretraining (their learning "
-                  f"rate not yet annealed), {seeds_note}; kNN and {most}-shot accuracy of the frozen backbone there.", ""]
-        lines += table(["pretraining steps", "images seen", "val/loss", "kNN cls", "kNN mean", f"{most}-shot cls",
-                        f"{most}-shot mean", "test top-1"],
-                       [[str(step), f"{step * pre['images_seen'] // pre['steps']:,}", f"{loss[step]:.4f}" if step in loss else "",
-                         *[f"{100 * point['frozen'][pool]['knn']:.2f}%" for pool in ("cls", "mean")],
-                         *[f"{100 * point['frozen'][pool]['fewshot'][str(most)]:.1f}%" for pool in ("cls", "mean")],
-                         percent_with_spread(point["test"])] for step, point in sorted(points.items())])
-        lines.append("")
-    if on_dev:
+        rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else
+                                             (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == e["length"]
+                                              else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
+    return lines + table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
+
+
+def ablation_lines(arms: dict, seeds_note: str) -> list[str]:
+    ablated = {arm: e["ablation"] for arm, e in arms.items() if "ablation" in e}
+    if not ablated:
+        return []
+    lines = ["## Ablation: every recipe at every seed", "",
+             f"Test top-1 ({seeds_note}) of every recipe of the grid, not only the pick; the levers differ between "
+             f"recipes as their keys below say.", ""]
+    names = [*{name: None for a in ablated.values() for name in a}]  # the picks (longer ones included) first
+    lines += table(["recipe", *ablated], [[name, *[percent_with_spread(a[name]) if name in a else "" for a in ablated.values()]]
+                                          for name in names])
+    lines.append("")
+    return lines
+
+
+def checkpoint_lines(arm: str, e: dict, shots: list[int], seeds_note: str) -> list[str]:
+    """The pick of `arm` fine-tuned from earlier checkpoints of its pretraining."""
+    pre, most = e["pretrain"], max(shots)
+    loss = dict((int(step), value) for step, value in e.get("pretrain_curves", {}).get(VAL_LOSS, []))
+    points = {**{int(step): c for step, c in e["checkpoints"].items()}, pre["steps"]: {"test": e["test"], "frozen": e["frozen"]}}
+    lines = [f"## Pretraining length ({arm})", "",
+             f"The pick ({e['recipe']}) fine-tuned from earlier checkpoints of the same pretraining (their learning "
+             f"rate not yet annealed), {seeds_note}; kNN and {most}-shot accuracy of the frozen backbone there.", ""]
+    lines += table(["pretraining steps", "images seen", "val/loss", "kNN cls", "kNN mean", f"{most}-shot cls",
+                    f"{most}-shot mean", "test top-1"],
+                   [[str(step), f"{step * pre['images_seen'] // pre['steps']:,}", f"{loss[step]:.4f}" if step in loss else "",
+                     *[f"{100 * point['frozen'][pool]['knn']:.2f}%" for pool in ("cls", "mean")],
+                     *[f"{100 * point['frozen'][pool]['fewshot'][str(most)]:.1f}%" for pool in ("cls", "mean")],
+                     percent_with_spread(point["test"])] for step, point in sorted(points.items())])
+    lines.append("")
+    return lines
+
+
+def grid_lines(report: dict) -> list[str]:
+    """The whole grid's dev top-1 (when picked on a dev split) and every recipe's keys."""
+    arms, grid = report["arms"], report["recipes"]
+    lines = []
+    if report["select_on_dev"]:
         lines += ["## The whole grid (dev top-1; the pick of each arm in bold)", ""]
         lines += table(["recipe", *arms], [[name, *[f"**{100 * e['grid'][name]:.2f}%**" if e["grid_pick"] == name
                                                    else f"{100 * e['grid'][name]:.2f}%" for e in arms.values()]] for name in grid])
     lines += ["", "Recipes (run names under `ft/<arm>/`; keys on top of the plan's `finetune` section):", ""]
     lines += [f"- `{name}`: " + (", ".join(f"{k}={v}" for k, v in recipe.items()) or "the plan's finetune section as it is")
               for name, recipe in grid.items()]
+    return lines
+
+
+def closing_lines(report: dict, cc: CompareConfig, base: Config) -> list[str]:
+    """The compute spent, what the wall time counts, where the curves are, and the paper's numbers."""
+    out = Path(cc.output_dir)
+    evaluated_on = ("the dev split" if report["select_on_dev"] and not report["dev_folds"] else val_shards_name(base))
     runs = {events.parents[2] for events in out.rglob("tensorboard/*/events.out.tfevents*")}  # <run>/tensorboard/<stage>/
-    lines += ["", f"Compute: {len(runs)} training runs under "
-              f"{cc.output_dir}, {training_time(out) / 60:.0f} minutes of training time summed over them (runs side by "
-              f"side each count their own time).",
-              "", f"Wall time: pretraining plus the picked fine-tuning run, from the first to the last logged training step "
-              f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png/svg; every "
-              f"run in TensorBoard (`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]
-    return "\n".join(lines)
+    return ["", f"Compute: {len(runs)} training runs under "
+            f"{cc.output_dir}, {training_time(out) / 60:.0f} minutes of training time summed over them (runs side by "
+            f"side each count their own time).",
+            "", f"Wall time: pretraining plus the picked fine-tuning run, from the first to the last logged training step "
+            f"of each (TensorBoard event times, summed over resumed parts). Curves ({evaluated_on}) in comparison.png/svg; every "
+            f"run in TensorBoard (`tensorboard --logdir {cc.output_dir}`).", "", "## For reference", "", PAPER, ""]

@@ -19,19 +19,27 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch import nn
+from pydantic import Field
 
-from mpp.config import Config
+from mpp.config import Config, SECTION_SOURCES, Section, section_field
 from mpp.data.stream import DataError
 from mpp.evaluation.ridge import LabelledImages
 from mpp.metrics import EVALUATION, TOP1, TOP5, Metric
 from mpp.model.objectives import Objective
 from mpp.training.loop import Evaluator
 from mpp.evaluation.pretext import PretextValidation
-from .fewshot import FewShot
-from .inspection import Inspect
-from .knn import Knn
+from .fewshot import FewShot, FewShotConfig
+from .inspection import Inspect, InspectConfig
+from .knn import Knn, KnnConfig
 from ..run.loaders import eval_batches, labelled
-from .probe import LinearProbe
+from .probe import LinearProbe, ProbeConfig
+
+
+class EvalConfig(Section):
+    every: int = Field(500, ge=0, description="Pretext validation: when data.val_shards is set, pretraining computes its loss and metrics (MPP: val/loss, val/color_acc) on held-out images every N steps and at the end (0 = off).")
+    images: int = Field(512, gt=0, description="Images read from the front of data.val_shards for the pretext validation; the same images and corrupted positions at every evaluation.")
+    batch_size: int = Field(128, gt=0, description="Images per forward pass of the pretext validation.")
+    seed: int = Field(0, description="Seed of the pretext validation's fixed corruption (a private generator, independent of the training run's RNG).")
 
 
 class Evaluate(Protocol):
@@ -53,11 +61,13 @@ class Stage:
 
 @dataclass(frozen=True)
 class Registration:
-    """One evaluator: the stages it runs in, its period in steps from its config section (0: off), its builder."""
+    """One evaluator: the stages it runs in, its period in steps from its config section (0: off), its builder, and
+    its config section as (key, Section class), which the run config then holds (None: it reads others')."""
 
     stages: tuple[str, ...]
     every: Callable[[Config], int]
     build: Callable[[Config, Accelerator, Stage], Evaluate]
+    section: tuple[str, type[Section]] | None = None
 
 
 class TopK:
@@ -122,12 +132,18 @@ class Pretext:
 
 EVALUATORS: dict[str, Registration] = {
     "top1": Registration(("finetune",), lambda cfg: cfg.finetune.eval_every, TopK),
-    "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every, lambda cfg, accelerator, stage: FewShot(cfg, accelerator)),
-    "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: Knn(cfg, accelerator)),
-    "probe": Registration(("pretrain",), lambda cfg: cfg.probe.every, lambda cfg, accelerator, stage: LinearProbe(cfg, accelerator)),
-    "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext),
-    "inspect": Registration(("pretrain", "finetune"), lambda cfg: cfg.inspect.every, lambda cfg, accelerator, stage: Inspect(cfg, accelerator)),
+    "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every, lambda cfg, accelerator, stage: FewShot(cfg, accelerator),
+                            ("fewshot", FewShotConfig)),
+    "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: Knn(cfg, accelerator),
+                        ("knn", KnnConfig)),
+    "probe": Registration(("pretrain",), lambda cfg: cfg.probe.every, lambda cfg, accelerator, stage: LinearProbe(cfg, accelerator),
+                          ("probe", ProbeConfig)),
+    "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext, ("eval", EvalConfig)),
+    "inspect": Registration(("pretrain", "finetune"), lambda cfg: cfg.inspect.every, lambda cfg, accelerator, stage: Inspect(cfg, accelerator),
+                            ("inspect", InspectConfig)),
 }
+SECTION_SOURCES.append(lambda: {key: section_field(section) for key, section in
+                                (r.section for r in EVALUATORS.values() if r.section)})
 
 
 def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tuple[Evaluator, ...]:

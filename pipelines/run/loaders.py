@@ -9,7 +9,9 @@ import torch
 from accelerate import Accelerator
 
 from mpp.config import Config, ConfigError
-from mpp.data.stream import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
+from mpp.training.runtime import data_workers
+from mpp.data.stream import Batch, DataError, EvalTransform, StreamState, TrainTransform, label_space, make_loader, shared_label_names
+from mpp.data.readers import expand_shards
 from mpp.errors import command
 from mpp.evaluation.ridge import FewShotError, LabelledImages
 from mpp.model.vit import VisionTransformer
@@ -17,13 +19,14 @@ from mpp.data.randaugment import RandAugment
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import SUMMARY, shard_summary
 from mpp.data.shards import synthetic_samples, write_shards
+from mpp.data.synthetic import is_synthetic
 
 SYNTHETIC_ROOT = Path("data")
 
 
 def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
     """'synthetic' is the embedded corpus, generated once (by the main process) under data/."""
-    if spec == "synthetic":
+    if is_synthetic(spec):
         out = SYNTHETIC_ROOT / f"synthetic-{cfg.data.synthetic_size}"
         with accelerator.main_process_first():
             if accelerator.is_main_process and not (out / SUMMARY).is_file():
@@ -53,7 +56,7 @@ def with_run_length(cfg: Config) -> Config:
 def training_samples(cfg: Config) -> int:
     """The training set's size, for train.epochs: the samples of the summary.json beside data.shards (`prepare`
     writes it), or of the embedded corpus."""
-    if cfg.data.shards == "synthetic":
+    if is_synthetic(cfg.data.shards):
         return cfg.data.synthetic_size
     summary = shard_summary(expand_shards(cfg.data.shards))
     if summary is None or summary.samples is None:
@@ -64,8 +67,9 @@ def training_samples(cfg: Config) -> int:
 
 
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
+    data = cfg.data.model_copy(update={"num_workers": data_workers(cfg.data.num_workers)})  # auto, resolved here
     return make_loader(
-        urls, cfg.data, train_transform(cfg), cfg.train.batch_size,
+        urls, data, train_transform(cfg), cfg.train.batch_size,
         rank=accelerator.process_index, world=accelerator.num_processes, seed=cfg.train.seed,
         pin_memory=accelerator.device.type == "cuda", state=state, labels=labels,
         class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)

@@ -39,8 +39,7 @@ def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
     train_cfg = cfg.train.for_processes(process_state().num_processes)
     accelerator = make_accelerator(train_cfg, cfg.output_dir)
     set_seed(train_cfg.seed, device_specific=per_process_seed)
-    global_batch = train_cfg.batch_size * accelerator.num_processes * train_cfg.grad_accum
-    return Run(accelerator, cfg.model_copy(update={"train": train_cfg}, deep=True), global_batch)
+    return Run(accelerator, cfg.model_copy(update={"train": train_cfg}, deep=True), train_cfg.global_batch(accelerator.num_processes))
 
 
 def run_settings(accelerator: Accelerator, cfg: Config, global_batch: int) -> str:

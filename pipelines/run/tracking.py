@@ -11,18 +11,20 @@ from accelerate import Accelerator
 from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
-from mpp.config import Config, config_to_yaml, dotted
+from mpp.config import Config, Section, config_schema, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
 from mpp.rundir import CONFIG, checkpoint_step
+from mpp.model.objectives import CLASSIFICATION_SETTINGS, OBJECTIVES
 
-# HParams' columns: the few settings that tell runs apart (the whole config is under Text and in config.yaml). One
-# list for every stage, as TensorBoard takes the columns from one run of the logdir; a run leaves blank what does not
-# apply to it (mpp.* outside MPP pretraining, train.label_smoothing outside classification). TensorBoard ticks the
-# first five by name, the model's shape here.
-HPARAMS = ("objective", "model.name", "model.width", "model.depth", "model.patch_size", "model.image_size",
-           "train.optimizer", "train.lr", "train.global_batch_size", "train.steps", "train.layer_decay",
-           "train.label_smoothing", "mpp.target", "mpp.masking", "mpp.corrupt_rate")
-CLASSIFICATION_OBJECTIVES = ("supervised", "classification")
+
+def hparam_columns() -> tuple[str, ...]:
+    """HParams' columns: the few settings that tell runs apart (the whole config is under Text and in config.yaml), as
+    each section declares them (`Section.hparams`), section by section after `objective`. One list for every stage,
+    as TensorBoard takes the columns from one run of the logdir; a run leaves blank what does not apply to it
+    (`applies`). TensorBoard ticks the first five by name, the model's shape here."""
+    sections = [(name, field.annotation) for name, field in config_schema().model_fields.items()
+                if isinstance(field.annotation, type) and issubclass(field.annotation, Section)]
+    return ("objective", *(f"{name}.{key}" for name, section in sections for key in section.hparams))
 
 
 def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics: list[Metric],
@@ -52,8 +54,7 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     saved.write_text("".join(notes) + text)
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("config", f"```\n{text}\n```")
-    global_batch = cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum
-    columns, values = run_hparams(cfg, stage_objective(cfg, run_name), global_batch)
+    columns, values = run_hparams(cfg, stage_objective(cfg, run_name), cfg.train.global_batch(accelerator.num_processes))
     for summary in hparams_summaries(columns, values, [m.tag for m in metrics if m.headline]):
         writer.file_writer.add_summary(summary)
     writer.add_custom_scalars({category: {title: ["Multiline", tags] for title, tags in group.items()}
@@ -87,24 +88,24 @@ def stage_objective(cfg: Config, stage: str) -> str:
 
 
 def run_hparams(cfg: Config, objective: str, global_batch: int) -> tuple[dict, dict]:
-    """HParams of a run training `objective` under `cfg`: (every HPARAMS column with the value the run's config gives
+    """HParams of a run training `objective` under `cfg`: (every HParams column (hparam_columns) with the value the run's config gives
     it, which also sets the column's type; the columns that apply to the run). The model's width and depth are its
     resolved ones, train.global_batch_size the images per optimiser step over all processes."""
     values = {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
               for key, value in dotted(cfg.model_dump(mode="json")).items()}
     values.update({"objective": objective, "model.width": cfg.model.variant.width, "model.depth": cfg.model.variant.depth,
                    "train.global_batch_size": global_batch})
-    columns = {key: values[key] for key in HPARAMS}
+    columns = {key: values[key] for key in hparam_columns()}
     return columns, {key: value for key, value in columns.items() if applies(key, objective)}
 
 
 def applies(key: str, objective: str) -> bool:
-    """Whether the setting `key` changes what a run training `objective` does."""
-    if key.startswith("mpp."):
-        return objective == "mpp"
-    if key == "train.label_smoothing":
-        return objective in CLASSIFICATION_OBJECTIVES
-    return True
+    """Whether the setting `key` changes what a run training `objective` does: it does unless some objectives declare
+    it theirs alone (their section, or `ObjectiveKind.reads`) and `objective` is not one of them. Fine-tuning's
+    "classification" reads what supervised pretraining does."""
+    owned = {name: kind.settings() for name, kind in OBJECTIVES.items()} | {"classification": CLASSIFICATION_SETTINGS}
+    owners = [name for name, keys in owned.items() if any(key.startswith(k) if k.endswith(".") else key == k for k in keys)]
+    return not owners or objective in owners
 
 
 def hparam_kind(value: bool | int | float | str) -> tuple[str, str]:

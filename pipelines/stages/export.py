@@ -9,13 +9,14 @@ from pathlib import Path
 
 from mpp.model.checkpoint import classifier_head, load_backbone, resolve_checkpoint, run_files_in
 from mpp.config import Config
-from mpp.data.stream import DataError, expand_shards
+from mpp.data.stream import DataError
+from mpp.data.readers import expand_shards
 from mpp.data.shardformat import ShardSummary, shard_summary
 from mpp.model.hf import ExportError, export_hf
 from mpp.model.vit import VisionTransformer
 from mpp.model.objectives import OBJECTIVES
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long, OutputNotWritten, staged
-from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
+from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES, is_synthetic
 from ..run.invocation import command_line
 from ..run.run_policy import check_writable
 
@@ -81,7 +82,7 @@ def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
 
 def class_names(cfg: Config) -> dict[int, str] | None:
     """Class names from the summary.json that `mpp prepare` wrote beside the training shards, if any."""
-    if cfg.data.shards == "synthetic":
+    if is_synthetic(cfg.data.shards):
         return dict(enumerate(SYNTHETIC_CLASS_NAMES))
     summary = shards_summary(cfg)
     return dict(enumerate(summary.class_names)) if summary and summary.class_names else None

@@ -1,0 +1,305 @@
+"""How samples come off the disk: one `Reader` per on-disk format, chosen from `data.shards` (READERS).
+
+The training stream (`mpp.data.ShardStream`) splits a data set into units, which it calls shards: the files a tar
+set has, the images of an image folder, the files of a Parquet set. It hands the units of each rank and worker
+to `read_samples`, which reads each through its reader; everything else (the split over ranks and workers, the
+shuffle, the resume position, skip counting, the loss estimate of a unit that could not be read to its end) is the
+stream's, the same for every format.
+
+The contract of a reader (a `Reader` subclass and one line in READERS, placed before `tar`, which takes whatever is
+left: brace patterns, URLs, `pipe:` commands):
+
+- `claims(spec)`: whether `data.shards=spec` is its kind of data set; `expand(spec)` -> its units (paths);
+- `reads(url)`: whether a unit is its kind (a stream reads each unit through the reader that reads it);
+- `samples(url, end)`: the unit's samples, each {"__key__": a key unique in the unit, "__url__": url, the image
+  under one of IMAGE_KEYS as bytes, optionally the label under "cls" (an integer id or a class name, as text)},
+  counting `end.samples` (and `end.good_bytes` where it can); what a damaged or unreadable unit raises is one of its
+  `errors`, which end the unit with `ShardEnd.damage` (counted as unreadable_shard samples); a sample whose image
+  does not decode is left to the stream, which skips it as undecodable_image;
+- `label_members(url)`: {"__key__", "cls"} of each labelled sample, without reading images (label scans);
+- `misplaced_label(url, key, neighbours)`: why an image without a label has none when its label is elsewhere.
+
+Shards stay the better choice for large sets and for object stores: a tar is read in one sequential stream (a
+folder costs an open per image), over any URL or `pipe:` command (the folder and Parquet readers read local paths),
+with summary.json's counts beside it (epochs, loss estimates) and no metadata scan at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tarfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from glob import glob
+
+from braceexpand import braceexpand
+from webdataset.tariterators import base_plus_ext
+
+from mpp.errors import DataError, command
+from mpp.data.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote
+from mpp.data.tars import READ_ERRORS, ShardEnd, members_apart, open_shard, tar_samples
+
+
+class Reader(ABC):
+    """One on-disk format of a data set (the module's docstring gives the contract)."""
+
+    errors: tuple[type[BaseException], ...] = READ_ERRORS
+
+    @abstractmethod
+    def claims(self, spec: str) -> bool: ...
+
+    @abstractmethod
+    def expand(self, spec: str) -> list[str]: ...
+
+    @abstractmethod
+    def reads(self, url: str) -> bool: ...
+
+    @abstractmethod
+    def samples(self, url: str, end: ShardEnd) -> Iterator[dict]: ...
+
+    @abstractmethod
+    def label_members(self, url: str) -> Iterator[dict]: ...
+
+    def misplaced_label(self, url: str, key: str, neighbours: list[str]) -> str | None:
+        return None
+
+
+class TarReader(Reader):
+    """WebDataset tars (mpp.shardformat), local or streamed (mpp.tars): a directory of them, a brace pattern, URLs or
+    `pipe:` commands, several joined by '::'."""
+
+    def claims(self, spec: str) -> bool:
+        return True
+
+    def reads(self, url: str) -> bool:
+        return True
+
+    def expand(self, spec: str) -> list[str]:
+        if os.path.isdir(spec):
+            shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
+            if not shards:
+                raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files, no .parquet files "
+                                f"and no images; write shards into it with `{command(f'prepare SOURCE --out {spec}')}`")
+            check_local_shards(shards)
+            return shards
+        shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
+        if not shards:
+            raise DataError(f"shard spec '{spec}' names no shards; pass a directory, a brace pattern or URLs")
+        check_local_shards([s for s in shards if not is_remote(s)])
+        return shards
+
+    def samples(self, url: str, end: ShardEnd) -> Iterator[dict]:
+        with open_shard(url) as stream:
+            yield from tar_samples(stream, end)
+
+    def label_members(self, url: str) -> Iterator[dict]:
+        """{"__key__": key, "cls"|"json"|"txt": bytes} per labelled sample of a local tar, skipping the image members."""
+        sample: dict = {"__key__": None}
+        try:
+            with tarfile.open(url) as tar:
+                for member in tar:
+                    key, ext = base_plus_ext(member.name)  # as webdataset splits it: the key ends at the first dot
+                    if key != sample["__key__"]:
+                        if len(sample) > 1:
+                            yield sample
+                        sample = {"__key__": key}
+                    if member.isreg() and ext and ext.lower() in LABEL_KEYS:
+                        sample[ext.lower()] = tar.extractfile(member).read()
+        except READ_ERRORS:
+            pass  # an unreadable shard is the stream's to count
+        if len(sample) > 1:
+            yield sample
+
+    def misplaced_label(self, url: str, key: str, neighbours: list[str]) -> str | None:
+        """Where sample `key` of shard `url`, an image without a label, has its label in the wrong place: a member of
+        the same shard not next to the image, or of a `neighbours` shard (local shards only); else None."""
+        if is_remote(url):
+            return None
+        if key in labelled_keys(url):
+            return members_apart(url, key, "its label is not next to its image")
+        holder = next((other for other in neighbours if not is_remote(other) and key in labelled_keys(other)), None)
+        return members_apart(url, key, f"its image is here and its label in {holder}") if holder else None
+
+
+@functools.lru_cache(maxsize=16)
+def labelled_keys(url: str) -> frozenset[str]:
+    """The keys of a local shard's members that hold a label, from the tar headers alone."""
+    keys = set()
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                key, ext = base_plus_ext(member.name)
+                if key is not None and ext.lower() in LABEL_KEYS:
+                    keys.add(key)
+    except READ_ERRORS:
+        pass  # an unreadable shard is the stream's to count
+    return frozenset(keys)
+
+
+def check_local_shards(paths: list[str]) -> None:
+    """Each path is a readable file: a directory, a dangling or looping link or a missing file is named, not streamed."""
+    problems = {
+        "does not exist": [p for p in paths if not os.path.lexists(p)],
+        "is a symbolic link to nothing (dangling, or a loop)": [p for p in paths if os.path.islink(p) and not os.path.exists(p)],
+        "is a directory, not a tar file": [p for p in paths if os.path.isdir(p)],
+        "cannot be read (permissions)": [p for p in paths if os.path.isfile(p) and not os.access(p, os.R_OK)],
+    }
+    for problem, found in problems.items():
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise DataError(f"shard {found[0]}{more} {problem}; check data.shards or create the shards with `{command('prepare')}`")
+
+
+IMAGE_SUFFIXES = tuple(f".{ext}" for ext in IMAGE_KEYS)
+
+
+class ImageFolderReader(Reader):
+    """A directory of images read as they are, as torchvision's ImageFolder reads it: the class of an image is the
+    name of the folder it is in (class = sub-folder). Each image is a unit of one sample, so ranks and workers split
+    the images themselves; its key is its folder's name and its file name without the suffix."""
+
+    def claims(self, spec: str) -> bool:
+        return os.path.isdir(spec) and not _holds_shards(spec) and bool(self._images(spec))
+
+    def reads(self, url: str) -> bool:
+        return url.lower().endswith(IMAGE_SUFFIXES) and not is_remote(url)
+
+    def expand(self, spec: str) -> list[str]:
+        return self._images(spec)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def _images(spec: str) -> list[str]:
+        found = (os.path.join(top, name) for top, _, names in os.walk(spec, followlinks=True) for name in names)
+        return sorted(path for path in found if path.lower().endswith(IMAGE_SUFFIXES))
+
+    def samples(self, url: str, end: ShardEnd) -> Iterator[dict]:
+        with open(url, "rb") as file:
+            data = file.read()
+        end.good_bytes = len(data)
+        yield {**self._labelled(url), "__url__": url, os.path.splitext(url)[1][1:].lower(): data}
+        end.samples = 1
+
+    def label_members(self, url: str) -> Iterator[dict]:
+        sample = self._labelled(url)
+        if "cls" in sample:
+            yield sample
+
+    @staticmethod
+    def _labelled(url: str) -> dict:
+        folder, name = os.path.split(url)
+        key = os.path.join(os.path.basename(folder), os.path.splitext(name)[0])
+        return {"__key__": key, "cls": os.path.basename(folder).encode()}
+
+
+def _holds_shards(directory: str) -> bool:
+    return any(glob(os.path.join(directory, f"*{suffix}")) for suffix in SHARD_SUFFIXES)
+
+
+PARQUET_IMAGE_COLUMNS = ("image", "img")  # where a Parquet set's image is, in this order (else its one binary column)
+PARQUET_LABEL_COLUMNS = ("label", "labels", "fine_label", "cls")  # and its label, if it has one
+
+
+class ParquetReader(Reader):
+    """A directory of Parquet files (searched recursively) or one file, as the Hugging Face Hub stores image data
+    sets: an image column (`image` or `img`, else the only binary one) holding the encoded image as bytes or as a
+    {bytes, path} struct, and optionally a label column (`label`, `labels`, `fine_label` or `cls`) of class ids or
+    names. Each file is a unit; its samples are its rows, keyed by their index in the file."""
+
+    BATCH_ROWS = 256  # rows decoded from Parquet at a time
+
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]:
+        import pyarrow
+
+        return (*READ_ERRORS, pyarrow.ArrowException)
+
+    def claims(self, spec: str) -> bool:
+        return spec.endswith(".parquet") and os.path.isfile(spec) or (os.path.isdir(spec) and not _holds_shards(spec)
+                                                                       and bool(self._files(spec)))
+
+    def reads(self, url: str) -> bool:
+        return url.endswith(".parquet") and not is_remote(url)
+
+    def expand(self, spec: str) -> list[str]:
+        return [spec] if os.path.isfile(spec) else self._files(spec)
+
+    @staticmethod
+    def _files(spec: str) -> list[str]:
+        return sorted(glob(os.path.join(spec, "**", "*.parquet"), recursive=True))
+
+    def samples(self, url: str, end: ShardEnd) -> Iterator[dict]:
+        for index, (image, label) in enumerate(self._rows(url, images=True)):
+            sample = {"__key__": f"{index:08d}", "__url__": url, "jpg": image}  # PIL tells the format from the bytes
+            yield sample if label is None else {**sample, "cls": str(label).encode()}
+            end.samples += 1
+
+    def label_members(self, url: str) -> Iterator[dict]:
+        try:
+            for index, (_, label) in enumerate(self._rows(url, images=False)):
+                if label is not None:
+                    yield {"__key__": f"{index:08d}", "cls": str(label).encode()}
+        except self.errors:
+            pass  # an unreadable file is the stream's to count
+
+    def _rows(self, url: str, images: bool) -> Iterator[tuple[bytes | None, int | str | None]]:
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(url)
+        image, label = parquet_columns(file.schema_arrow, url)
+        columns = [c for c in ((image if images else None), label) if c]
+        for batch in file.iter_batches(batch_size=self.BATCH_ROWS, columns=columns):
+            rows = batch.to_pydict()
+            labels = rows[label] if label else [None] * batch.num_rows
+            pictures = rows[image] if images else [None] * batch.num_rows
+            for picture, value in zip(pictures, labels):
+                yield (picture.get("bytes") if isinstance(picture, dict) else picture), value
+
+
+def parquet_columns(schema, url: str) -> tuple[str, str | None]:
+    """(image column, label column or None) of a Parquet file's `schema`."""
+    import pyarrow as pa
+
+    names = schema.names
+    binary = [f.name for f in schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
+              or (pa.types.is_struct(f.type) and f.type.get_field_index("bytes") >= 0)]
+    image = next((n for n in PARQUET_IMAGE_COLUMNS if n in names), binary[0] if len(binary) == 1 else None)
+    if image is None:
+        raise DataError(f"Parquet file {url} has no image column: none is called {' or '.join(PARQUET_IMAGE_COLUMNS)} "
+                        f"and {len(binary)} hold bytes ({', '.join(binary) or 'none'}); name the image column 'image'")
+    return image, next((n for n in PARQUET_LABEL_COLUMNS if n in names), None)
+
+
+# The readers, by name, in the order they are asked whether a data set is theirs: tar last, as it takes the rest.
+READERS: dict[str, Reader] = {"parquet": ParquetReader(), "images": ImageFolderReader(), "tar": TarReader()}
+
+
+def reader_for(spec: str) -> Reader:
+    """The reader of `data.shards=spec`."""
+    return next(reader for reader in READERS.values() if reader.claims(spec))
+
+
+def reader_of(url: str) -> Reader:
+    """The reader of one unit."""
+    return next(reader for reader in READERS.values() if reader.reads(url))
+
+
+def expand_shards(spec: str) -> list[str]:
+    """A data set's units: a directory (of tars, Parquet files or images), a brace pattern, URLs or `pipe:` commands
+    (several joined by '::')."""
+    return reader_for(spec).expand(spec)
+
+
+def read_samples(urls: Iterable[str], on_end: Callable[[ShardEnd], None]) -> Iterator[dict]:
+    """Each unit's samples in turn, each through its reader, telling `on_end` how each unit ended.
+
+    Only what its reader names as a damaged or unreadable unit's errors ends a unit early; any other exception goes on up.
+    """
+    for url in urls:
+        reader, end = reader_of(url), ShardEnd(url)
+        try:
+            yield from reader.samples(url, end)
+        except reader.errors as exc:
+            end.damage = str(exc) or type(exc).__name__
+        on_end(end)

@@ -1,0 +1,9 @@
+"""Every built-in part with settings of its own, imported so that each registry adds its parts' config sections to
+the run config (mpp.config.SECTION_SOURCES): the objectives and their targets, the readers, the evaluators.
+
+Whatever reads or shows a run config imports this first: the command line (--help lists every key), the stages
+through it, and the tests (conftest). A registry of new parts is one more import here.
+"""
+
+import mpp.model.objectives  # noqa: F401  (objective=, the mpp section and the targets' settings)
+from .evaluations import evaluators# noqa: F401  (the evaluators' sections: fewshot, knn, probe, eval, inspect)

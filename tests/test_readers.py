@@ -1,0 +1,134 @@
+"""Readers other than tars: an image folder (class = sub-folder) and a directory of Parquet files (the Hugging Face
+Hub's layout), streamed with the split, resume, skip counting and damage handling the tar shards have."""
+
+import io
+import itertools
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from mpp.config import DataConfig, load_config
+from mpp.data.stream import EvalTransform, StreamState, TrainTransform, label_space, make_loader
+from mpp.data.readers import expand_shards
+from mpp.data.readers import READERS, reader_for
+from mpp.data.synthetic import synthetic_image
+from pipelines.stages import pretrain
+
+from conftest import TINY
+
+NAMES = ("circle", "square", "stripes")
+
+
+def jpeg(index: int, size: int = 24) -> tuple[bytes, int]:
+    image, label = synthetic_image(index, size)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue(), label % len(NAMES)
+
+
+def image_folder(root, count: int) -> str:
+    """`count` JPEGs in one sub-folder per class name."""
+    for i in range(count):
+        data, label = jpeg(i)
+        (root / NAMES[label]).mkdir(parents=True, exist_ok=True)
+        (root / NAMES[label] / f"{i:04d}.jpg").write_bytes(data)
+    return str(root)
+
+
+def parquet_files(root, counts: list[int], struct: bool = True) -> str:
+    """Parquet files as the Hub stores them (data/train-0000k-of-0000n.parquet), an image column of {bytes, path}
+    structs (or plain bytes) and an integer label column."""
+    (root / "data").mkdir(parents=True)
+    index = 0
+    for k, count in enumerate(counts):
+        images, labels = [], []
+        for _ in range(count):
+            data, label = jpeg(index)
+            images.append({"bytes": data, "path": f"{index}.jpg"} if struct else data)
+            labels.append(label)
+            index += 1
+        pq.write_table(pa.table({"image": images, "label": labels}), root / "data" / f"train-{k:05d}-of-{len(counts):05d}.parquet",
+                       row_group_size=4)
+    return str(root)
+
+
+def data_set(kind: str, tmp_path, total: int = 43) -> str:
+    return image_folder(tmp_path / "folder", total) if kind == "folder" else parquet_files(tmp_path / "pq", [9, 8, 7, 10, 9])
+
+
+def ids(loader) -> list[bytes]:
+    return [bytes(img.flatten().tolist()) for batch in loader for img in batch.images]
+
+
+@pytest.mark.parametrize("kind", ["folder", "parquet"])
+def test_each_sample_once_per_pass_across_ranks_and_workers_with_labels(kind, tmp_path):
+    spec = data_set(kind, tmp_path)
+    assert reader_for(spec) is READERS["images" if kind == "folder" else "parquet"]
+    urls = expand_shards(spec)
+    one = make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 5, one_pass=True)
+    everything = ids(one)
+    assert len(everything) == 43 and len(set(everything)) == 43
+    seen = []
+    for rank in range(2):
+        seen += ids(make_loader(urls, DataConfig(num_workers=2, shuffle_buffer=10), EvalTransform(8), 5, rank=rank,
+                                world=2, one_pass=True))
+    assert sorted(seen) == sorted(everything)
+    batch = next(iter(make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 43, one_pass=True)))
+    expected = [jpeg(i)[1] for i in range(43)]
+    if kind == "folder":  # class names, ids by sorted name as ImageFolder gives them
+        assert label_space(tuple(urls)).class_names == NAMES
+        assert sorted(batch.labels.tolist()) == sorted(expected)
+    else:
+        assert label_space(tuple(urls)).count == 3 and batch.labels.tolist() == expected
+
+
+@pytest.mark.parametrize("kind,resampled", [("folder", True), ("folder", False), ("parquet", True), ("parquet", False)])
+def test_stream_restarts_exactly_where_it_stopped(kind, resampled, tmp_path):
+    urls = expand_shards(data_set(kind, tmp_path))
+    data = DataConfig(num_workers=2, resampled=resampled, shuffle_buffer=6)
+    full = [b.images for b in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3), 15)]
+    state = StreamState()
+    for batch in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3), 7):
+        state.advance(batch)
+    restored = StreamState()
+    restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
+    rest = [b.images for b in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3, state=restored), 8)]
+    assert len(rest) == 8 and all(torch.equal(a, b) for a, b in zip(full[7:], rest))
+
+
+def test_damaged_images_and_files_are_skipped_and_counted(tmp_path):
+    folder = tmp_path / "folder"
+    image_folder(folder, 10)
+    (folder / "circle" / "garbled.jpg").write_bytes(b"not an image")
+    (folder / "square" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")  # listed, cannot be read
+    pq_root = tmp_path / "pq"
+    parquet_files(pq_root, [6, 6])
+    whole = (pq_root / "data" / "train-00001-of-00002.parquet").read_bytes()
+    (pq_root / "data" / "train-00001-of-00002.parquet").write_bytes(whole[: len(whole) // 2])  # cut short
+    for spec, usable, counted in ((folder, 10, {"undecodable_image": 1, "unreadable_shard": 1}),
+                                  (pq_root, 6, {"unreadable_shard": 6})):
+        loader = make_loader(expand_shards(str(spec)), DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 100,
+                             one_pass=True)
+        with pytest.warns(UserWarning):
+            batches = list(loader)
+        assert sum(len(b.images) for b in batches) == usable
+        skipped = sum((b.skipped for b in batches), start=type(batches[0].skipped)())
+        assert dict(skipped) == counted, spec
+
+
+def test_plain_bytes_image_column_is_read(tmp_path):
+    urls = expand_shards(parquet_files(tmp_path / "pq", [5], struct=False))
+    batch = next(iter(make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 5, one_pass=True)))
+    assert batch.images.shape == (5, 3, 8, 8) and batch.keys[0] == "train-00000-of-00001.parquet/00000000"
+
+
+def test_supervised_pretraining_reads_an_image_folder_without_prepare(tmp_path):
+    # data.shards=<a folder of class sub-folders>: the labels are the folder names, no prepare, no summary.json.
+    folder = image_folder(tmp_path / "folder", 24)
+    results = pretrain.run(load_config(None, [f"data.shards={folder}", f"output_dir={tmp_path / 'run'}", *TINY,
+                                              "objective=supervised", "train.steps=2", "train.warmup_steps=1",
+                                              "train.batch_size=4"]))
+    assert "train/accuracy" in results["final"]
