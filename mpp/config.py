@@ -13,9 +13,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError, command
-from mpp.model import Variant, parse_model_name, resolve_variant
-from mpp.objectives import OBJECTIVES
-from mpp.targets import TARGETS
+from mpp.variants import Variant, parse_model_name, resolve_variant
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
@@ -120,6 +118,8 @@ class MPPConfig(Section):
     @field_validator("target")
     @classmethod
     def _known_target(cls, target: str) -> str:
+        from mpp.targets import TARGETS  # here, not at the top: the registries load torch, which --help must not wait for
+
         return one_of("mpp.target", target, TARGETS)
 
     @model_validator(mode="after")
@@ -329,12 +329,16 @@ class Config(Section):
     @field_validator("objective")
     @classmethod
     def _known_objective(cls, objective: str) -> str:
+        from mpp.objectives import OBJECTIVES  # (as TARGETS above)
+
         return one_of("objective", objective, OBJECTIVES)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
         if self.objective != "mpp":
             return self
+        from mpp.targets import TARGETS
+
         bits = self.mpp.color_bits
         outputs = TARGETS[self.mpp.target].from_settings(self.model.patch_size, self.mpp).outputs  # raises for a patch size it cannot use
         width = self.model.variant.width

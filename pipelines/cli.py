@@ -5,6 +5,7 @@ STAGE ...` in a checkout)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shutil
 import sys
@@ -21,8 +22,6 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.runtime import compile_failure, out_of_memory  # noqa: E402
-from mpp.train import Preempted  # noqa: E402
 
 
 def shipped_configs() -> Path:
@@ -137,8 +136,37 @@ def class_name_list(text: str) -> list[str]:
     return [line.strip() for line in lines if line.strip()]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" names the config key a `--name value` meant."""
+
+    argv: list[str] = []  # the command line parsed, for the hint
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            message += flag_hint(message.removeprefix("unrecognized arguments:").split(), self.argv)
+        super().error(message)
+
+
+def flag_hint(unknown: list[str], argv: list[str]) -> str:
+    """For the first `--name value` (or `--name=value`) among `unknown` (what follows it in `argv` is its value): the
+    config keys it may mean, written as the key=value override they take; '' if none is close."""
+    keys = [key for key, _, _ in config_reference()]
+    for token in unknown:
+        if not token.startswith("--"):
+            continue
+        name, _, value = token[2:].partition("=")
+        after = argv[argv.index(token) + 1:] if token in argv else []
+        value = value or (after[0] if after and not after[0].startswith("-") and "=" not in after[0] else "VALUE")
+        name = name.replace("-", "_")
+        matches = [key for key in keys if key.rsplit(".", 1)[-1] == name] or difflib.get_close_matches(name, keys, n=2)
+        if matches:
+            return f"; config keys are set as key=value, not as flags: {' or '.join(f'{key}={value}' for key in matches)}"
+    return ""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = Parser(description=__doc__)
+    Parser.argv = argv
     parser.add_argument("--list-configs", action=ListConfigs)
     stages = parser.add_subparsers(dest="stage", required=True)
 
@@ -210,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage in RUN_CONFIG_STAGES:
             cfg = run_config(args)
             if args.print_config:
-                print(config_to_yaml(cfg), end="")
+                print(printed_config(args.stage, cfg), end="")
                 return 0
         if args.stage == "pretrain":
             from . import pretrain
@@ -259,9 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         end_process()
     except UserError as err:
         return fail(one_line(err))
-    except Preempted as stop:
-        print(stop, file=sys.stderr)
     except Exception as err:
+        # Imported here: they load torch, which --help, --print-config and a mistyped command must not wait for.
+        from mpp.runtime import compile_failure, out_of_memory
+        from mpp.train import Preempted
+
+        if isinstance(err, Preempted):
+            print(err, file=sys.stderr)
+            return 0
         if compile_failure(err):
             return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
                         f"train without it")
@@ -270,6 +303,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"a smaller mpp.target / mpp.color_bits")
         raise
     return 0
+
+
+def printed_config(stage: str, cfg: Config) -> str:
+    """--print-config's YAML: fine-tuning trains a classifier whatever `objective` says (the pretraining objective),
+    so its config is shown without that key."""
+    if stage != "finetune":
+        return config_to_yaml(cfg)
+    return OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in cfg.model_dump(mode="json").items() if k != "objective"}))
 
 
 def fail(message: str) -> int:
