@@ -115,7 +115,8 @@ def write_shards(
     try:
         out.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".partial-shards-", dir=out))
-        count, labels, files = _write_tars(chain([first], stream), staging / f"{prefix}-%06d.tar", samples_per_shard)
+        tally = Tally()
+        count, labels, files = _write_tars(tally.counted(chain([first], stream)), staging / f"{prefix}-%06d.tar", samples_per_shard)
         summary = {
             "samples": count,
             "classes": len(labels),
@@ -128,6 +129,7 @@ def write_shards(
         }
         if isinstance(samples, Source) and samples.class_names is not None:
             summary["class_names"] = samples.class_names
+        summary.update(tally.summary())
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     except BaseException as exc:
         bar.close()  # ends its line, so an error message gets one of its own
@@ -148,6 +150,30 @@ def write_shards(
         os.replace(staging / file, out / file)
     staging.rmdir()
     return summary
+
+
+class Tally:
+    """What summary.json says of the images and labels written, besides their count: the images' short sides (min,
+    median, max: a run compares its training resolution with them) and the images per class (a run's majority-class
+    baseline). Reads each image's header only."""
+
+    def __init__(self) -> None:
+        self.short_sides: list[int] = []
+        self.per_class: dict[int, int] = {}
+
+    def counted(self, samples: Iterable[Sample]) -> Iterator[Sample]:
+        for sample in samples:
+            with contextlib.suppress(OSError, ValueError):  # the reader decides what an unreadable image is
+                self.short_sides.append(min(Image.open(io.BytesIO(sample.image)).size))
+            if sample.label is not None:
+                self.per_class[sample.label] = self.per_class.get(sample.label, 0) + 1
+            yield sample
+
+    def summary(self) -> dict:
+        sides = sorted(self.short_sides)
+        sizes = {"image_short_side": {"min": sides[0], "median": sides[len(sides) // 2], "max": sides[-1]}} if sides else {}
+        counts = [self.per_class.get(label, 0) for label in range(max(self.per_class) + 1)] if self.per_class else None
+        return {**sizes, **({"class_counts": counts} if counts else {})}
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # write errors that say the disk (or a quota) is full
