@@ -3,7 +3,7 @@
     output_dir/
       config.yaml                   the settings in force, with a comment line per resume that changed some
       results.json                  the stage's final metrics and the command that ran it
-      predictions.json              fine-tuning: its last evaluation's top-1 hit (1 or 0) for each image, by key
+      predictions.json              fine-tuning: its last evaluation, image by image: label, top-1 class, 1 or 0 if right
       started_from.json             a fine-tuning's starting point (--ckpt and its weights' sha256), written as it starts
       model.safetensors             the exported weights (the objective's export_weights())
       tensorboard/<stage>/          event files
@@ -24,7 +24,7 @@ from pathlib import Path
 
 CONFIG = "config.yaml"
 RESULTS = "results.json"
-PREDICTIONS = "predictions.json"  # a fine-tuning's last evaluation, image by image: {sample key: 1 if right}
+PREDICTIONS = "predictions.json"  # a fine-tuning's last evaluation: {sample key: {"label", "predicted", "correct": 1 or 0}}
 STARTED_FROM = "started_from.json"
 WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
 TENSORBOARD = "tensorboard"

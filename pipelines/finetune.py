@@ -3,6 +3,7 @@ shards and evaluated on held-out ones, as in the ViT paper's transfer experiment
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from mpp.config import Config, ConfigError
 from mpp.data import BadLabel, DataError, LabelReader, label_members
 from mpp.metrics import TOP1, TOP5
 from mpp.rundir import PREDICTIONS
-from mpp.shardformat import is_remote
+from mpp.shardformat import is_remote, shard_summary
 from mpp.model import build_backbone
 from mpp.objectives import Classification, batch_mixing, finetuning_head
 from mpp.train import Evaluator
@@ -25,11 +26,11 @@ from .start import Run
 
 class History:
     """(step, top-1) of every evaluation, checkpointed, so a resumed run reports the whole curve; and the last
-    evaluation's per-image hits (what predictions.json holds)."""
+    evaluation's per-image label and top-1 class (what predictions.json holds)."""
 
     def __init__(self) -> None:
         self.points: list[list[float]] = []
-        self.predictions: dict[str, bool] = {}
+        self.classified: dict[str, tuple[int, int]] = {}
 
     def state_dict(self) -> dict:
         return {"points": self.points}
@@ -43,10 +44,34 @@ class History:
             scores = evaluator.run(module, step)
             if TOP1 in scores:
                 self.points.append([step, scores[TOP1]])
-                self.predictions = evaluator.run.predictions
+                self.classified = evaluator.run.classified
             return scores
 
-        return Evaluator(evaluator.every, run, evaluator.metrics)
+        return Evaluator(evaluator.every, run, evaluator.metrics, evaluator.baselines)
+
+
+def prediction_records(classified: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
+    """predictions.json: {sample key: {"label": its class id, "predicted": the top-1 class id, "correct": 1 or 0}}."""
+    return {key: {"label": label, "predicted": predicted, "correct": int(label == predicted)}
+            for key, (label, predicted) in sorted(classified.items())}
+
+
+def training_class_counts(urls: list[str], classes: int, names: tuple[str, ...]) -> list[int] | None:
+    """Training images per class: from the summary.json beside the shards (`prepare` writes it), else counted from the
+    labels of local shards (the image bytes are skipped over); None for streamed shards without one."""
+    summary = shard_summary(urls)
+    if summary is not None and summary.class_counts is not None and len(summary.class_counts) <= classes:
+        return summary.class_counts + [0] * (classes - len(summary.class_counts))
+    if any(is_remote(url) for url in urls):
+        return None
+    counts, reader = [0] * classes, LabelReader(names)
+    for url in urls:
+        for sample in label_members(url):
+            with contextlib.suppress(BadLabel):
+                label = reader(sample)
+                if 0 <= label < classes:
+                    counts[label] += 1
+    return counts
 
 
 def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classification:
@@ -87,20 +112,22 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False, overwrite: bool 
         urls = resolve_shards(cfg.data.shards, cfg, accelerator)
         val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
         classes = num_classes(cfg, urls)
-        check_evaluation_labels(val_urls, classes, cfg.data.val_shards, class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards))
+        names = class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards)
+        check_evaluation_labels(val_urls, classes, cfg.data.val_shards, names)
 
         def batches(state):
             return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
 
         def results(final: dict[str, float]) -> dict:
             if accelerator.is_main_process:
-                (Path(cfg.output_dir) / PREDICTIONS).write_text(json.dumps({k: int(v) for k, v in sorted(history.predictions.items())}) + "\n")
+                (Path(cfg.output_dir) / PREDICTIONS).write_text(json.dumps(prediction_records(history.classified)) + "\n")
             return {"top1": final[TOP1], **({"top5": final[TOP5]} if TOP5 in final else {}),
                     "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points}
 
         start = "a fresh backbone (no --ckpt)" if ckpt is None else ckpt
         return TrainingStage("finetune", build_classifier(cfg, ckpt, classes), batches, len(urls),
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
-                             recording=history.recording, checkpointed=(history,))
+                             recording=history.recording, checkpointed=(history,), data=shard_summary(urls),
+                             class_counts=training_class_counts(urls, classes, names))
 
     return run_training(cfg, stage, resume=resume, start=StartingPoint.of(ckpt), overwrite=overwrite)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mpp.config import Config
 from mpp.model import build_backbone
 from mpp.objectives import OBJECTIVES, Objective
+from mpp.shardformat import shard_summary
 from .loaders import labelled, num_classes, resolve_shards, train_loader
 from .stage import TrainingStage, run_training
 from .start import Run
@@ -28,6 +29,6 @@ def run(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
             return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
 
         return TrainingStage("pretrain", build_objective(cfg, classes), batches, len(urls),
-                             f"{cfg.objective} pretraining of a ViT", classes)
+                             f"{cfg.objective} pretraining of a ViT", classes, data=shard_summary(urls))
 
     return run_training(cfg, stage, resume=resume, overwrite=overwrite)

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
+from mpp.baselines import beside, below_baseline, likely_causes, not_above, with_priors
 from mpp.config import Config
 from mpp.data import Batch, StreamState
 from mpp.meters import LOOP_METRICS, SKIP_REASONS
 from mpp.metrics import Metric, model_metrics, unique
 from mpp.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
+from mpp.shardformat import ShardSummary
 from mpp.runtime import explained_out_of_memory
 from mpp.train import Evaluator, train
 from .evaluators import Stage, build_evaluators
@@ -44,6 +46,8 @@ class TrainingStage:
     results: Callable[[dict[str, float]], dict] = lambda scores: {}  # the stage's own results.json entries
     recording: Callable[[Evaluator], Evaluator] = lambda evaluator: evaluator  # wraps each evaluator (fine-tuning's history)
     checkpointed: tuple = field(default_factory=tuple)  # more state saved with every checkpoint (state_dict/load_state_dict)
+    data: ShardSummary | None = None  # the summary.json beside the training shards: their images' sizes, their samples
+    class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
 
 
 def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool = False,
@@ -64,13 +68,14 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         resume_from = resume_point(accelerator, cfg, resume, changes)
         if start is not None and resume_from is None:
             start.record(accelerator, cfg.output_dir)
-        evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective))))
+        evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective,
+                                                                                        stage.class_counts))))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.shards} shards with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-                          f"{run_settings(accelerator, cfg, run.global_batch)}")
+                          f"{run_settings(accelerator, cfg, run.global_batch)}; {resolution(cfg.model.image_size, stage.data)}")
         for state in stage.checkpointed:
             accelerator.register_for_checkpointing(state)
         training_started = time.perf_counter()
@@ -83,14 +88,44 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         timing = {"wall_time_s": time.perf_counter() - started,
                   "images_per_sec": trained_images / (time.perf_counter() - training_started)} if trained_images else {}
         results = stage_results(cfg, stage, metrics, scores, run.global_batch, resume_from is not None, timing)
+        results["baselines"] = with_priors(results["final"], {tag: b for e in evaluators for tag, b in e.baselines().items()})
+        declared = {m.tag: m for m in metrics}
+        worse = {tag: beside(declared[tag].show(value), results["baselines"][tag], declared[tag].show)
+                 for tag, value in results["final"].items()
+                 if tag in results["baselines"] and tag in declared and not_above(tag, value, results["baselines"][tag])}
+        results["at_or_below_baseline"] = sorted(worse)
         if accelerator.is_main_process:
             (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
-    shown = ", ".join(f"{m.tag} {m.show(results['final'][m.tag])}" for m in metrics if m.headline and m.tag in results["final"])
+    shown = ", ".join(f"{m.tag} {show_with_baseline(m, results)}" for m in metrics if m.headline and m.tag in results["final"])
     skipped = ", ".join(f"{count:.0f} {reason}" for reason, count in results["skipped"].items())
     accelerator.print(f"{stage.name} done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): "
                       f"{shown or 'no step trained'}; skipped: {skipped or 'none'}; results in {cfg.output_dir}/{RESULTS}, "
                       f"weights in {cfg.output_dir}/{WEIGHTS}")
+    if worse:
+        accelerator.print(below_baseline(worse, likely_causes(
+            steps=cfg.train.steps, global_batch=run.global_batch, samples=stage.data.samples if stage.data else None,
+            image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
+            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts)))
     return results
+
+
+def show_with_baseline(metric: Metric, results: dict) -> str:
+    """A headline metric's final value, with its baselines where it has any."""
+    value = metric.show(results["final"][metric.tag])
+    baseline = results["baselines"].get(metric.tag)
+    return beside(value, baseline, metric.show) if baseline else value
+
+
+def resolution(image_size: int, data: ShardSummary | None) -> str:
+    """The start line's training resolution, beside the images' sizes where summary.json records them."""
+    sides = data.image_short_side if data else None
+    if not sides:
+        return f"training at {image_size} px"
+    ratio = sides["median"] / image_size
+    scale = (f"{ratio:.1f}x smaller than the images' median" if ratio > 1.25 else
+             f"{1 / ratio:.1f}x larger than the images' median" if ratio < 0.8 else "about the images' size")
+    return (f"training at {image_size} px, {scale} (their short sides are {sides['min']}-{sides['max']} px, median "
+            f"{sides['median']}; model.image_size sets it)")
 
 
 def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scores: dict[str, float], global_batch: int,
