@@ -6,6 +6,8 @@
       predictions.json              fine-tuning: its last evaluation, image by image: label, top-1 class, 1 or 0 if right
       started_from.json             a fine-tuning's starting point (--ckpt and its weights' sha256), written as it starts
       model.safetensors             the exported weights (the objective's export_weights())
+      best.safetensors              fine-tuning with finetune.keep_best: the weights of its best evaluation
+      log.txt                       one JSON line of scalars per log step
       tensorboard/<stage>/          event files
       checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it) and manifest.json
       checkpoints/.partial-step_*   a checkpoint being written; renamed to step_* once complete
@@ -27,6 +29,8 @@ RESULTS = "results.json"
 PREDICTIONS = "predictions.json"  # a fine-tuning's last evaluation: {sample key: {"label", "predicted", "correct": 1 or 0}}
 STARTED_FROM = "started_from.json"
 WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
+BEST = "best.safetensors"  # a fine-tuning's weights at its best eval/top1 (finetune.keep_best)
+LOG_LINES = "log.txt"  # the logged scalars, one JSON line per log step
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
@@ -34,7 +38,7 @@ MANIFEST = "manifest.json"
 
 
 LOCK = ".lock"
-RUN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, PREDICTIONS, STARTED_FROM, WEIGHTS)  # what a run writes in output_dir, besides its LOCK
+RUN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, PREDICTIONS, STARTED_FROM, WEIGHTS, BEST, LOG_LINES)  # what a run writes in output_dir, besides its LOCK
 
 
 def remove_run_outputs(output_dir: str | Path) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -34,8 +35,10 @@ def shipped_configs() -> Path:
 
 CONFIGS = shipped_configs()
 CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
-RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export")  # the stages that take a run config
+RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export", "predict")  # the stages that take a run config
 RANK_ERROR_GRACE_S = 20
+OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+=")  # a dotted key=value, not a file name holding '='
+
 
 
 def shipped(kind: str) -> list[str]:
@@ -202,6 +205,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     export.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     export.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.image_size=64")
 
+    predict = stage_parser(stages, "predict", "a fine-tuned classifier's top-k classes for images, prepared as evaluation prepares them")
+    predict.add_argument("--ckpt", required=True, help="a fine-tuning run directory, a checkpoints/step_N directory or a .safetensors file")
+    predict.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    predict.add_argument("--top-k", type=int, default=5, help="classes shown per image, most probable first (default: %(default)s)")
+    predict.add_argument("--out", help="write the predictions to this .csv or .json file instead of printing them")
+    predict.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default: %(default)s)")
+    predict.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER",
+                         help="image files and folders of them (searched recursively); key=value among them are config overrides")
+
     compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
     compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)")
     compare.add_argument("--print-config", action="store_true", help="print the plan as loaded (the file, then the overrides) and exit")
@@ -234,6 +246,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.stage == "predict":  # its images and its overrides share the positional arguments
+        args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
+        args.inputs = [item for item in args.inputs if not OVERRIDE.match(item)]
     try:
         if args.stage in RUN_CONFIG_STAGES:
             cfg = run_config(args)
@@ -268,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import export
 
             export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
+        elif args.stage == "predict":
+            from . import predict
+
+            predict.run(cfg, ckpt=args.ckpt, inputs=args.inputs, top_k=args.top_k, out=args.out, batch_size=args.batch_size)
         elif args.stage == "compare":
             from . import compare, plan
 

@@ -4,16 +4,20 @@ shards and evaluated on held-out ones, as in the ViT paper's transfer experiment
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
+from accelerate import Accelerator
 from torch import nn
 
-from mpp.checkpoint import load_backbone
+from mpp.checkpoint import load_backbone, save_weights
 from mpp.config import Config, ConfigError
 from mpp.data import BadLabel, DataError, LabelReader, label_members
 from mpp.metrics import TOP1, TOP5
-from mpp.rundir import PREDICTIONS
+from mpp.rundir import BEST, PREDICTIONS
 from mpp.shardformat import is_remote, shard_summary
 from mpp.model import build_backbone
 from mpp.objectives import Classification, batch_mixing, finetuning_head
@@ -31,12 +35,15 @@ class History:
     def __init__(self) -> None:
         self.points: list[list[float]] = []
         self.classified: dict[str, tuple[int, int]] = {}
+        self.best: list[float] | None = None  # [step, top-1] of the best evaluation, with finetune.keep_best
+        self.keep: Callable[[nn.Module], None] | None = None  # saves the weights of a new best (main process)
 
     def state_dict(self) -> dict:
-        return {"points": self.points}
+        return {"points": self.points, "best": self.best}
 
     def load_state_dict(self, state: dict) -> None:
         self.points = [list(p) for p in state["points"]]
+        self.best = state.get("best")  # absent from the checkpoints of an earlier mpp
 
     def recording(self, evaluator: Evaluator) -> Evaluator:
         """`evaluator`, with each top-1 it scores added to the curve."""
@@ -45,9 +52,20 @@ class History:
             if TOP1 in scores:
                 self.points.append([step, scores[TOP1]])
                 self.classified = evaluator.run.classified
+                if self.keep is not None and (self.best is None or scores[TOP1] > self.best[1]):
+                    self.best = [step, scores[TOP1]]
+                    self.keep(module)
             return scores
 
         return Evaluator(evaluator.every, run, evaluator.metrics, evaluator.baselines)
+
+
+def keep_weights(accelerator: Accelerator, path: Path, module: nn.Module) -> None:
+    """Save `module`'s weights (as model.safetensors holds them) to `path`, whole or not at all."""
+    if accelerator.is_main_process:
+        partial = path.with_name(f".partial-{path.name}")
+        save_weights(module, partial)
+        os.replace(partial, path)
 
 
 def prediction_records(classified: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
@@ -113,6 +131,8 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False, overwrite: bool 
         val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
         classes = num_classes(cfg, urls)
         names = class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards)
+        if cfg.finetune.keep_best:
+            history.keep = functools.partial(keep_weights, accelerator, Path(cfg.output_dir) / BEST)
         check_evaluation_labels(val_urls, classes, cfg.data.val_shards, names)
 
         def batches(state):
@@ -121,8 +141,9 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool = False, overwrite: bool 
         def results(final: dict[str, float]) -> dict:
             if accelerator.is_main_process:
                 (Path(cfg.output_dir) / PREDICTIONS).write_text(json.dumps(prediction_records(history.classified)) + "\n")
+            best = {"best": {"step": int(history.best[0]), TOP1: history.best[1], "weights": str(Path(cfg.output_dir) / BEST)}} if history.best else {}
             return {"top1": final[TOP1], **({"top5": final[TOP5]} if TOP5 in final else {}),
-                    "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points}
+                    "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points, **best}
 
         start = "a fresh backbone (no --ckpt)" if ckpt is None else ckpt
         return TrainingStage("finetune", build_classifier(cfg, ckpt, classes), batches, len(urls),

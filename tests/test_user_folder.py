@@ -2,9 +2,11 @@
 prepare, fine-tuning, prediction and export, and what each says about the result."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from mpp.config import load_config
@@ -56,3 +58,119 @@ def test_a_run_that_cannot_learn_says_it_ended_at_or_below_its_baseline(tmp_path
     assert len(records) == 12 and all(set(r) == {"label", "predicted", "correct"} for r in records.values())
     assert all(r["correct"] == int(r["label"] == r["predicted"]) for r in records.values())
     assert sum(r["correct"] for r in records.values()) / 12 == pytest.approx(results["top1"])
+
+
+def colour_folder(root, counts, seed=0):
+    """counts[c] non-square images of class c, mostly of that class's colour (red, green, blue) with noise; PNGs and
+    JPEGs of several sizes and both orientations."""
+    rng = np.random.default_rng(seed)
+    sizes = ((48, 24), (24, 40), (56, 36), (30, 64))
+    for c, count in enumerate(counts):
+        (root / CLASSES[c]).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            w, h = sizes[i % len(sizes)]
+            pixels = rng.integers(0, 90, (h, w, 3))
+            pixels[..., c] += 150
+            Image.fromarray(pixels.astype(np.uint8)).save(root / CLASSES[c] / f"{i:03d}.{'jpg' if i % 3 == 0 else 'png'}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def colour_run(tmp_path_factory):
+    """A classifier fine-tuned (from scratch, briefly) on a user's folder of colour images, keeping its best step."""
+    from conftest import reset_accelerator
+
+    tmp_path = tmp_path_factory.mktemp("colours")
+    prepare.run(str(colour_folder(tmp_path / "photos" / "train", [8, 8, 8])), str(tmp_path / "train"))
+    prepare.run(str(colour_folder(tmp_path / "photos" / "val", [4, 4, 4], seed=1)), str(tmp_path / "val"))
+    try:
+        results = finetune.run(finetune_config(tmp_path, "train.steps=6", "finetune.keep_best=true", "train.lr=0.01"), ckpt=None)
+    finally:
+        reset_accelerator()
+    return tmp_path, results
+
+
+def test_keep_best_keeps_the_weights_of_the_best_evaluation(colour_run):
+    from safetensors.torch import load_file
+
+    tmp_path, results = colour_run
+    best_step, best_top1 = max(results["history"], key=lambda point: (point[1], -point[0]))  # the first best
+    assert results["best"] == {"step": best_step, "eval/top1": best_top1, "weights": str(tmp_path / "run" / "best.safetensors")}
+    kept = load_file(tmp_path / "run" / "best.safetensors")
+    checkpoint = load_file(tmp_path / "run" / "checkpoints" / f"step_{best_step:08d}" / "model.safetensors")
+    assert all(torch.equal(kept[f"head.{name}"], checkpoint[f"head.{name}"]) for name in ("weight", "bias"))
+
+
+def test_keep_best_picks_the_step_of_the_highest_score_not_the_last():
+    from mpp.train import Evaluator
+
+    history, kept = finetune.History(), []
+    history.keep = lambda module: kept.append(module)
+    scores = iter([0.5, 0.9, 0.7])
+    evaluator = Evaluator(2, lambda module, step: {"eval/top1": next(scores)})
+    evaluator.run.classified = {}
+    run = history.recording(evaluator).run
+    for step in (2, 4, 6):
+        run(f"weights at step {step}", step)
+    assert history.best == [4, 0.9] and kept == ["weights at step 2", "weights at step 4"]
+    restored = finetune.History()
+    restored.load_state_dict(history.state_dict())
+    assert restored.best == [4, 0.9]
+
+
+def test_predict_a_folder_with_an_unreadable_file(colour_run, capsys):
+    import launch
+
+    tmp_path, results = colour_run
+    folder = tmp_path / "photos" / "val"
+    (folder / "owl" / "broken.jpg").write_bytes(b"not an image")
+    (folder / "notes.txt").write_text("not an image either, and not an image file: left alone")
+    try:
+        assert launch.main(["predict", "--ckpt", str(tmp_path / "run" / "best.safetensors"), str(folder), "--top-k", "2",
+                            "--out", str(tmp_path / "predicted.json")]) == 0
+        said = capsys.readouterr().err
+        assert "predicted the top 2 of 3 classes for 12 image(s) on cpu" in said
+        assert f"1 file(s) could not be read as images and were skipped: {folder / 'owl' / 'broken.jpg'} (" in said
+        written = json.loads((tmp_path / "predicted.json").read_text())
+        assert list(written["unreadable"]) == [str(folder / "owl" / "broken.jpg")]
+        assert len(written["predictions"]) == 12
+        for record in written["predictions"]:
+            assert [t["class"] for t in record["top"]] == [CLASSES[t["id"]] for t in record["top"]]  # names from summary.json
+            assert record["top"][0]["probability"] >= record["top"][1]["probability"]
+        # The best step's weights, prepared as evaluation prepares images, score what its evaluation scored.
+        right = sum(r["top"][0]["class"] == Path(r["image"]).parent.name for r in written["predictions"])
+        assert right / 12 == pytest.approx(results["best"]["eval/top1"])
+        assert launch.main(["predict", "--ckpt", str(tmp_path / "run"), str(folder / "cat" / "001.png"), "--top-k", "1"]) == 0
+        assert capsys.readouterr().out.startswith(f"{folder / 'cat' / '001.png'}\t")
+    finally:
+        (folder / "owl" / "broken.jpg").unlink()
+        (folder / "notes.txt").unlink()
+
+
+def test_the_exported_pipeline_predicts_what_mpp_predicts_on_non_square_images(colour_run, capsys):
+    transformers = pytest.importorskip("transformers")
+    import launch
+
+    tmp_path, _ = colour_run
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    # Wide and tall images whose centre square is one class's colour and whose flanks, as large, another's: squashed
+    # to a square they are mostly the flanks' colour.
+    (tmp_path / "flanked").mkdir()
+    rng = np.random.default_rng(2)
+    for i, (centre, flank) in enumerate([(0, 1), (1, 2), (2, 0), (0, 2)]):
+        side = 24
+        pixels = rng.integers(0, 90, (side, 3 * side, 3))
+        pixels[..., flank] += 150
+        pixels[:, side:2 * side] = rng.integers(0, 90, (side, side, 3))
+        pixels[:, side:2 * side, centre] += 150
+        Image.fromarray(pixels.astype(np.uint8).transpose(1, 0, 2) if i % 2 else pixels.astype(np.uint8)).save(tmp_path / "flanked" / f"{i}.png")
+    images = sorted((tmp_path / "photos" / "val").rglob("*.*")) + sorted((tmp_path / "flanked").glob("*.png"))
+    assert launch.main(["predict", "--ckpt", str(tmp_path / "run"), *map(str, images), "--top-k", "3",
+                        "--out", str(tmp_path / "ours.json")]) == 0
+    ours = {r["image"]: r["top"] for r in json.loads((tmp_path / "ours.json").read_text())["predictions"]}
+    classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"))
+    for image in images:
+        theirs = classify(Image.open(image), top_k=3)
+        assert Image.open(image).width != Image.open(image).height
+        assert [p["label"] for p in theirs] == [t["class"] for t in ours[str(image)]], image
+        assert [p["score"] for p in theirs] == pytest.approx([t["probability"] for t in ours[str(image)]], abs=2e-3), image
