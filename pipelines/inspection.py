@@ -19,6 +19,7 @@ from mpp.inspection import (attention_distance, attention_rollout, patch_distanc
                             position_similarity, rollout_to_patches)
 from mpp.metrics import INSPECTION, Metric
 from mpp.model import VisionTransformer, normalize
+from mpp.trackers import log_image
 from .frozen import evaluate_checkpoint
 from .loaders import eval_batches
 
@@ -129,9 +130,8 @@ class Inspect:
         if self.accelerator.is_main_process:
             from .inspection_figures import pixels
 
-            tracker = self.accelerator.get_tracker("tensorboard", unwrap=True)
             for name, figure in views.figures().items():
-                tracker.add_image(f"inspect/{name}", pixels(figure), global_step=step, dataformats="HWC")
+                log_image(self.accelerator, f"inspect/{name}", pixels(figure), step)
         return views.scalars()
 
 

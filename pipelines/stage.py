@@ -84,7 +84,6 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
                            resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
                            data_workers=cfg.data.num_workers, resume_hint=resume_command())
         trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
-        end_tracking(accelerator)
         timing = {"wall_time_s": time.perf_counter() - started,
                   "images_per_sec": trained_images / (time.perf_counter() - training_started)} if trained_images else {}
         results = stage_results(cfg, stage, metrics, scores, run.global_batch, resume_from is not None, timing)
@@ -94,6 +93,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
                  for tag, value in results["final"].items()
                  if tag in results["baselines"] and tag in declared and not_above(tag, value, results["baselines"][tag])}
         results["at_or_below_baseline"] = sorted(worse)
+        end_tracking(accelerator, results["final"], cfg.train.steps)
         if accelerator.is_main_process:
             (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
     shown = ", ".join(f"{m.tag} {show_with_baseline(m, results)}" for m in metrics if m.headline and m.tag in results["final"])

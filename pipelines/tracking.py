@@ -14,6 +14,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 from mpp.config import Config, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
 from mpp.rundir import CONFIG
+from mpp.trackers import log_final
 
 # HParams' columns: the few settings that tell runs apart (the whole config is under Text and in config.yaml). One
 # list for every stage, as TensorBoard takes the columns from one run of the logdir; a run leaves blank what does not
@@ -37,9 +38,15 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     objective, the loop and the evaluators declare), grouped and ordered as mpp.metrics lays them out.
     """
     # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
-    accelerator.init_trackers(run_name)
+    accelerator.init_trackers(run_name, init_kwargs={
+        "wandb": {"name": Path(cfg.output_dir).name, "dir": str(cfg.output_dir)},  # its offline files in the run
+        "mlflow": {"run_name": Path(cfg.output_dir).name}})
     if not accelerator.is_main_process:
         return
+    flat = dotted(cfg.model_dump(mode="json"))
+    for tracker in accelerator.trackers:
+        if tracker.name in ("mlflow", "wandb"):  # TensorBoard's are the HParams below
+            tracker.store_init_configuration({k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flat.items()})
     text = config_to_yaml(cfg)
     saved = Path(cfg.output_dir) / CONFIG
     notes = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith("#")] if resumed_from and saved.is_file() else []
@@ -58,12 +65,15 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     writer.flush()
 
 
-def end_tracking(accelerator: Accelerator) -> None:
-    """Mark the run's HParams session as finished, then close the trackers.
+def end_tracking(accelerator: Accelerator, final: dict[str, float] | None = None, step: int = 0) -> None:
+    """Give the trackers the run's `final` metrics (mpp.trackers.log_final), mark the run's HParams session as
+    finished, then close the trackers.
 
     Not Accelerator.end_training: that also ends the process group, which belongs to the process and serves its
     later stages (compare runs several); end_process closes it when the command is done.
     """
+    if final:
+        log_final(accelerator, final, step)
     if accelerator.is_main_process:
         end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
         writer = accelerator.get_tracker("tensorboard", unwrap=True)

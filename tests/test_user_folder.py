@@ -174,3 +174,58 @@ def test_the_exported_pipeline_predicts_what_mpp_predicts_on_non_square_images(c
         assert Image.open(image).width != Image.open(image).height
         assert [p["label"] for p in theirs] == [t["class"] for t in ours[str(image)]], image
         assert [p["score"] for p in theirs] == pytest.approx([t["probability"] for t in ours[str(image)]], abs=2e-3), image
+
+
+def test_mlflow_and_wandb_offline_hold_what_results_json_holds(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"file://{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny has no SQL store; MLflow 3 gates the file one
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from accelerate.tracking import WandBTracker
+
+    finished, finish = [], WandBTracker.finish
+
+    def keep_and_finish(tracker):
+        tracker.run.log({}, commit=True)  # the last step's row, as finishing commits it
+        finished.append({"summary": {k: tracker.run.summary[k] for k in tracker.run.summary.keys()}, "config": dict(tracker.run.config)})
+        finish(tracker)
+
+    monkeypatch.setattr(WandBTracker, "finish", keep_and_finish)
+    prepare.run(str(colour_folder(tmp_path / "photos" / "train", [4, 4, 4])), str(tmp_path / "train"))
+    prepare.run(str(colour_folder(tmp_path / "photos" / "val", [2, 2, 2], seed=1)), str(tmp_path / "val"))
+    results = finetune.run(finetune_config(tmp_path, "log.trackers=[mlflow,wandb]", "inspect.every=4",
+                                           "inspect.images=4", "inspect.rollout_images=2"), ckpt=None)
+    final = results["final"]
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert all(run.data.metrics[k] == pytest.approx(v) for k, v in final.items())
+    assert run.data.params["train.lr"] == "0.001" and run.data.params["log.trackers"] == '["tensorboard", "mlflow", "wandb"]'
+    images = {f.path for f in client.list_artifacts(run.info.run_id, "images")}
+    assert any("inspect_rollout" in path for path in images), images
+
+    # The offline run's own record (run-*.wandb) is read by `wandb sync` alone: what the run held as it finished is.
+    (held,) = finished
+    assert all(held["summary"][k] == pytest.approx(v) for k, v in final.items())
+    assert "inspect/rollout" in held["summary"], held["summary"]  # an image
+    assert held["config"]["train.lr"] == 0.001
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+    lines = [json.loads(line) for line in (tmp_path / "run" / "log.txt").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [2, 4]  # log.every=5 and the last step; evaluations at 2 and 4
+    assert lines[-1]["eval/top1"] == pytest.approx(final["eval/top1"]) and "train/loss" in lines[-1]
+
+
+def test_a_tracker_whose_package_is_missing_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+    import launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert launch.main(["finetune", f"data.shards={tmp_path}", f"data.val_shards={tmp_path}", "log.trackers=[wandb]",
+                        f"output_dir={tmp_path / 'run'}"]) == 2
