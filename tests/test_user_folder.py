@@ -229,3 +229,15 @@ def test_a_tracker_whose_package_is_missing_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     assert launch.main(["finetune", f"data.shards={tmp_path}", f"data.val_shards={tmp_path}", "log.trackers=[wandb]",
                         f"output_dir={tmp_path / 'run'}"]) == 2
+
+
+def test_pretraining_shows_its_pretext_accuracy_beside_the_prior(tmp_path, capsys):
+    from pipelines import pretrain
+
+    prepare.run(str(image_folder(tmp_path / "photos", [4, 4, 4])), str(tmp_path / "train"))
+    results = pretrain.run(load_config(None, [*TINY, f"data.shards={tmp_path / 'train'}", f"data.val_shards={tmp_path / 'train'}",
+                                              f"output_dir={tmp_path / 'run'}", "train.steps=2", "train.warmup_steps=1",
+                                              "train.batch_size=4", "eval.every=2", "eval.images=8"]))
+    final = results["final"]
+    assert results["baselines"]["val/color_acc"] == {"prior": final["val/color_acc_prior"]}
+    assert f"val/color_acc {final['val/color_acc']:.1%} (prior {final['val/color_acc_prior']:.1%})" in capsys.readouterr().out
