@@ -62,8 +62,7 @@ def below_baseline(scores: dict[str, str], causes: list[str]) -> str:
 
 
 def likely_causes(*, steps: int, global_batch: int, samples: int | None, image_size: int,
-                  short_side: dict[str, int] | None, lr: float, warmup: int, class_counts: list[int] | None,
-                  eval_classes: Iterable[int] = ()) -> list[str]:
+                  short_side: dict[str, int] | None, lr: float, warmup: int, class_counts: list[int] | None) -> list[str]:
     """The causes of a run that learnt nothing that can be checked from its settings and data, each with its fix:
     too few passes over the data, images far larger than the training resolution, the learning rate, the labels."""
     causes = []
@@ -78,8 +77,7 @@ def likely_causes(*, steps: int, global_batch: int, samples: int | None, image_s
     causes.append(f"the learning rate: train.lr={lr:g} with {warmup} warmup steps (try it 3-10x lower and higher)")
     if class_counts:
         empty = [label for label, count in enumerate(class_counts) if not count]
-        unseen = sorted(set(int(c) for c in eval_classes) - set(range(len(class_counts))) | set(empty) & set(int(c) for c in eval_classes))
-        detail = f"; the evaluation images hold class(es) {unseen} that no training image has" if unseen else ""
+        detail = f"; class(es) {empty} have none" if empty else ""
         causes.append(f"the labels: {len(class_counts)} classes with {min(class_counts)}-{max(class_counts)} training "
                       f"images each{detail} (check that each folder holds its class)")
     return causes
