@@ -14,8 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError, command
-from mpp.model.vit import Variant, parse_model_name, resolve_variant
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator, create_model
+from mpp.model.variants import Variant, parse_model_name, resolve_variant
 from pydantic.fields import FieldInfo
 
 
@@ -233,11 +233,18 @@ class TrainConfig(Section):
 class LogConfig(Section):
     every: int = Field(10, gt=0, description="Log scalars to TensorBoard every N steps.", json_schema_extra=RESUMABLE)
     images_every: int = Field(200, gt=0, description="Log the image panel (crops, corrupted view, true and predicted colours) every N steps.", json_schema_extra=RESUMABLE)
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(["tensorboard"], description="Where the scalars, images, config and final metrics go, through Accelerate's integrations: tensorboard (always, under output_dir/tensorboard), mlflow (its MLFLOW_TRACKING_URI, e.g. file:///path/mlruns) and wandb (its project = the stage, WANDB_MODE=offline for no account); each needs its package installed. output_dir/log.txt gets one JSON line per logged step in any case.", json_schema_extra=RESUMABLE)
+
+    @field_validator("trackers")
+    @classmethod
+    def _tensorboard_always(cls, trackers: list[str]) -> list[str]:
+        return ["tensorboard", *dict.fromkeys(t for t in trackers if t != "tensorboard")]
 
 
 class FinetuneConfig(Section):
     eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).", json_schema_extra=RESUMABLE)
     pool: Pooling = Field("cls", description="What the linear classifier reads: the [class] token's output (cls, the paper) or the mean of the patch outputs (mean, as BEiT, SimMIM and MAE fine-tune).")
+    keep_best: bool = Field(False, description="Keep the weights of the evaluation with the best eval/top1 in output_dir/best.safetensors (results.json's `best` says which step and score); export and predict take it as --ckpt RUN/best.safetensors. Off: only the last step's weights.", json_schema_extra=RESUMABLE)
 
 
 class Config(Section):

@@ -5,9 +5,11 @@
                                     (copied into every checkpoint) and the command that started it
       config.yaml                   the settings in force, with a comment line per resume that changed some
       results.json                  the stage's final metrics and the command that ran it
-      predictions.json              fine-tuning: its last evaluation's top-1 hit (1 or 0) for each image, by key
+      predictions.json              fine-tuning: its last evaluation, image by image: label, top-1 class, 1 or 0 if right
       started_from.json             a fine-tuning's starting point (--ckpt and its weights' sha256), written as it starts
       model.safetensors             the exported weights (the objective's export_weights())
+      best.safetensors              fine-tuning with finetune.keep_best: the weights of its best evaluation
+      log.txt                       one JSON line of scalars per log step
       tensorboard/<stage>/          event files
       checkpoints/step_00000040/    Accelerate's state (its model.safetensors among it), the config.yaml it was
                                     trained with, and manifest.json
@@ -40,9 +42,11 @@ from safetensors import SafetensorError
 
 CONFIG = "config.yaml"
 RESULTS = "results.json"
-PREDICTIONS = "predictions.json"  # a fine-tuning's last evaluation, image by image: {sample key: 1 if right}
+PREDICTIONS = "predictions.json"  # a fine-tuning's last evaluation: {sample key: {"label", "predicted", "correct": 1 or 0}}
 STARTED_FROM = "started_from.json"
 WEIGHTS = "model.safetensors"  # the run's export, and also Accelerate's name for the model in a checkpoint
+BEST = "best.safetensors"  # a fine-tuning's weights at its best eval/top1 (finetune.keep_best)
+LOG_LINES = "log.txt"  # the logged scalars, one JSON line per log step
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_PREFIX = "step_"
@@ -51,8 +55,8 @@ MANIFEST = "manifest.json"
 
 LOCK = ".lock"
 RUN_MANIFEST = "run.json"
-PRETRAIN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, WEIGHTS)  # what a pretraining writes in output_dir
-RUN_OUTPUTS = (*PRETRAIN_OUTPUTS, PREDICTIONS, STARTED_FROM)  # what any run writes there, besides RUN_MANIFEST and LOCK
+PRETRAIN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, WEIGHTS, LOG_LINES)  # what a pretraining writes in output_dir
+RUN_OUTPUTS = (*PRETRAIN_OUTPUTS, PREDICTIONS, STARTED_FROM, BEST)  # what any run writes there, besides RUN_MANIFEST and LOCK
 RUN_SECTIONS = ("objective", "output_dir", "data", "model", "train")  # what every config.yaml a run dumps holds
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 

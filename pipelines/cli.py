@@ -5,7 +5,9 @@ STAGE ...` in a checkout)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -21,8 +23,7 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.training.runtime import compile_failure, out_of_memory
-from mpp.training.loop import Preempted
+from . import parts  # noqa: E402,F401 (every part's config section, which --help lists)
 
 
 def shipped_configs() -> Path:
@@ -35,9 +36,11 @@ def shipped_configs() -> Path:
 
 CONFIGS = shipped_configs()
 CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
-RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export")  # the stages that take a run config
+RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export", "predict")  # the stages that take a run config
 EVALUATION_STAGES = ("fewshot", "knn", "probe", "inspect")  # the stages that score --ckpt and write beside it
 RANK_ERROR_GRACE_S = 20
+OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+=")  # a dotted key=value, not a file name holding '='
+
 
 
 def shipped(kind: str) -> list[str]:
@@ -171,9 +174,38 @@ def resume_auto_as_one_word(argv: list[str]) -> list[str]:
     return words
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" names the config key a `--name value` meant."""
+
+    argv: list[str] = []  # the command line parsed, for the hint
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            message += flag_hint(message.removeprefix("unrecognized arguments:").split(), self.argv)
+        super().error(message)
+
+
+def flag_hint(unknown: list[str], argv: list[str]) -> str:
+    """For the first `--name value` (or `--name=value`) among `unknown` (what follows it in `argv` is its value): the
+    config keys it may mean, written as the key=value override they take; '' if none is close."""
+    keys = [key for key, _, _ in config_reference()]
+    for token in unknown:
+        if not token.startswith("--"):
+            continue
+        name, _, value = token[2:].partition("=")
+        after = argv[argv.index(token) + 1:] if token in argv else []
+        value = value or (after[0] if after and not after[0].startswith("-") and "=" not in after[0] else "VALUE")
+        name = name.replace("-", "_")
+        matches = [key for key in keys if key.rsplit(".", 1)[-1] == name] or difflib.get_close_matches(name, keys, n=2)
+        if matches:
+            return f"; config keys are set as key=value, not as flags: {' or '.join(f'{key}={value}' for key in matches)}"
+    return ""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     argv = resume_auto_as_one_word(argv)
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = Parser(description=__doc__)
+    Parser.argv = argv
     parser.add_argument("--list-configs", action=ListConfigs)
     stages = parser.add_subparsers(dest="stage", required=True)
 
@@ -208,6 +240,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
     export.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     export.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.image_size=64")
+
+    predict = stage_parser(stages, "predict", "a fine-tuned classifier's top-k classes for images, prepared as evaluation prepares them")
+    predict.add_argument("--ckpt", required=True, help="a fine-tuning run directory, a checkpoints/step_N directory or a .safetensors file")
+    predict.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
+    predict.add_argument("--top-k", type=int, default=5, help="classes shown per image, most probable first (default: %(default)s)")
+    predict.add_argument("--out", help="write the predictions to this .csv or .json file instead of printing them")
+    predict.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default: %(default)s)")
+    predict.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER",
+                         help="image files and folders of them (searched recursively); key=value among them are config overrides")
 
     compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
     compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)")
@@ -250,11 +291,14 @@ def add_prepare(stages) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.stage == "predict":  # its images and its overrides share the positional arguments
+        args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
+        args.inputs = [item for item in args.inputs if not OVERRIDE.match(item)]
     try:
         if args.stage in RUN_CONFIG_STAGES:
             cfg = run_config(args)
             if args.print_config:
-                print(config_to_yaml(cfg), end="")
+                print(printed_config(args.stage, cfg), end="")
                 return 0
         if args.stage == "pretrain":
             from .stages import pretrain
@@ -284,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             from .stages import export
 
             export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
+        elif args.stage == "predict":
+            from .stages import predict
+
+            predict.run(cfg, ckpt=args.ckpt, inputs=args.inputs, top_k=args.top_k, out=args.out, batch_size=args.batch_size)
         elif args.stage == "compare":
             from .stages import compare
 
@@ -305,8 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         end_process()
     except UserError as err:
         return fail(one_line(err))
-    except Preempted as stop:
-        print(stop, file=sys.stderr)
     except Exception as err:
         return explained_failure(err)
     return 0
@@ -314,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def explained_failure(err: Exception) -> int:
     """A failure a user can fix without a traceback (compile, memory) said in one line; anything else raised on."""
+    from mpp.training.runtime import compile_failure, out_of_memory  # here: they load torch, as the parts do
+
     if compile_failure(err):
         return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
                     f"train without it")
@@ -321,6 +369,14 @@ def explained_failure(err: Exception) -> int:
         return fail(f"out of memory ({one_line(err)}); shrink model.width, model.depth or model.image_size, or pick "
                     f"a target with fewer outputs (mpp.target and its settings)")
     raise err
+
+
+def printed_config(stage: str, cfg: Config) -> str:
+    """--print-config's YAML: fine-tuning trains a classifier whatever `objective` says (the pretraining objective),
+    so its config is shown without that key."""
+    if stage != "finetune":
+        return config_to_yaml(cfg)
+    return OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in cfg.model_dump(mode="json").items() if k != "objective"}))
 
 
 def fail(message: str) -> int:

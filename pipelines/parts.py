@@ -6,4 +6,4 @@ through it, and the tests (conftest). A registry of new parts is one more import
 """
 
 import mpp.model.objectives  # noqa: F401  (objective=, the mpp section and the targets' settings)
-from .evaluations import evaluators# noqa: F401  (the evaluators' sections: fewshot, knn, probe, eval, inspect)
+from .evaluations import evaluators  # noqa: F401  (the evaluators' sections: fewshot, knn, probe, eval, inspect)

@@ -212,3 +212,27 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients():
     (loss, grads), (checkpointed_loss, checkpointed_grads) = results
     assert torch.equal(loss, checkpointed_loss)
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grads, checkpointed_grads))
+
+
+def test_a_flag_named_like_a_config_key_says_the_override_it_means(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["pretrain", "--epochs", "1"])
+    assert done.value.code == 2
+    assert "unrecognized arguments: --epochs; config keys are set as key=value, not as flags: train.epochs=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["pretrain", "--help"], ["--list-configs"], ["pretrain", "--epochs", "1"]])
+def test_help_and_command_line_errors_do_not_load_torch(argv):
+    """What makes `mpp --help` take seconds is loading torch; these answers need none of it."""
+    import subprocess
+    import sys
+
+    probe = f"import sys\nfrom pipelines import cli\ntry:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stderr.splitlines()[-1] == "False", done.stderr
+
+
+def test_finetune_print_config_leaves_out_the_pretraining_objective(capsys):
+    assert cli.main(["finetune", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert "objective" not in printed and printed["finetune"]["pool"] == "cls"

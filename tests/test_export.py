@@ -63,7 +63,7 @@ def test_exported_vit_model_gives_our_features_and_loads_silently(tmp_path):
     assert torch.allclose(got.pooler_output, expected[:, 0], atol=1e-5)  # the exported pooler is the identity
     preprocessing = json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
     assert preprocessing["image_mean"] == [0.5] * 3 and preprocessing["image_std"] == [0.5] * 3
-    assert preprocessing["size"] == {"height": 16, "width": 16}
+    assert preprocessing["size"] == preprocessing["crop_size"] == {"height": 16, "width": 16}
 
 
 def test_exported_classifier_gives_our_logits(tmp_path):

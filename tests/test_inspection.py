@@ -228,3 +228,13 @@ def test_inspection_shards_without_images_get_one_line(tmp_path, make_shards, ca
                         f"output_dir={tmp_path / 'views'}"]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "empty" / "shard-000000.tar") in err and "got no samples at all" in err and "Traceback" not in err
+
+
+def test_rollout_figure_has_a_colour_bar_for_its_heat_maps():
+    import numpy as np
+    from pipelines.evaluations.inspection_figures import rollout_figure
+
+    images = np.zeros((2, 3, 16, 16), dtype=np.uint8)
+    figure = rollout_figure(images, {"[class]": np.random.rand(2, 4), "mean": np.random.rand(2, 4)}, grid=2)
+    bars = [ax for ax in figure.axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == 1 and "attention" in bars[0].get_ylabel()

@@ -74,7 +74,8 @@ def test_folder_round_trip(tmp_path):
     assert summary == {"samples": 5, "classes": 2, "labels": True, "shards": 3, "skipped": 1,
                        "bytes": sum(p.stat().st_size for p in out.glob("*.tar")),
                        "source": f"folder {root}", "class_names": ["cat", "dog"],
-                       "files": ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]}
+                       "files": ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"],
+                       "image_short_side": {"min": 16, "median": 16, "max": 16}, "class_counts": [3, 2]}
     samples = read_shards(out)
     assert sorted(samples) == ["cat_a", "cat_b", "cat_c", "dog_d", "dog_e"]
     for name, (fmt, label) in files.items():

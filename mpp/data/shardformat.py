@@ -43,6 +43,8 @@ class ShardSummary(BaseModel):
     labels: bool = Field(False, description="Whether the samples carry labels.")
     classes: int = Field(0, ge=0, description="Distinct labels.")
     class_names: list[str] | None = Field(None, description="Class names; a named label's id is its position.")
+    image_short_side: dict[str, int] | None = Field(None, description="The images' short sides in pixels: min, median, max.")
+    class_counts: list[int] | None = Field(None, description="Images per class id.")
 
 
 def shard_summary(urls: Sequence[str]) -> ShardSummary | None:

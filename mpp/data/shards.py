@@ -192,6 +192,7 @@ def write_shards(
         }
         if source.class_names is not None:
             summary["class_names"] = source.class_names
+        summary.update(_tally(staging / file for file in files))
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     except BaseException as exc:
         bar.close()  # ends its line, so an error message gets one of its own
@@ -363,6 +364,22 @@ def _tar_samples(path: Path) -> Iterator[Sample]:
             if name is not None:
                 key = name[0]
                 members[name[1]] = tar.extractfile(member).read()
+
+
+def _tally(tars: Iterable[Path]) -> dict:
+    """What summary.json says of the written images besides their count: their short sides (min, median, max: a run
+    compares its training resolution with them) and the images per class (a run's majority-class baseline). Reads
+    each image's header only."""
+    sides, per_class = [], {}
+    for sample in chain.from_iterable(map(_tar_samples, tars)):
+        with contextlib.suppress(OSError, ValueError):  # the training reader decides what an unreadable image is
+            sides.append(min(Image.open(io.BytesIO(sample.image)).size))
+        if sample.label is not None:
+            per_class[sample.label] = per_class.get(sample.label, 0) + 1
+    sides.sort()
+    sizes = {"image_short_side": {"min": sides[0], "median": sides[len(sides) // 2], "max": sides[-1]}} if sides else {}
+    counts = [per_class.get(label, 0) for label in range(max(per_class) + 1)] if per_class else None
+    return {**sizes, **({"class_counts": counts} if counts else {})}
 
 
 class _RangeWorkers:

@@ -127,11 +127,19 @@ def hf_architecture(weights_file: Path) -> dict | None:
 
 
 def preprocessor_config(image_size: int) -> dict:
-    """ViTImageProcessor settings reproducing our input scaling, (x / 255 - 0.5) / 0.5."""
+    """Image processor settings that do what our evaluation does (mpp.data.EvalTransform): the centre square of the
+    short side, resized to image_size with an antialiased bilinear filter, scaled as (x / 255 - 0.5) / 0.5.
+
+    transformers' PerceiverImageProcessor is the one it ships that crops before resizing: its centre crop keeps
+    crop_size / size of the short side, the whole of it when they are equal. ViTImageProcessor would squash a
+    non-square image to a square; the processors that resize the short side and then crop (CLIP's, BiT's, ConvNeXt's)
+    round the long side to whole pixels first and sample a non-square image slightly off our grid.
+    """
+    square = {"height": image_size, "width": image_size}
     return {
-        "image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": image_size, "width": image_size},
-        "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": [PIXEL_MEAN] * 3, "image_std": [PIXEL_STD] * 3,
+        "image_processor_type": "PerceiverImageProcessor", "do_center_crop": True, "crop_size": square,
+        "do_resize": True, "size": square, "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": [PIXEL_MEAN] * 3, "image_std": [PIXEL_STD] * 3,
     }
 
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from mpp.model.variants import VIT_SIZES, Variant, ViTSize, parse_model_name, resolve_variant  # noqa: F401 (the model's names)
 
 
 # Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
@@ -28,50 +28,6 @@ def patchify(images: torch.Tensor, p: int) -> torch.Tensor:  # (B, C, H, W) -> (
 
 def unpatchify(patches: torch.Tensor, p: int, grid: int) -> torch.Tensor:  # (B, grid*grid, P*P*C) -> (B, C, H, W)
     return rearrange(patches, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=grid, p1=p, p2=p)
-
-
-@dataclass(frozen=True)
-class ViTSize:
-    width: int
-    depth: int
-    heads: int
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What a model name and its overrides build: the one place the name, the overrides and the defaults meet."""
-
-    width: int
-    depth: int
-    heads: int
-    patch_size: int
-
-
-# The paper's Table 1 plus the DeiT Ti/S sizes that are customary for small-scale work.
-VIT_SIZES = {
-    "vit_ti": ViTSize(192, 12, 3),
-    "vit_s": ViTSize(384, 12, 6),
-    "vit_b": ViTSize(768, 12, 12),
-    "vit_l": ViTSize(1024, 24, 16),
-    "vit_h": ViTSize(1280, 32, 16),
-}
-
-_NAME = re.compile(r"^(vit_(?:ti|s|b|l|h))(\d+)?$")
-
-
-def parse_model_name(name: str) -> tuple[ViTSize, int | None]:
-    """'vit_b16' -> (ViT-B size, 16); 'vit_ti' -> (ViT-Ti size, None)."""
-    match = _NAME.match(name)
-    if not match:
-        raise ValueError(f"unknown model '{name}'; choose one of {', '.join(VIT_SIZES)}, optionally with a patch size (vit_b16)")
-    return VIT_SIZES[match.group(1)], int(match.group(2)) if match.group(2) else None
-
-
-def resolve_variant(name: str, patch_size: int | None = None, *, width: int | None = None, depth: int | None = None,
-                    heads: int | None = None) -> Variant:
-    """'vit_b16' plus overrides -> its width, depth, heads and patch size (the override, else the name's number, else 16)."""
-    size, named_patch = parse_model_name(name)
-    return Variant(width or size.width, depth or size.depth, heads or size.heads, patch_size or named_patch or 16)
 
 
 class PatchEmbed(nn.Module):

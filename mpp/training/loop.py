@@ -40,6 +40,7 @@ class Evaluator:
     """What the loop evaluates: `run(objective, step)` is called on every process every `every` steps and after the
     last, with the bare objective (its `backbone` is the encoder being trained), and returns the scalars to log under
     their tags ({'fewshot/5shot': 0.41}), each declared in `metrics`; they also go into train's results.
+    `baselines()` gives, after the last evaluation, what those scores are shown beside (mpp.baselines).
 
     An implementer returns the same tags on every process, leaves the training RNG and data stream alone (a
     private generator, its own loader: the run's weights do not change with it), and may leave the module in eval
@@ -49,6 +50,9 @@ class Evaluator:
     every: int
     run: Callable[[nn.Module, int], dict[str, float]]
     metrics: tuple[Metric, ...] = ()
+    # {tag: {kind: value}}, the scores that know nothing its metrics are shown beside (mpp.baselines), asked after the
+    # last evaluation
+    baselines: Callable[[], dict[str, dict[str, float]]] = dict
 
 
 @dataclass

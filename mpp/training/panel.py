@@ -13,6 +13,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from mpp.data.stream import Batch
 from mpp.model.objectives import Objective
+from mpp.training.trackers import log_image
 
 # TensorBoard shrinks an image to fit its card: Time Series into about 370 x 210 px, the Images tab to about 325 px
 # wide. Three images in four views (532 x 438 px at 32-px crops) show there with cells of ~60 px and names ~12 px high.
@@ -38,8 +39,8 @@ def log_panel(accelerator: Accelerator, objective: Objective, batch: Batch, step
     objective.train()
     if not panel:
         return
-    tracker = accelerator.get_tracker("tensorboard", unwrap=True)
-    tracker.add_image(PANEL_TAG, panel_grid({name: for_display(images) for name, images in panel.items()}), global_step=step)
+    grid = panel_grid({name: for_display(images) for name, images in panel.items()})  # (3, H, W)
+    log_image(accelerator, PANEL_TAG, grid.permute(1, 2, 0).cpu().numpy(), step)
 
 
 def panel_grid(columns: dict[str, torch.Tensor], gap: int = PANEL_GAP) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,8 @@ from accelerate.utils import ProjectConfiguration, parse_flag_from_env
 from torch import nn
 
 from mpp.errors import UserError
-from mpp.rundir import TENSORBOARD
+from mpp.rundir import LOG_LINES, TENSORBOARD
+from mpp.training.trackers import JsonLines, check_installed
 
 # Inductor generates GPU code with Triton, which needs compute capability 7.0 (Volta) or newer.
 MIN_TRITON_CAPABILITY = (7, 0)
@@ -118,14 +119,16 @@ def process_state() -> PartialState:
     return PartialState(cpu=cpu_processes())
 
 
-def make_accelerator(cfg, output_dir: str | Path) -> Accelerator:
-    """The Accelerator of a run under `cfg` (a TrainConfig). Accelerate keeps the precision in its per-process state,
-    set by the process's first Accelerator: stages that run in one process must agree on it (compare checks)."""
+def make_accelerator(cfg, output_dir: str | Path, trackers: Sequence[str] = ("tensorboard",)) -> Accelerator:
+    """The Accelerator of a run under `cfg` (a TrainConfig), logging to `trackers` (log.trackers) and log.txt.
+    Accelerate keeps the precision in its per-process state, set by the process's first Accelerator: stages that run
+    in one process must agree on it (compare checks)."""
+    check_installed(list(trackers))
     device = Device.this_process()
     precision = resolve_precision(cfg.mixed_precision, device)
     project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / TENSORBOARD))
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes(),
-                              log_with="tensorboard", project_config=project)
+                              log_with=[*trackers, JsonLines(Path(output_dir) / LOG_LINES)], project_config=project)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(cpu_threads(cfg))
     elif precision == "no":

@@ -24,6 +24,7 @@ from pydantic import Field
 from mpp.config import Config, SECTION_SOURCES, Section, section_field
 from mpp.data.stream import DataError
 from mpp.evaluation.ridge import LabelledImages
+from mpp.evaluation.baselines import class_baselines
 from mpp.metrics import EVALUATION, TOP1, TOP5, Metric
 from mpp.model.objectives import Objective
 from mpp.training.loop import Evaluator
@@ -57,6 +58,7 @@ class Stage:
     name: str  # "pretrain" or "finetune"
     classes: int | None = None  # the classes the objective is trained on; None: trained without labels
     objective: Objective | None = None  # what it trains (the pretext validation scores its loss)
+    class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,14 @@ class TopK:
     """eval/top1 (and eval/top5 with more than 5 classes) of the classifier being fine-tuned, over one pass of
     data.val_shards split across processes; counts are summed over processes, so the result is exact however
     unevenly the shards split. `predictions` holds the last pass's per-image top-1 hit by sample key (gathered from
-    every process): what compare pairs between arms scored on the same images."""
+    every process): what compare pairs between arms scored on the same images; `classified` its label and top-1
+    class."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
-        self.cfg, self.accelerator, self.classes = cfg, accelerator, stage.classes
+        self.cfg, self.accelerator, self.classes, self.class_counts = cfg, accelerator, stage.classes, stage.class_counts
         self.predictions: dict[str, bool] = {}
+        self.classified: dict[str, tuple[int, int]] = {}  # the last pass's (label, top-1 class) by sample key
+        self.labels: list[int] = []  # the last pass's labels, from every process (the majority-class baseline)
         # One chart, and its title tells the lines apart (Custom Scalars colours by run and shows no legend).
         chart = "top-1 (the lower line) and top-5 on data.val_shards" if self.classes > 5 else "top-1 on data.val_shards"
         self.metrics = (Metric(TOP1, EVALUATION, chart, headline=True, bar="top1", percent=True),
@@ -93,25 +98,34 @@ class TopK:
         loader = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers)
         k = min(5, self.classes)
         counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
-        keys, top1_hits = [], []
+        keys, top1, labels_seen = [], [], []
         classifier.eval()
         for batch in labelled(loader, self.classes, f"data.val_shards ({cfg.data.val_shards})"):
             labels = batch.labels.to(accelerator.device)
             with accelerator.autocast():
                 logits = classifier.logits(batch.images.to(accelerator.device))
-            hits = logits.topk(k, dim=-1).indices == labels[:, None]  # (B, k)
+            ranked = logits.topk(k, dim=-1).indices  # (B, k)
+            hits = ranked == labels[:, None]
             counts += torch.stack([hits[:, 0].sum(), hits.any(dim=-1).sum(), torch.tensor(len(labels), device=labels.device)]).float()
             keys.extend(batch.keys)
-            top1_hits.append(hits[:, 0])
-        top1, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
-        mine = torch.cat(top1_hits).tolist() if top1_hits else []  # one host read per evaluation
-        self.predictions = dict(pair for part in gather_object([list(zip(keys, mine))]) for pair in part)
+            top1.append(ranked[:, 0])
+            labels_seen.append(labels)
+        correct, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
+        mine = zip(keys, torch.cat(labels_seen).tolist(), torch.cat(top1).tolist()) if top1 else ()  # one host read each
+        self.classified = {key: (label, predicted) for part in gather_object([list(mine)]) for key, label, predicted in part}
+        self.predictions = {key: label == predicted for key, (label, predicted) in self.classified.items()}
+        self.labels = [label for label, _ in self.classified.values()]
         if not total:
             raise DataError(f"data.val_shards ({cfg.data.val_shards}) holds no readable images; point it at labelled evaluation shards")
-        scores = {TOP1: top1 / total}
+        scores = {TOP1: correct / total}
         if self.classes > 5:
             scores[TOP5] = topk / total
         return scores
+
+
+    def baselines(self) -> dict[str, dict[str, float]]:
+        """eval/top1 beside always the training labels' majority class and chance (over the last pass's images)."""
+        return {TOP1: class_baselines(self.class_counts, self.labels, self.classes)}
 
 
 class Pretext:
@@ -150,4 +164,4 @@ def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tup
     """The evaluators of `stage` that `cfg` turns on, in EVALUATORS' order, each built (its images read) now."""
     built = [(every, registration.build(cfg, accelerator, stage)) for registration in EVALUATORS.values()
              if stage.name in registration.stages and (every := registration.every(cfg))]
-    return tuple(Evaluator(every, evaluate, tuple(evaluate.metrics)) for every, evaluate in built)
+    return tuple(Evaluator(every, evaluate, tuple(evaluate.metrics), getattr(evaluate, "baselines", dict)) for every, evaluate in built)

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from mpp.config import Config, RESUMABLE, Pooling, Section
 from mpp.evaluation.ridge import check_pool, few_shot_accuracy
+from mpp.evaluation.baselines import beside
 from mpp.metrics import FEWSHOT, Metric
 from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
@@ -48,6 +49,9 @@ class FewShot:
         # Before any training: a pool that cannot give every class its shots stops a pretraining run at once.
         check_pool(self.sets.pool.all_labels(accelerator), self.sets.eval.all_labels(accelerator), cfg.fewshot.shots)
 
+    def baselines(self) -> dict[str, dict[str, float]]:
+        return {metric.tag: self.sets.baseline for metric in self.metrics}
+
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
         """As an evaluator during pretraining: the objective's backbone."""
         return self.scores(objective.backbone)
@@ -72,9 +76,10 @@ def run(cfg: Config, *, ckpt: str) -> dict:
         result = {"features": c.features, "l2": c.l2, "draws": c.draws,
                   "train_images": fewshot.sets.pool.total, "eval_images": fewshot.sets.eval.total,
                   "accuracy": {str(n): statistics.fmean(a) for n, a in accuracies.items()},
-                  "accuracy_std": {str(n): statistics.pstdev(a) for n, a in accuracies.items()}}
+                  "accuracy_std": {str(n): statistics.pstdev(a) for n, a in accuracies.items()}, "baseline": fewshot.sets.baseline}
         shown = ", ".join(f"{n}-shot {100 * a:.1f}% (+-{100 * result['accuracy_std'][n]:.1f})" for n, a in result["accuracy"].items())
-        return result, (f"few-shot linear accuracy {shown} ({c.features} features, {c.draws} draws, "
+        baseline = beside("", fewshot.sets.baseline, "{:.1%}".format).strip()
+        return result, (f"few-shot linear accuracy {shown} against {baseline} ({c.features} features, {c.draws} draws, "
                         f"{fewshot.sets.eval.total} evaluation images)")
 
     return evaluate_checkpoint(cfg, ckpt, "fewshot.json", measure)

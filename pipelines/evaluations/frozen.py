@@ -9,6 +9,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from mpp.evaluation.baselines import beside, not_above
 from mpp.model.checkpoint import load_backbone
 from mpp.config import Config
 from mpp.model.vit import VisionTransformer
@@ -69,5 +70,11 @@ def evaluate_checkpoint(cfg: Config, ckpt: str, file_name: str, measure: Measure
             fix = "free some space" if failed.full else "make it writable"
             raise UserError(f"{failed}; nothing was written: {fix}, or set output_dir to another directory") from None
         print(f"{line} of {ckpt} ({accelerator.num_processes} process(es)); written to {target}")
+        scores = [measured["top1"]] if "top1" in measured else list(measured.get("accuracy", {}).values())
+        if scores and "baseline" in measured and all(not_above("top1", s, measured["baseline"]) for s in scores):
+            baseline = beside("", measured["baseline"], "{:.1%}".format).strip()
+            print(f"warning: the frozen features score at or below the baseline {baseline}: "
+                  f"they separate these classes no better than a guess. Likely causes: a backbone pretrained too briefly "
+                  f"or at a resolution far below the images' (model.image_size), or too few labelled images")
     accelerator.wait_for_everyone()  # no process tears down its process group while another still uses it
     return result

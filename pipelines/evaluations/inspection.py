@@ -20,6 +20,7 @@ from mpp.evaluation.views import (attention_distance, attention_rollout, patch_d
                             position_similarity, rollout_to_patches)
 from mpp.metrics import INSPECTION, Metric
 from mpp.model.vit import VisionTransformer, normalize
+from mpp.training.trackers import log_image
 from .frozen import evaluate_checkpoint
 from ..run.loaders import eval_batches
 
@@ -147,9 +148,8 @@ class Inspect:
         if self.accelerator.is_main_process:
             from .inspection_figures import pixels
 
-            tracker = self.accelerator.get_tracker("tensorboard", unwrap=True)
             for name, figure in views.figures().items():
-                tracker.add_image(f"inspect/{name}", pixels(figure), global_step=step, dataformats="HWC")
+                log_image(self.accelerator, f"inspect/{name}", pixels(figure), step)
         return views.scalars()
 
 

@@ -98,8 +98,8 @@ def rollout_figure(images: np.ndarray, reach: dict[str, np.ndarray], grid: int) 
         for c, (name, maps) in enumerate(reach.items(), start=1):
             heat = maps[r].reshape(grid, grid)
             axes[r, c].imshow(picture, interpolation="nearest")
-            axes[r, c].imshow(heat / max(float(heat.max()), 1e-12), cmap="inferno", alpha=0.6, vmin=0, vmax=1,
-                              extent=(-0.5, size - 0.5, size - 0.5, -0.5), interpolation="bilinear")
+            shown = axes[r, c].imshow(heat / max(float(heat.max()), 1e-12), cmap="inferno", alpha=0.6, vmin=0, vmax=1,
+                                      extent=(-0.5, size - 0.5, size - 0.5, -0.5), interpolation="bilinear")
             if r == 0:
                 axes[r, c].set_title(f"rollout to\n{name}", fontsize=8)
         if r == 0:
@@ -107,6 +107,9 @@ def rollout_figure(images: np.ndarray, reach: dict[str, np.ndarray], grid: int) 
     for ax in axes.flat:
         ax.set_axis_off()
     figure.tight_layout()
+    if reach:  # after the layout, which a colour bar's own axes would upset: one scale serves every map
+        figure.colorbar(shown, ax=axes[:, 1:].ravel().tolist(), label="attention (share of the map's maximum)",
+                        fraction=0.03, pad=0.02)
     return figure
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from pydantic import Field
 
 from mpp.config import Config, Pooling, Section
+from mpp.evaluation.baselines import beside
 from mpp.errors import command
 from mpp.evaluation.neighbours import knn_accuracy, missing_classes
 from mpp.metrics import KNN, KNN_TOP1, Metric
@@ -55,6 +56,9 @@ class Knn:
                           f"raise knn.train_images or use shards that mix classes (`{command('prepare')}` shuffles them)",
                           stacklevel=2)
 
+    def baselines(self) -> dict[str, dict[str, float]]:
+        return {KNN_TOP1: self.sets.baseline}
+
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
         """As an evaluator during pretraining: the objective's backbone."""
         return self.scores(objective.backbone)
@@ -71,8 +75,9 @@ def run(cfg: Config, *, ckpt: str) -> dict:
     def measure(cfg: Config, accelerator, backbone) -> tuple[dict, str]:
         knn, c = Knn(cfg, accelerator), cfg.knn
         result = {"features": c.features, "k": c.k, "temperature": c.temperature, "train_images": knn.sets.pool.total,
-                  "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)[KNN_TOP1]}
-        return result, (f"kNN top-1 {100 * result['top1']:.2f}% ({c.features} features, k={c.k}, T={c.temperature:g}, "
+                  "eval_images": knn.sets.eval.total, "top1": knn.scores(backbone)[KNN_TOP1], "baseline": knn.sets.baseline}
+        shown = beside(f"{result['top1']:.2%}", knn.sets.baseline, "{:.2%}".format)
+        return result, (f"kNN top-1 {shown} ({c.features} features, k={c.k}, T={c.temperature:g}, "
                         f"{knn.sets.pool.total} neighbours, {knn.sets.eval.total} evaluation images)")
 
     return evaluate_checkpoint(cfg, ckpt, "knn.json", measure)

@@ -8,6 +8,7 @@ from torch import nn
 from pydantic import Field
 
 from mpp.config import RESUMABLE, Config, Pooling, Section
+from mpp.evaluation.baselines import beside
 from mpp.metrics import PROBE, PROBE_TOP1, Metric
 from mpp.model.vit import VisionTransformer
 from mpp.evaluation.linear_probe import linear_probe_accuracy
@@ -42,6 +43,9 @@ class LinearProbe:
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.probe, "linear probe", "probe", "linear probe training shards")
         self.metrics = (Metric(PROBE_TOP1, PROBE, "linear probe top-1 of frozen features (SGD)", headline=True, percent=True),)
 
+    def baselines(self) -> dict[str, dict[str, float]]:
+        return {PROBE_TOP1: self.sets.baseline}
+
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
         """As an evaluator during pretraining: the objective's backbone."""
         return self.scores(objective.backbone)
@@ -60,8 +64,9 @@ def run(cfg: Config, *, ckpt: str) -> dict:
         probe, c = LinearProbe(cfg, accelerator), cfg.probe
         result = {"features": c.features, "epochs": c.epochs, "lr": c.lr, "batch_size": c.batch_size, "seed": c.seed,
                   "train_images": probe.sets.pool.total, "eval_images": probe.sets.eval.total,
-                  "top1": probe.scores(backbone)[PROBE_TOP1]}
-        return result, (f"linear probe top-1 {100 * result['top1']:.2f}% ({c.features} features, {c.epochs} epochs of "
+                  "top1": probe.scores(backbone)[PROBE_TOP1], "baseline": probe.sets.baseline}
+        shown = beside(f"{result['top1']:.2%}", probe.sets.baseline, "{:.2%}".format)
+        return result, (f"linear probe top-1 {shown} ({c.features} features, {c.epochs} epochs of "
                         f"SGD at lr {c.lr:g} on {probe.sets.pool.total} images, {probe.sets.eval.total} evaluation images)")
 
     return evaluate_checkpoint(cfg, ckpt, "probe.json", measure)

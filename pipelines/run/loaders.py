@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from mpp.evaluation.baselines import class_baselines
 from mpp.config import Config, ConfigError
 from mpp.training.runtime import data_workers
 from mpp.data.stream import Batch, DataError, EvalTransform, StreamState, TrainTransform, label_space, make_loader, shared_label_names
@@ -113,6 +114,10 @@ class FrozenFeatureSets:
 
         self.pool = images(pool_shards, section.train_images, f"{pool_name} {pool_shards}")
         self.eval = images(eval_shards, section.eval_images, f"evaluation shards {eval_shards}")
+        pool_y, eval_y = self.pool.all_labels(accelerator), self.eval.all_labels(accelerator)
+        classes = int(max(pool_y.max(), eval_y.max())) + 1 if len(pool_y) and len(eval_y) else 1
+        # What the frozen features' accuracy is shown beside: always the pool's majority class, and chance.
+        self.baseline = class_baselines(torch.bincount(pool_y, minlength=classes).tolist(), eval_y.tolist(), classes)
 
     def features(self, backbone: VisionTransformer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.section

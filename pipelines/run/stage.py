@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from mpp.evaluation.baselines import beside, below_baseline, likely_causes, not_above, with_priors
 from mpp.config import Config
 from mpp.data.stream import Batch, StreamState
 from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
@@ -25,6 +26,7 @@ from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
 from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, train
 from ..evaluations.evaluators import Stage, build_evaluators
+from mpp.data.shardformat import ShardSummary
 from .invocation import command_line, resume_command
 from .loaders import with_run_length
 from .run_policy import (OutputDirLock, StartingPoint, check_output_dir, continues_a_run, resume_point, start_over,
@@ -46,6 +48,8 @@ class TrainingStage:
     results: Callable[[dict[str, float]], dict] = lambda scores: {}  # the stage's own results.json entries
     recording: Callable[[Evaluator], Evaluator] = lambda evaluator: evaluator  # wraps each evaluator (fine-tuning's history)
     checkpointed: tuple = field(default_factory=tuple)  # more state saved with every checkpoint (state_dict/load_state_dict)
+    data: ShardSummary | None = None  # the summary.json beside the training shards: their images' sizes, their samples
+    class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
 
 
 def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool | Literal["auto"] = False,
@@ -69,13 +73,14 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         record_run_start(accelerator, cfg, start, resumed=resume_from is not None)
         if start is not None and resume_from is None:
             start.record(accelerator, cfg.output_dir)
-        evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective))))
+        evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective,
+                                                                                        stage.class_counts))))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.shards} shards with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-                          f"{run_settings(accelerator, cfg, run.global_batch)}")
+                          f"{run_settings(accelerator, cfg, run.global_batch)}; {resolution(cfg.model.image_size, stage.data)}")
         for state in stage.checkpointed:
             accelerator.register_for_checkpointing(state)
         training_started = time.perf_counter()
@@ -84,18 +89,48 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
                            resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
                            data_workers=data_workers(cfg.data.num_workers), resume_hint=resume_command())
         trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
-        end_tracking(accelerator)
         timing = {"wall_time_s": time.perf_counter() - started,
                   "images_per_sec": trained_images / (time.perf_counter() - training_started)} if trained_images else {}
         results = stage_results(cfg, stage, metrics, scores, run.global_batch, resume_from is not None, timing)
+        results["baselines"] = with_priors(results["final"], {tag: b for e in evaluators for tag, b in e.baselines().items()})
+        declared = {m.tag: m for m in metrics}
+        worse = {tag: beside(declared[tag].show(value), results["baselines"][tag], declared[tag].show)
+                 for tag, value in results["final"].items()
+                 if tag in results["baselines"] and tag in declared and not_above(tag, value, results["baselines"][tag])}
+        results["at_or_below_baseline"] = sorted(worse)
+        end_tracking(accelerator, results["final"], cfg.train.steps)
         if accelerator.is_main_process:
             (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
-    shown = ", ".join(f"{m.tag} {m.show(results['final'][m.tag])}" for m in metrics if m.headline and m.tag in results["final"])
+    shown = ", ".join(f"{m.tag} {show_with_baseline(m, results)}" for m in metrics if m.headline and m.tag in results["final"])
     skipped = ", ".join(f"{count:.0f} {reason}" for reason, count in results["skipped"].items())
     accelerator.print(f"{stage.name} done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): "
                       f"{shown or 'no step trained'}; skipped: {skipped or 'none'}; results in {cfg.output_dir}/{RESULTS}, "
                       f"weights in {cfg.output_dir}/{WEIGHTS}")
+    if worse:
+        accelerator.print(below_baseline(worse, likely_causes(
+            steps=cfg.train.steps, global_batch=run.global_batch, samples=stage.data.samples if stage.data else None,
+            image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
+            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts)))
     return results
+
+
+def show_with_baseline(metric: Metric, results: dict) -> str:
+    """A headline metric's final value, with its baselines where it has any."""
+    value = metric.show(results["final"][metric.tag])
+    baseline = results["baselines"].get(metric.tag)
+    return beside(value, baseline, metric.show) if baseline else value
+
+
+def resolution(image_size: int, data: ShardSummary | None) -> str:
+    """The start line's training resolution, beside the images' sizes where summary.json records them."""
+    sides = data.image_short_side if data else None
+    if not sides:
+        return f"training at {image_size} px"
+    ratio = sides["median"] / image_size
+    scale = (f"{ratio:.1f}x smaller than the images' median" if ratio > 1.25 else
+             f"{1 / ratio:.1f}x larger than the images' median" if ratio < 0.8 else "about the images' size")
+    return (f"training at {image_size} px, {scale} (their short sides are {sides['min']}-{sides['max']} px, median "
+            f"{sides['median']}; model.image_size sets it)")
 
 
 def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scores: dict[str, float], global_batch: int,

@@ -37,7 +37,7 @@ def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
     runtime.make_accelerator.
     """
     train_cfg = cfg.train.for_processes(process_state().num_processes)
-    accelerator = make_accelerator(train_cfg, cfg.output_dir)
+    accelerator = make_accelerator(train_cfg, cfg.output_dir, cfg.log.trackers)
     set_seed(train_cfg.seed, device_specific=per_process_seed)
     return Run(accelerator, cfg.model_copy(update={"train": train_cfg}, deep=True), train_cfg.global_batch(accelerator.num_processes))
 

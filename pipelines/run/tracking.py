@@ -15,6 +15,7 @@ from mpp.config import Config, Section, config_schema, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
 from mpp.rundir import CONFIG, checkpoint_step
 from mpp.model.objectives import CLASSIFICATION_SETTINGS, OBJECTIVES
+from mpp.training.trackers import log_final
 
 
 def hparam_columns() -> tuple[str, ...]:
@@ -41,10 +42,17 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
     # A resume hides what the run logged after its checkpoint (steps it trains again, after a kill) from TensorBoard,
     # so each curve holds every step once.
-    purge = {"tensorboard": {"purge_step": checkpoint_step(resumed_from) + 1}} if resumed_from else None
-    accelerator.init_trackers(run_name, init_kwargs=purge)
+    purge = {"purge_step": checkpoint_step(resumed_from) + 1} if resumed_from else {}
+    accelerator.init_trackers(run_name, init_kwargs={
+        "tensorboard": purge,
+        "wandb": {"name": Path(cfg.output_dir).name, "dir": str(cfg.output_dir)},  # its offline files in the run
+        "mlflow": {"run_name": Path(cfg.output_dir).name}})
     if not accelerator.is_main_process:
         return
+    flat = dotted(cfg.model_dump(mode="json"))
+    for tracker in accelerator.trackers:
+        if tracker.name in ("mlflow", "wandb"):  # TensorBoard's are the HParams below
+            tracker.store_init_configuration({k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flat.items()})
     text = config_to_yaml(cfg)
     saved = Path(cfg.output_dir) / CONFIG
     notes = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith("#")] if resumed_from and saved.is_file() else []
@@ -62,12 +70,15 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     writer.flush()
 
 
-def end_tracking(accelerator: Accelerator) -> None:
-    """Mark the run's HParams session as finished, then close the trackers.
+def end_tracking(accelerator: Accelerator, final: dict[str, float] | None = None, step: int = 0) -> None:
+    """Give the trackers the run's `final` metrics (mpp.trackers.log_final), mark the run's HParams session as
+    finished, then close the trackers.
 
     Not Accelerator.end_training: that also ends the process group, which belongs to the process and serves its
     later stages (compare runs several); end_process closes it when the command is done.
     """
+    if final:
+        log_final(accelerator, final, step)
     if accelerator.is_main_process:
         end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
         writer = accelerator.get_tracker("tensorboard", unwrap=True)

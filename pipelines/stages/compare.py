@@ -170,7 +170,8 @@ def finetune_stage(cfg: Config, ckpt: str | None) -> dict:
     finetune.run(cfg, ckpt=ckpt, resume=resuming(cfg))
     process_state().wait_for_everyone()  # the main process writes results.json and predictions.json
     directory = Path(cfg.output_dir)
-    return {**json.loads((directory / RESULTS).read_text()), "correct": json.loads((directory / PREDICTIONS).read_text())}
+    records = json.loads((directory / PREDICTIONS).read_text())
+    return {**json.loads((directory / RESULTS).read_text()), "correct": {key: r["correct"] for key, r in records.items()}}
 
 
 def test_stage(cfg: Config, run_dir: Path) -> dict:

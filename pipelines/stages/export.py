@@ -155,5 +155,6 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         lines += ["**This is a backbone without a classifier.** `pipeline('image-classification')` or "
                   "`ViTForImageClassification.from_pretrained` on it adds a randomly initialised 2-class head and prints "
                   "meaningless labels: fine-tune it first (`mpp finetune --ckpt RUN`, then export that run).", ""]
-    lines += ["Inputs are scaled as in training, (x / 255 - 0.5) / 0.5 per channel (preprocessor_config.json).", ""]
+    lines += ["Inputs are prepared as mpp evaluates: the centre square of the short side, resized (bilinear) to the "
+              "model's size and scaled to (x / 255 - 0.5) / 0.5 per channel (preprocessor_config.json).", ""]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from mpp.model.objectives import OBJECTIVES, Objective
 from ..run.loaders import labelled, num_classes, resolve_shards, train_loader
 from ..run.stage import TrainingStage, run_training
 from ..run.start import Run
+from mpp.data.shardformat import shard_summary
 
 
 def build_objective(cfg: Config, classes: int | None) -> Objective:
@@ -30,6 +31,6 @@ def run(cfg: Config, *, resume: bool | Literal["auto"] = False, overwrite: bool 
             return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
 
         return TrainingStage("pretrain", build_objective(cfg, classes), batches, len(urls),
-                             f"{cfg.objective} pretraining of a ViT", classes)
+                             f"{cfg.objective} pretraining of a ViT", classes, data=shard_summary(urls))
 
     return run_training(cfg, stage, resume=resume, overwrite=overwrite)
