@@ -22,7 +22,10 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
 from mpp.runtime import compile_failure, out_of_memory  # noqa: E402
+from mpp.preemption import EXIT_STATUS as STOPPED  # noqa: E402
 from mpp.train import Preempted  # noqa: E402
+
+from .start import RanksDisagree  # noqa: E402
 
 
 def shipped_configs() -> Path:
@@ -258,10 +261,15 @@ def main(argv: list[str] | None = None) -> int:
 
         end_process()
     except UserError as err:
-        return fail(one_line(err))
+        return fail(one_line(err), said_by_rank_0=isinstance(err, RanksDisagree))
     except Preempted as stop:
         print(stop, file=sys.stderr)
+        return STOPPED
     except Exception as err:
+        if peer_lost(err):
+            print(f"(rank {os.environ.get('RANK', '0')}) stopped: another process of this run has ended ({one_line(err)}); "
+                  f"its own message, or the launcher's report, says why", file=sys.stderr)
+            return 1
         if compile_failure(err):
             return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
                         f"train without it")
@@ -272,18 +280,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def fail(message: str) -> int:
+def fail(message: str, said_by_rank_0: bool = False) -> int:
     """One line, from one process: under `accelerate launch` every rank meets the same error, and rank 0 says it.
 
     Another rank waits first: once rank 0 has printed and exited, the launcher stops the other ranks, so a rank
-    still running after the wait met an error of its own (bad data in its shards) and says it, naming itself.
+    still running after the wait met an error of its own (bad data in its shards) and says it, naming itself. An
+    error every rank is known to have met together (`said_by_rank_0`: found over the process group) is left to
+    rank 0 at once, and every rank exits 2.
     """
     rank = int(os.environ.get("RANK", "0"))
+    if rank and said_by_rank_0:
+        return 2
     if rank:
         time.sleep(RANK_ERROR_GRACE_S)
         message = f"(rank {rank}) {message}"
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+# What a collective raises in a rank whose peer has gone (gloo's words; a socket's errors for the rendezvous store).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether a rank of several failed because another rank ended (its error, printed by it, or its crash): it then
+    says one line instead of a traceback of torch.distributed's code."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    while err is not None:
+        if isinstance(err, ConnectionError) or (isinstance(err, RuntimeError) and any(words in str(err) for words in PEER_LOST)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def compile_cause(err: Exception) -> str:
