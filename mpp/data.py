@@ -599,12 +599,26 @@ def make_loader(urls: list[str], data: DataConfig, transform: Callable, batch_si
                          samples_per_shard=per_shard)
     # Its own generator: starting workers must not draw from the global RNG that drives corruption,
     # or a resumed run (which starts its loader after restoring RNG state) would diverge.
-    return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+    return WorkerLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                       persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers else None,
                       generator=torch.Generator(), worker_init_fn=functools.partial(worker_signals, os.getpid()))
 
 
 PASSED_ON = {signal.SIGTERM, signal.SIGUSR1}  # the stop signals a worker passes on to its trainer
+
+
+class WorkerLoader(DataLoader):
+    """A DataLoader whose workers start with the stop signals blocked (see worker_signals): a worker is forked from
+    the thread that first iterates the loader and inherits its signal mask, as does every thread started in the
+    worker before its init runs (torch starts one), which would otherwise take a signal meant for worker_signals'
+    thread. The trainer's own mask is restored at once; a signal that came meanwhile is delivered then."""
+
+    def __iter__(self):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def worker_signals(trainer: int, worker_id: int) -> None:
@@ -620,9 +634,9 @@ def worker_signals(trainer: int, worker_id: int) -> None:
 
     A SIGTERM from the trainer is its loader stopping a worker (one blocked on a stalled `pipe:` command does not stop
     when asked, and every worker is ended at exit): the worker ends its commands and exits. Only sigwaitinfo tells who
-    sent a signal, so the worker blocks SIGTERM and SIGUSR1 and a thread takes them; a signal that still reaches the
-    main thread (while it starts a `pipe:` command with SIGTERM unblocked, tars.CommandOutput) ends the worker as
-    before.
+    sent a signal, so the worker's threads block SIGTERM and SIGUSR1 (WorkerLoader) and one thread takes them; a
+    signal that still reaches the main thread (while it starts a `pipe:` command with SIGTERM unblocked,
+    tars.CommandOutput) ends the worker as before.
     """
     forget_inherited_commands()
     signal.signal(signal.SIGINT, signal.SIG_IGN)

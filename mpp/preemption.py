@@ -80,11 +80,6 @@ class StopOnSignal:
             signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        if self.requested:
-            # The run has stopped and is on its way out. A launcher that sees another rank end first signals this
-            # one, which must not die of it before it exits with its own status and says how to continue.
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, signal.SIG_IGN)
         if self.pending is not None and exc_type is None:
             # Every rank posted the last step's all-reduce, so it completes; a process that destroyed its process
             # groups with it still in flight aborted in gloo ("terminate called without an active exception"), seen
@@ -136,7 +131,6 @@ class StopOnSignal:
         work.wait()
         if total.item() > 0:
             self.settle()  # the ranks stop here: nothing of theirs is left in flight when they tear down
-            self.requested = True  # this rank too, whether or not a signal came to it
             return True
         return False
 

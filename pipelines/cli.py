@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import textwrap
 import time
@@ -263,12 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         return fail(one_line(err), said_by_rank_0=isinstance(err, RanksDisagree))
     except Preempted as stop:
+        # Saved, and on its way out. A launcher that sees another rank exit first signals this one, which must not
+        # die of it before it has said how to continue and exited with its own status.
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
         print(stop, file=sys.stderr)
         return STOPPED
     except Exception as err:
-        if peer_lost(err):
-            print(f"(rank {os.environ.get('RANK', '0')}) stopped: another process of this run has ended ({one_line(err)}); "
-                  f"its own message, or the launcher's report, says why", file=sys.stderr)
+        if lost := peer_lost(err):
+            print(f"(rank {os.environ.get('RANK', '0')}) stopped: another process of this run has ended ({lost}); its "
+                  f"own message above, or the launcher's report, says why", file=sys.stderr)
             return 1
         if compile_failure(err):
             return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
@@ -302,16 +307,20 @@ def fail(message: str, said_by_rank_0: bool = False) -> int:
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def peer_lost(err: BaseException) -> bool:
-    """Whether a rank of several failed because another rank ended (its error, printed by it, or its crash): it then
-    says one line instead of a traceback of torch.distributed's code."""
+def peer_lost(err: BaseException) -> str | None:
+    """What a rank of several failed of when another rank ended (its error, printed by it, or its crash), to say in
+    one line instead of a traceback of torch.distributed's code; None for any other failure."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return False
+        return None
     while err is not None:
-        if isinstance(err, ConnectionError) or (isinstance(err, RuntimeError) and any(words in str(err) for words in PEER_LOST)):
-            return True
+        if isinstance(err, ConnectionError):
+            return f"{type(err).__name__}: {err}"
+        if isinstance(err, RuntimeError):
+            lost = next((words for words in PEER_LOST if words in str(err)), None)
+            if lost:
+                return lost
         err = err.__cause__ or err.__context__
-    return False
+    return None
 
 
 def compile_cause(err: Exception) -> str:
