@@ -16,8 +16,10 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from mpp.config import load_config
 from mpp.preemption import EXIT_STATUS
 from mpp.rundir import complete_checkpoints
+from pipelines import cli
 
 from conftest import ROOT, TINY, write_test_shards
 
@@ -184,3 +186,21 @@ def test_ranks_given_different_configs_stop_with_one_line_naming_the_keys_and_ex
                               "rank 0 and 0.5 on rank 1; start them all with one command line (the same --config "
                               "file and key=value overrides)"), stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_readme_slurm_scripts_run_mpp_commands_that_parse(monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Jobs under SLURM"):]
+    section = section[:section.index("\n## ")]
+    scripts = [script.replace("\\\n", " ") for script in re.findall(r"```bash\n(.*?)```", section, re.S)]
+    assert len(scripts) == 2 and all("#SBATCH --signal=B:USR1@120" in s and "scontrol requeue" in s for s in scripts)
+    commands = [command for script in scripts for command in re.findall(r"launch\.py (pretrain [^'&\n]*)", script)]
+    assert len(commands) == 2, commands
+    if cli.parse_args(["pretrain", "--resume", "auto"]).resume != "auto":
+        pytest.skip("this command line has no `--resume auto`, which the scripts use")
+    monkeypatch.chdir(ROOT)
+    for command in commands:
+        args = cli.parse_args(shlex.split(command))
+        assert args.stage == "pretrain" and args.resume == "auto", command
+        cfg = load_config(cli.config_file("pretrain", args.config), args.overrides)
+        assert cfg.output_dir.endswith("runs/vit_b16") and cfg.data.shards == "/data/shards"
