@@ -151,15 +151,15 @@ def stop_when_parent_dies() -> None:
     the step boundary with a checkpoint, as a SIGTERM sent to the trainer does. Not for a process a shell started: a
     run under `nohup` must outlive the shell.
 
-    The setting holds from the call on: a parent already gone is seen as this process's having been given to init
-    (pid 1) or to a subreaper in between, and a parent lost before the call to a subreaper goes unseen."""
+    The setting holds from the call on: a parent that dies during the call is seen (this process has another parent
+    after it); one already gone before it is not (pid 1 may be the launcher itself, in a container)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
         return  # not permitted here (a seccomp profile): the run goes on as before
-    if parent == 1 or os.getppid() != parent:
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
 
 

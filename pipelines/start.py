@@ -49,7 +49,7 @@ def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
         stop_when_parent_dies()
     state = process_state()
     if state.num_processes > 1:
-        check_same_config(cfg, state.process_index, state.num_processes)
+        check_same_config(cfg, state.num_processes)
     train_cfg = cfg.train.for_processes(state.num_processes)
     accelerator = make_accelerator(train_cfg, cfg.output_dir)
     set_seed(train_cfg.seed, device_specific=per_process_seed)
@@ -71,7 +71,7 @@ class RanksDisagree(UserError):
     """The processes of one run were given different configs. Every rank finds it at once, together: rank 0 says it."""
 
 
-def check_same_config(cfg: Config, rank: int, processes: int) -> None:
+def check_same_config(cfg: Config, processes: int) -> None:
     """Every rank's resolved config, gathered over the host process group, must be the same: a rank given another
     train.steps waits forever for the others at the end (DDP), another train.lr trains silently apart, another model
     width ends in a DDP traceback. Raises RanksDisagree on every rank, naming the keys and each rank's value."""
