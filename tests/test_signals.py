@@ -61,7 +61,8 @@ def uninterrupted(shards):
 def signal_run(proc: subprocess.Popen, target: str, signum: int) -> None:
     """Send `signum` as a scheduler or a person would: to the launcher's pid, to its process group (the launcher
     started in a session of its own), to every process of the run (SLURM signals every process of a job step), or to
-    one data worker of the last rank (as red-team row 124 did)."""
+    one data worker of the last rank (as red-team row 124 did). With two processes the launcher's group holds the
+    launcher alone (torch's agent starts each rank in a session of its own), so it is the launcher's case."""
     launcher = psutil.Process(proc.pid)
     trainers = launcher.children()
     workers = [worker for trainer in trainers for worker in trainer.children()]
