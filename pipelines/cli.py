@@ -9,6 +9,7 @@ import difflib
 import os
 import re
 import shutil
+import signal
 import sys
 import textwrap
 import time
@@ -23,7 +24,10 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
+from mpp.training.loop import Preempted  # noqa: E402
+from mpp.training.preemption import EXIT_STATUS as STOPPED  # noqa: E402
 from . import parts  # noqa: E402,F401 (every part's config section, which --help lists)
+from .run.start import RanksDisagree  # noqa: E402
 
 
 def shipped_configs() -> Path:
@@ -352,8 +356,19 @@ def main(argv: list[str] | None = None) -> int:
 
         end_process()
     except UserError as err:
-        return fail(one_line(err))
+        return fail(one_line(err), said_by_rank_0=isinstance(err, RanksDisagree))
+    except Preempted as stop:
+        # Saved, and on its way out. A launcher that sees another rank exit first signals this one, which must not
+        # die of it before it has said how to continue and exited with its own status.
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        print(stop, file=sys.stderr)
+        return STOPPED
     except Exception as err:
+        if lost := peer_lost(err):
+            print(f"(rank {os.environ.get('RANK', '0')}) stopped: another process of this run has ended ({lost}); its "
+                  f"own message above, or the launcher's report, says why", file=sys.stderr)
+            return 1
         return explained_failure(err)
     return 0
 
@@ -379,18 +394,42 @@ def printed_config(stage: str, cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in cfg.model_dump(mode="json").items() if k != "objective"}))
 
 
-def fail(message: str) -> int:
+def fail(message: str, said_by_rank_0: bool = False) -> int:
     """One line, from one process: under `accelerate launch` every rank meets the same error, and rank 0 says it.
 
     Another rank waits first: once rank 0 has printed and exited, the launcher stops the other ranks, so a rank
-    still running after the wait met an error of its own (bad data in its shards) and says it, naming itself.
+    still running after the wait met an error of its own (bad data in its shards) and says it, naming itself. An
+    error every rank is known to have met together (`said_by_rank_0`: found over the process group) is left to
+    rank 0 at once, and every rank exits 2.
     """
     rank = int(os.environ.get("RANK", "0"))
+    if rank and said_by_rank_0:
+        return 2
     if rank:
         time.sleep(RANK_ERROR_GRACE_S)
         message = f"(rank {rank}) {message}"
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+# What a collective raises in a rank whose peer has gone (gloo's words; a socket's errors for the rendezvous store).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(err: BaseException) -> str | None:
+    """What a rank of several failed of when another rank ended (its error, printed by it, or its crash), to say in
+    one line instead of a traceback of torch.distributed's code; None for any other failure."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    while err is not None:
+        if isinstance(err, ConnectionError):
+            return f"{type(err).__name__}: {err}"
+        if isinstance(err, RuntimeError):
+            lost = next((words for words in PEER_LOST if words in str(err)), None)
+            if lost:
+                return lost
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def compile_cause(err: Exception) -> str:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mpp.training.preemption import EXIT_STATUS
 from mpp.rundir import complete_checkpoints
 
 from conftest import ROOT, TINY, cpu_env, write_test_shards
@@ -155,7 +156,8 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, make_shards)
         stdout, stderr = proc.communicate(timeout=240)
     finally:
         proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    # Both ranks exit with the stopped status; the launcher, not signalled itself, reports them and exits 1.
+    assert proc.returncode == 1 and stderr.count(f"exitcode  : {EXIT_STATUS} ") == 2, stderr[-3000:]
     stops = re.findall(r"stopped at step (\d+) of 100000", stderr)
     assert len(stops) == 2 and stops[0] == stops[1], stderr[-3000:]
     assert complete_checkpoints(tmp_path / "run")[-1].name == f"step_{int(stops[0]):08d}"

@@ -21,6 +21,7 @@ import pytest
 from mpp.config import DataConfig
 from mpp.data.stream import DataError, EvalTransform, make_loader
 from mpp.data.tars import shard_samples
+from mpp.training.preemption import EXIT_STATUS
 
 from conftest import ROOT, TINY
 from test_labels import jpeg
@@ -282,7 +283,7 @@ def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_pat
             _, stderr = run.communicate(timeout=STOP_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{STOP_S}s after SIGTERM the run, or a pipe command holding its output open, still runs")
-        assert run.returncode == 0, stderr[-3000:]
+        assert run.returncode == EXIT_STATUS, stderr[-3000:]
         assert "stopped at step 0 of 5 on SIGTERM while waiting for data" in stderr
         deadline = time.monotonic() + 10
         while processes_with(f"sleep {token}") and time.monotonic() < deadline:

@@ -11,6 +11,8 @@ import math
 import os
 import random
 import re
+import signal
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +30,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mpp.errors import DataError
 from mpp.data.randaugment import RandAugment
 from mpp.data.shardformat import IMAGE_KEYS, is_remote, shard_summary, summary_beside
-from mpp.data.tars import LossEstimate, ShardEnd, end_commands_on_sigterm
+from mpp.data.tars import (LossEstimate, ShardEnd, end_commands_and_exit,
+                           forget_inherited_commands)
 from mpp.data.readers import read_samples, reader_of
 
 ORIENTATION_TAG = 0x0112  # EXIF
@@ -542,6 +545,60 @@ def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batc
                          samples_per_shard=per_shard, drawn_from=state.drawn_from)
     # Its own generator: starting workers must not draw from the global RNG that drives corruption,
     # or a resumed run (which starts its loader after restoring RNG state) would diverge.
-    return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+    return WorkerLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                       persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers else None,
-                      generator=torch.Generator(), worker_init_fn=end_commands_on_sigterm)
+                      generator=torch.Generator(), worker_init_fn=functools.partial(worker_signals, os.getpid()))
+
+
+PASSED_ON = {signal.SIGTERM, signal.SIGUSR1}  # the stop signals a worker passes on to its trainer
+
+
+class WorkerLoader(DataLoader):
+    """A DataLoader whose workers start with the stop signals blocked (see worker_signals): a worker is forked from
+    the thread that first iterates the loader and inherits its signal mask, as does every thread started in the
+    worker before its init runs (torch starts one), which would otherwise take a signal meant for worker_signals'
+    thread. The trainer's own mask is restored at once; a signal that came meanwhile is delivered then."""
+
+    def __iter__(self):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def worker_signals(trainer: int, worker_id: int) -> None:
+    """A dataloader worker's init: the signals that stop a run are its trainer's (pid `trainer`) to act on.
+
+    Schedulers and launchers signal a run's process group or every process of it (torch's elastic agent sends
+    SIGTERM to each rank's group, which holds the rank's workers), and a worker that died of it ended the run with
+    `DataLoader worker (pid ...) exited unexpectedly` before the trainer reached its checkpoint. So a worker goes on
+    delivering batches up to the step boundary where the trainer saves; a SIGTERM or SIGUSR1 it gets from anyone but
+    its trainer is passed on to the trainer (sent to the worker alone, it still stops the run; sent to every
+    process, the trainer takes the repeat as nothing new), and SIGINT, which a terminal's Ctrl-C sends the trainer as
+    well, is ignored.
+
+    A SIGTERM from the trainer is its loader stopping a worker (one blocked on a stalled `pipe:` command does not stop
+    when asked, and every worker is ended at exit): the worker ends its commands and exits. Only sigwaitinfo tells who
+    sent a signal, so the worker's threads block SIGTERM and SIGUSR1 (WorkerLoader) and one thread takes them; a
+    signal that still reaches the main thread (while it starts a `pipe:` command with SIGTERM unblocked,
+    tars.CommandOutput) ends the worker as before.
+    """
+    forget_inherited_commands()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, end_commands_and_exit)
+    signal.signal(signal.SIGUSR1, end_commands_and_exit)
+    signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+    threading.Thread(target=take_signals, args=(trainer,), name="mpp-worker-signals", daemon=True).start()
+
+
+def take_signals(trainer: int) -> None:
+    """A worker's signal thread (see worker_signals)."""
+    while True:
+        sent = signal.sigwaitinfo(PASSED_ON)
+        if sent.si_signo == signal.SIGTERM and sent.si_pid == trainer:
+            end_commands_and_exit()
+        try:
+            os.kill(trainer, sent.si_signo)
+        except ProcessLookupError:  # the trainer is gone: so is the reason to keep working
+            end_commands_and_exit()

@@ -221,11 +221,17 @@ def open_shard(url: str) -> Iterator:
 class CommandOutput:
     """The stdout of a `pipe:` shard's command; its end raises OSError when the command failed."""
 
-    running: set[CommandOutput] = set()  # of this process, for a worker told to stop (`end_commands_on_sigterm`)
+    running: set[CommandOutput] = set()  # of this process, for a worker told to stop (`end_commands_and_exit`)
 
     def __init__(self, command: str) -> None:
         self.command = command
-        self.process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, start_new_session=True)
+        # A command starts with the signal mask of the thread starting it: a dataloader worker blocks SIGTERM (to
+        # learn who sent it, mpp.data.worker_signals), and a command that kept it blocked would outlive its end().
+        unblocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        try:
+            self.process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         self.running.add(self)
 
     def read(self, size: int = -1) -> bytes:
@@ -253,18 +259,18 @@ class CommandOutput:
         self.running.discard(self)
 
 
-def end_commands_on_sigterm(worker_id: int) -> None:
-    """A dataloader worker's init: on SIGTERM, what the loader sends a worker that does not stop when asked (one
-    blocked on a stalled `pipe:` command does not) and what ends the workers at exit, the worker ends its commands'
-    process groups, which would otherwise go on running without a parent, then exits 0, as torch's own handler (which
-    this one replaces) exits on its parent's SIGTERM: the loader takes any other end for a worker that failed."""
-    CommandOutput.running.clear()  # a forked worker's copy of its parent's commands, which are not its own
-    signal.signal(signal.SIGTERM, _end_commands_and_exit)
+def forget_inherited_commands() -> None:
+    """In a forked dataloader worker: its copy of its parent's commands, which are not its own to end."""
+    CommandOutput.running.clear()
 
 
-def _end_commands_and_exit(signum: int, frame) -> None:
+def end_commands_and_exit(signum: int = signal.SIGTERM, frame=None) -> None:
+    """What a dataloader worker does when its loader stops it with SIGTERM (a worker that does not stop when asked,
+    one blocked on a stalled `pipe:` command, and every worker at exit; mpp.data.worker_signals): it ends its
+    commands' process groups, which would otherwise go on running without a parent, then exits 0, as torch's own
+    worker exits on its loader's SIGTERM: the loader takes any other end for a worker that failed."""
     for running in list(CommandOutput.running):
-        running.signal(signum)
+        running.signal(signal.SIGTERM)
     os._exit(0)
 
 

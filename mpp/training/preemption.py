@@ -1,13 +1,15 @@
-"""Stopping on a signal (SIGTERM, SIGINT): at a step boundary, every rank at the same step, with a checkpoint.
+"""Stopping on a signal (SIGTERM, SIGUSR1, SIGINT): at a step boundary, every rank at the same step, with a checkpoint.
 
-A preemptible job gets SIGTERM some time before it is killed; the loop saves and exits 0, naming the command that
-continues the run.
+A preemptible job gets SIGTERM (or, asked for, SIGUSR1: SLURM's `--signal=USR1@120`) some time before it is killed;
+the loop saves and the process exits with EXIT_STATUS, naming the command that continues the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import os
 import signal
 import sys
 import threading
@@ -22,8 +24,15 @@ from mpp.training.resume import save_checkpoint
 from mpp.rundir import checkpoint_dir, complete_checkpoints
 
 
+# The exit status of a run stopped by a signal: sysexits.h's EX_TEMPFAIL ("a temporary failure; the user is invited to
+# retry"), what a job script requeues on. Apart from 0 (finished), 1 (a crash: Python's status for an uncaught
+# exception) and 2 (a mistake to fix), and below 128, where a shell reports a process killed by signal n as 128 + n
+# (a run killed outright, with no checkpoint at its stop, is not this).
+EXIT_STATUS = 75
+
+
 class Preempted(Exception):
-    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; the message says how to resume."""
+    """Training stopped on a signal after saving a checkpoint; the message says how to resume."""
 
 
 class SignalWhileWaiting(BaseException):
@@ -37,7 +46,11 @@ class SignalWhileWaiting(BaseException):
 
 
 class StopOnSignal:
-    """The first SIGTERM/SIGINT asks for a stop at the next step boundary; a second one exits at once.
+    """The first SIGTERM, SIGUSR1 or SIGINT asks for a stop at the next step boundary; a second SIGINT (Ctrl-C) exits
+    at once. A repeated SIGTERM or SIGUSR1 changes nothing: schedulers and launchers send them more than once (SLURM
+    signals every process of a job step, and torch's elastic agent, when signalled itself, signals each rank's process
+    group again; a data worker that gets one passes it on, see mpp.data.worker_signals), and the checkpoint must land
+    before the kill that follows.
 
     A signal that arrives while the loop waits for data usually finds the batch moments away (being decoded): the
     step finishes and every rank stops at its boundary together. A stream that has not delivered WAIT_GRACE_S after
@@ -45,7 +58,7 @@ class StopOnSignal:
     the wait, so it cannot keep the process alive.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     # Long enough for a slow remote batch, short beside the 30 s or more a preemption notice gives before the kill.
     WAIT_GRACE_S = 10.0
 
@@ -82,13 +95,14 @@ class StopOnSignal:
             self.waiting = False
 
     def _handle(self, signum: int, frame) -> None:
+        if self.requested:
+            return  # a repeat of SIGTERM or SIGUSR1 (a second SIGINT meets the default handler)
         self.requested = True
         self.signal_name = signal.Signals(signum).name
-        for sig in self.SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.setitimer(signal.ITIMER_REAL, self.WAIT_GRACE_S)  # a wait for data still going on then is given up
         print(f"\nreceived {self.signal_name}: saving a checkpoint at the end of this step "
-              "(send it again to exit at once)", file=sys.stderr, flush=True)
+              "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
 
     def _give_up_waiting(self, signum: int, frame) -> None:
         if not self.waiting:
@@ -126,10 +140,33 @@ class StopOnSignal:
         self.pending = None
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_when_parent_dies() -> None:
+    """Have the kernel send this process SIGTERM when its parent dies (Linux; elsewhere nothing): for a process a
+    launcher started, whose death must stop it. `accelerate launch` with one process dies at once of a SIGTERM and
+    leaves its trainer running without it (holding the run's lock until the scheduler's SIGKILL loses everything since
+    the last checkpoint); torch's elastic agent killed outright leaves its ranks so. The SIGTERM then stops the run at
+    the step boundary with a checkpoint, as a SIGTERM sent to the trainer does. Not for a process a shell started: a
+    run under `nohup` must outlive the shell.
+
+    The setting holds from the call on: a parent that dies during the call is seen (this process has another parent
+    after it); one already gone before it is not (pid 1 may be the launcher itself, in a container)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return  # not permitted here (a seccomp profile): the run goes on as before
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 @functools.cache
 def host_group():
     """A gloo process group of every rank for small host-side agreements, made once per process (every rank makes
-    it at the same point: the first step of its first run)."""
+    it at the same point: as its first stage starts, where pipelines.run.start compares the ranks' configs over it)."""
     return torch.distributed.new_group(backend="gloo")
 
 

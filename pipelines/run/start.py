@@ -1,14 +1,19 @@
-"""How every stage starts: its Accelerator, its config resolved for the processes of this launch, its ranks seeded."""
+"""How every stage starts: its Accelerator, its config resolved for the processes of this launch (the same on every
+rank), its ranks seeded, its end tied to its launcher's."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from mpp.model.checkpoint import read_weights, resolve_checkpoint
 from mpp.config import Config, load_config
+from mpp.errors import UserError
+from mpp.training.preemption import host_group, stop_when_parent_dies
 from mpp.rundir import run_config_of
 from mpp.training.runtime import Device, make_accelerator, precision_label, process_state, resolve_compile
 
@@ -35,11 +40,70 @@ def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
     an evaluation (per_process_seed=False) seeds every rank alike, so a fresh backbone is the same on all of them.
     Stages run one after another in one process (compare) share the process's Accelerate state: see
     runtime.make_accelerator.
+
+    A process a launcher started stops (with a checkpoint, in training) when the launcher dies: see
+    preemption.stop_when_parent_dies. With several processes, every rank must have been given the same config:
+    RanksDisagree otherwise, on every rank.
     """
-    train_cfg = cfg.train.for_processes(process_state().num_processes)
+    if launched():
+        stop_when_parent_dies()
+    state = process_state()
+    if state.num_processes > 1:
+        check_same_config(cfg, state.num_processes)
+    train_cfg = cfg.train.for_processes(state.num_processes)
     accelerator = make_accelerator(train_cfg, cfg.output_dir, cfg.log.trackers)
     set_seed(train_cfg.seed, device_specific=per_process_seed)
     return Run(accelerator, cfg.model_copy(update={"train": train_cfg}, deep=True), train_cfg.global_batch(accelerator.num_processes))
+
+
+# What `accelerate launch` (ACCELERATE_MIXED_PRECISION, for one process too) and torch's elastic agent (under torchrun
+# and `accelerate launch --multi_gpu`) set in the processes they start; pipelines.run.invocation reads the same.
+LAUNCHER_MARKS = ("ACCELERATE_MIXED_PRECISION", "TORCHELASTIC_RUN_ID")
+
+
+def launched() -> bool:
+    """Whether a launcher started this process (rather than a shell: `python launch.py ...`)."""
+    return any(mark in os.environ for mark in LAUNCHER_MARKS)
+
+
+class RanksDisagree(UserError):
+    """The processes of one run were given different configs. Every rank finds it at once, together: rank 0 says it."""
+
+
+def check_same_config(cfg: Config, processes: int) -> None:
+    """Every rank's resolved config, gathered over the host process group, must be the same: a rank given another
+    train.steps waits forever for the others at the end (DDP), another train.lr trains silently apart, another model
+    width ends in a DDP traceback. Raises RanksDisagree on every rank, naming the keys and each rank's value."""
+    mine = flat(cfg.model_dump(mode="json"))
+    every: list[dict[str, str]] = [{} for _ in range(processes)]
+    torch.distributed.all_gather_object(every, mine, group=host_group())
+    differing = sorted({key for config in every for key in config if any(c.get(key) != config.get(key) for c in every)})
+    if not differing:
+        return
+    shown = "; ".join(f"{key} is {values_by_rank(every, key)}" for key in differing[:5])
+    more = f" (and {len(differing) - 5} more keys)" if len(differing) > 5 else ""
+    raise RanksDisagree(f"the {processes} processes of this run were given different configs: {shown}{more}; start "
+                        f"them all with one command line (the same --config file and key=value overrides)")
+
+
+def flat(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{'train': {'lr': 0.1}} -> {'train.lr': '0.1'}."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
+def values_by_rank(every: list[dict[str, str]], key: str) -> str:
+    """'20 on rank 0 and 40 on rank 1', ranks grouped by value."""
+    ranks: dict[str, list[int]] = {}
+    for rank, config in enumerate(every):
+        ranks.setdefault(config.get(key, "unset"), []).append(rank)
+    return " and ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:4]))}{', ...' if len(r) > 4 else ''}"
+                        for value, r in ranks.items())
 
 
 def run_settings(accelerator: Accelerator, cfg: Config, global_batch: int) -> str:
