@@ -201,7 +201,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                               "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
                               "IDX files store none: MNIST's and Fashion-MNIST's are known when a folder or the file "
                               "name says which (mnist, fashion-mnist)")
-    return parser.parse_args(argv)
+    return with_overrides_anywhere(parser, argv)
+
+
+def with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The parsed line, with key=value overrides taken wherever they stand: argparse fills the `overrides` positional
+    only from the words before the first option that follows them, and calls the rest (`--resume train.steps=30`,
+    `--ckpt RUN data.shards=DIR`) unrecognized. Words after a flag keep their order, so a later override still wins."""
+    args, rest = parser.parse_known_args(argv)
+    if hasattr(args, "overrides"):
+        args.overrides += [word for word in rest if not word.startswith("-")]
+        rest = [word for word in rest if word.startswith("-")]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
