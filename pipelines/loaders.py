@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from mpp.config import Config, ConfigError
 from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
 from mpp.errors import command
 from mpp.fewshot import FewShotError, LabelledImages
+from mpp.knn import missing_classes
 from mpp.model import VisionTransformer
 from mpp.randaugment import RandAugment
 from mpp.runtime import process_state
@@ -100,8 +102,9 @@ class FrozenFeatureSets:
         if eval_shards is None:
             raise FewShotError(f"{name} evaluation needs evaluation images; set {key}.val_shards or data.val_shards to "
                                f"labelled shards (or {key}.every=0 to turn it off)")
-        self.section, self.accelerator = section, accelerator
+        self.section, self.accelerator, self.name, self.key = section, accelerator, name, key
         pool_shards = section.shards or cfg.data.shards
+        self.pool_shards = pool_shards
 
         def images(spec: str, count: int, what: str) -> LabelledImages:
             batches = eval_batches(spec, cfg, accelerator, section.batch_size, labelled_by=pool_shards)
@@ -109,6 +112,20 @@ class FrozenFeatureSets:
 
         self.pool = images(pool_shards, section.train_images, f"{pool_name} {pool_shards}")
         self.eval = images(eval_shards, section.eval_images, f"evaluation shards {eval_shards}")
+
+    def warn_of_missing_classes(self, pool: str) -> None:
+        """One warning, before any training, where the pool (`pool` says what it is) holds no image of some classes
+        of the evaluation images, with the ceiling that puts on top-1. A pool short of a few classes of many is normal
+        (5000 images, 1000 classes) and top-1 still measures the features; one short of most measures only that."""
+        eval_y = self.eval.all_labels(self.accelerator)
+        missing, share = missing_classes(self.pool.all_labels(self.accelerator), eval_y)
+        if missing and self.accelerator.is_main_process:
+            listed = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+            warnings.warn(f"the {pool} ({self.pool_shards}, first {self.pool.total} images) holds no image of "
+                          f"{len(missing)} of the {len(torch.unique(eval_y))} classes of the evaluation images (class "
+                          f"{listed}); the {share:.0%} of them in those classes can never be classified right, so "
+                          f"{self.name} top-1 is at most {1 - share:.1%}; raise {self.key}.train_images or use shards "
+                          f"that mix classes (`{command('prepare')}` shuffles them)", stacklevel=3)
 
     def features(self, backbone: VisionTransformer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.section

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from accelerate import Accelerator
 from torch import nn
 
@@ -27,6 +26,9 @@ class LinearProbe:
         self.cfg = cfg.probe
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.probe, "linear probe", "probe", "linear probe training shards")
         self.metrics = (Metric(PROBE_TOP1, PROBE, "linear probe top-1 of frozen features (SGD)", headline=True, percent=True),)
+        # Warned of, as kNN's pool is, not refused as few-shot's is: the probe's pool is a sample of a training set
+        # (MAE probes on all of ImageNet's), which may miss a few of many classes and still measure the features.
+        self.sets.warn_of_missing_classes("linear probe training pool")
 
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
         """As an evaluator during pretraining: the objective's backbone."""
