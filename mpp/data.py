@@ -31,25 +31,32 @@ from mpp.config import DataConfig
 from mpp.errors import DataError, command
 from mpp.randaugment import RandAugment
 from mpp.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary, summary_beside
-from mpp.tars import READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
+from mpp.tars import METADATA, READ_ERRORS, LossEstimate, ShardEnd, end_commands_on_sigterm, members_apart, shard_samples
 
 ORIENTATION_TAG = 0x0112  # EXIF
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
 
 
 def expand_shards(spec: str) -> list[str]:
-    """A directory, a brace pattern, URLs or `pipe:` commands (several joined by '::') -> shard list."""
-    if os.path.isdir(spec):
-        shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
-        if not shards:
-            raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files; "
-                            f"write shards into it with `{command(f'prepare SOURCE --out {spec}')}`")
-        check_local_shards(shards)
-        return shards
-    shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
+    """A directory, a brace pattern, URLs or `pipe:` commands, or several of them joined by '::' -> shard list."""
+    if os.path.isdir(spec):  # whole, first: a directory's name may hold braces or '::'
+        return directory_shards(spec)
+    shards = []
+    for part in map(str.strip, spec.split("::")):
+        shards += directory_shards(part) if os.path.isdir(part) else [url for url in braceexpand(part) if url]
     if not shards:
         raise DataError(f"shard spec '{spec}' names no shards; pass a directory, a brace pattern or URLs")
     check_local_shards([s for s in shards if not is_remote(s)])
+    return shards
+
+
+def directory_shards(directory: str) -> list[str]:
+    """The shard files of a directory, sorted."""
+    shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(directory, f"*{suffix}")))
+    if not shards:
+        raise DataError(f"shard directory {directory} holds no {', '.join(SHARD_SUFFIXES)} files; "
+                        f"write shards into it with `{command(f'prepare SOURCE --out {directory}')}`")
+    check_local_shards(shards)
     return shards
 
 
@@ -345,6 +352,21 @@ def label_members(url: str) -> Iterator[dict]:
         pass  # an unreadable shard is the stream's to count
     if len(sample) > 1:
         yield sample
+
+
+def samples_in(url: str) -> int:
+    """The samples of a local shard, counted from its tar headers (runs of members sharing a key); those before
+    any damage, which the stream counts as it meets it."""
+    samples, key = 0, None
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                name = base_plus_ext(member.name)[0]
+                if member.isreg() and name is not None and not METADATA.match(member.name) and name != key:
+                    samples, key = samples + 1, name
+    except READ_ERRORS:
+        pass
+    return samples
 
 
 @functools.lru_cache(maxsize=16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -10,7 +11,8 @@ import torch
 from accelerate import Accelerator
 
 from mpp.config import Config, ConfigError
-from mpp.data import Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader, shared_label_names
+from mpp.data import (Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader,
+                      samples_in, shared_label_names)
 from mpp.errors import command
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.knn import missing_classes
@@ -53,17 +55,28 @@ def with_run_length(cfg: Config) -> Config:
 
 
 def training_samples(cfg: Config) -> int:
-    """The training set's size, for train.epochs: the samples of the summary.json beside data.shards (`prepare`
-    writes it), or of the embedded corpus."""
+    """The training set's size, for train.epochs: of the embedded corpus, or of the shards data.shards names, by the
+    summary.json beside them (`prepare` writes it). A summary counts the shards it lists (or, from an older mpp, its
+    directory's) together, so where data.shards names only some of them (a brace pattern over part of a directory),
+    or names some twice, those are counted from their tar headers."""
     if cfg.data.shards == "synthetic":
         return cfg.data.synthetic_size
-    summary = shard_summary(expand_shards(cfg.data.shards))
-    if summary is None or summary.samples is None:
-        raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) has "
-                          f"no summary.json giving its samples beside it; give the length in train.steps instead (with "
-                          f"train.epochs=null), or write the shards with `{command('prepare')}`, which writes one")
-    return summary.samples
-
+    by_directory: dict[str, list[str]] = {}
+    for url in expand_shards(cfg.data.shards):
+        by_directory.setdefault(os.path.dirname(url), []).append(url)
+    samples = 0
+    for named in by_directory.values():
+        summary = shard_summary(named)
+        if summary is None or summary.samples is None:
+            raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) "
+                              f"has no summary.json giving its samples beside {named[0]}; give the length in "
+                              f"train.steps instead (with train.epochs=null), or write the shards with "
+                              f"`{command('prepare')}`, which writes one")
+        listed = (summary.model_extra or {}).get("files") or [
+            os.path.basename(url) for url in expand_shards(os.path.dirname(named[0]) or ".")]
+        whole = sorted(os.path.basename(url) for url in named) == sorted(listed)
+        samples += summary.samples if whole else sum(samples_in(url) for url in named)
+    return samples
 
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
     return make_loader(
