@@ -21,7 +21,8 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.runtime import compile_failure, out_of_memory  # noqa: E402
+from mpp.objectives import OBJECTIVES  # noqa: E402
+from mpp.runtime import compile_failure, model_too_big, out_of_memory  # noqa: E402
 from mpp.train import Preempted  # noqa: E402
 
 
@@ -219,6 +220,7 @@ def with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str]) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = None  # a run config, for the stages that take one
     try:
         if args.stage in RUN_CONFIG_STAGES:
             cfg = run_config(args)
@@ -279,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
                         f"train without it")
         if out_of_memory(err):  # outside training (building the model, evaluating): the model itself is too big
-            return fail(f"out of memory ({one_line(err)}); shrink model.width, model.depth or model.image_size, or pick "
-                        f"a smaller mpp.target / mpp.color_bits")
+            pretraining = args.stage == "pretrain" and cfg is not None
+            classifier = args.stage == "finetune" or (pretraining and OBJECTIVES[cfg.objective].reads_labels)
+            return fail(model_too_big(err, cfg, classifier=classifier, mpp_head=pretraining and cfg.objective == "mpp"))
         raise
     return 0
 

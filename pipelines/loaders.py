@@ -11,8 +11,8 @@ import torch
 from accelerate import Accelerator
 
 from mpp.config import Config, ConfigError
-from mpp.data import (Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards, label_space, make_loader,
-                      samples_in, shared_label_names)
+from mpp.data import (SPARSE_FACTOR, SPARSE_FLOOR, Batch, DataError, EvalTransform, StreamState, TrainTransform, expand_shards,
+                      label_space, make_loader, samples_in, shared_label_names)
 from mpp.errors import command
 from mpp.fewshot import FewShotError, LabelledImages
 from mpp.knn import missing_classes
@@ -181,6 +181,13 @@ def labelled(batches: Iterable[Batch], classes: int, what: str) -> Iterator[Batc
             raise DataError(f"{what} holds images without a label (no cls, json label or txt); supervised pretraining "
                             f"and fine-tuning need a label for every image (use labelled shards, or objective=mpp)")
         if labels.numel() and labels.max() >= classes:
-            raise DataError(f"{what} holds label {int(labels.max())} but the head has {classes} classes; "
-                            f"set model.num_classes to the number of classes")
+            label = int(labels.max())
+            sample = f" (sample {batch.keys[int(labels.argmax())]})" if batch.keys else ""
+            if label + 1 > max(SPARSE_FACTOR * classes, SPARSE_FLOOR):  # as label_space tells a stray label
+                raise DataError(f"{what} holds label {label}{sample} but the head has {classes} classes (0 to "
+                                f"{classes - 1}); a label that far beyond them looks like a stray one: correct that "
+                                f"sample's label or remove the sample from the shards (set model.num_classes only "
+                                f"if the shards really hold {label + 1} classes)")
+            raise DataError(f"{what} holds label {label}{sample} but the head has {classes} classes (0 to "
+                            f"{classes - 1}); set model.num_classes to the number of classes")
         yield batch
