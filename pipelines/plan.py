@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
 from mpp.config import Config, ConfigError, Section, dotted, read_layers, validate_config
@@ -82,6 +82,14 @@ class CompareConfig(Section):
             raise ValueError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
         if self.dev_folds == 1:
             raise ValueError("dev_folds 1 is no cross-validation; use dev_folds 0 (one dev split) or at least 2")
+        repeats = {"seeds": "the same fine-tuning counted twice, which shrinks the spread the report gives (0.00 for [0, 0])",
+                   "lrs": "the same recipe tried twice", "checkpoints": "the same fine-tunings run twice"}
+        for key, meaning in repeats.items():
+            values = getattr(self, key)
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                raise ValueError(f"{key} {values} repeats {', '.join(f'{v:g}' for v in repeated)}: {meaning}; give "
+                                 f"distinct {key}")
         return self
 
 
@@ -149,13 +157,20 @@ def recipes(cc: CompareConfig) -> dict[str, dict[str, Any]]:
 
 def stage_config(cc: CompareConfig, section: str, extra: dict[str, Any] | None = None, **keys) -> Config:
     """common <- the section <- `extra` (nested or dotted) <- `keys` (dotted), validated as a run config."""
-    layers = [OmegaConf.create(cc.common), OmegaConf.create(getattr(cc, section)),
-              OmegaConf.from_dotlist([f"{k}={v}" for k, v in dotted(extra or {}).items()]),
-              OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items()])]
+    layers = [OmegaConf.create(cc.common), OmegaConf.create(getattr(cc, section)), nested(dotted(extra or {})), nested(keys)]
     try:
         return validate_config(OmegaConf.to_container(OmegaConf.merge(*layers)))
     except ConfigError as err:
         raise ConfigError(f"in the comparison's '{section}' runs (common + {section}): {err}") from None
+
+
+def nested(keys: dict[str, Any]) -> DictConfig:
+    """Dotted keys as a config layer, each value as it is: written back as `key=value` text and parsed again, a null
+    became the string 'None', which no setting takes."""
+    layer = OmegaConf.create()
+    for key, value in keys.items():
+        OmegaConf.update(layer, key, value)
+    return layer
 
 
 def pretrain_config(cc: CompareConfig, arm: Arm, **keys) -> Config:

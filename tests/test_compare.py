@@ -8,7 +8,7 @@ from PIL import Image
 
 from mpp.config import ConfigError, load_config
 from pipelines import compare
-from pipelines.plan import load_compare_config
+from pipelines.plan import load_compare_config, pretrain_config, recipes, stage_config
 
 from conftest import ROOT, reset_accelerator, write_test_shards
 
@@ -102,6 +102,25 @@ def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
         load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train:{lr:0.1}}]"])
     with pytest.raises(ConfigError, match="'finetune' runs .*train.lrr"):
         load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
+
+
+def test_a_plan_with_a_repeated_seed_is_refused_at_load():
+    """seeds: [0, 0] was reported as two seeds with a spread of 0.00 (round 4, row 101)."""
+    with pytest.raises(ConfigError, match=r"^seeds \[0, 0\] repeats 0: the same fine-tuning counted twice"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["seeds=[0, 0]"])
+    with pytest.raises(ConfigError, match=r"^lrs \[0.1, 0.1\] repeats 0.1: the same recipe tried twice"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[]", "lrs=[0.1, 0.1]"])
+
+
+def test_null_in_a_grid_recipe_or_an_arms_keys_is_none_as_on_the_command_line():
+    """A null became the string 'None' on its way to the run config, and was refused (round 4, rows 111-113)."""
+    plan = ["grid=[{train.clip_grad_norm: null}, {name: b, model.num_classes: null, data.crop_scale: [0.5, 1.0]}]",
+            "arms=[{name: m, objective: mpp, pretrain: {train.clip_grad_norm: null}}, scratch]"]
+    cc = load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", plan)
+    assert pretrain_config(cc, cc.arms[0]).train.clip_grad_norm is None
+    picked = {name: stage_config(cc, "finetune", **recipe) for name, recipe in recipes(cc).items()}
+    assert [c.train.clip_grad_norm for c in picked.values()][0] is None and picked["b"].model.num_classes is None
+    assert picked["b"].data.crop_scale == (0.5, 1.0)
 
 
 def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
