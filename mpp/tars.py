@@ -144,8 +144,9 @@ def archive_end(tar_bytes: TarBytes, stop: int) -> tuple[str | None, int | None]
                 last = offset + len(data)
                 if first is None:
                     first = offset + len(chunk) - len(chunk.lstrip(b"\0"))
-    except READ_ERRORS as exc:  # a compressed stream whose trailer fails its check after the rest was read (garbled)
-        return str(exc) or type(exc).__name__, (last - stop if last is not None else None)
+    except READ_ERRORS as exc:  # a compressed stream whose check fails after the rest was read (garbled), a failed command
+        lost = last - stop if last is not None else (0 if length >= stop + BLOCK else None)  # 0: its end blocks came whole
+        return str(exc) or type(exc).__name__, lost
     if length < stop + BLOCK:  # not one whole block after the last member: what followed is gone
         return f"no end-of-archive blocks: it ends at tar byte {length}, cut short", None
     if first is not None and first < stop + BLOCK:
@@ -305,7 +306,7 @@ class LossEstimate:
 
     def lost(self, end: ShardEnd) -> int:
         samples, good_bytes = (end.samples, end.good_bytes) if end.samples else (self.samples, self.good_bytes)
-        if end.lost_bytes and samples:
+        if end.lost_bytes is not None and samples:
             return max(1, round(end.lost_bytes * samples / good_bytes))
         expected = self.per_shard or (self.whole_samples / self.whole_shards if self.whole_shards else 0)
         if expected:
