@@ -124,6 +124,9 @@ def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
         "image_size": (f"{architecture['image_size']} ({grid * grid} positions of patch {patch})", f"{positions} positions"),
     }
     config_file = path.parent / HF_CONFIG
+    channels = json.loads(config_file.read_text()).get("num_channels", 3)  # read whole by hf_architecture
+    if channels != conv.shape[1]:
+        shown["num_channels"] = (channels, conv.shape[1])
     for key, (said, held) in shown.items():
         if said != held and not (key == "image_size" and grid * grid == positions):
             raise CheckpointError(f"{config_file} gives {key} {said} but the weights beside it hold {held}; correct "

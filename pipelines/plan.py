@@ -63,6 +63,9 @@ class CompareConfig(Section):
         for arm in resolved:
             if not PLAIN_NAME.fullmatch(arm.name) or names.count(arm.name) > 1:
                 raise ValueError(f"arm name '{arm.name}' is taken or not a plain name; give each arm a distinct name of letters, digits, '-', '_' or '.'")
+            if arm.objective is not None and arm.name == SCRATCH:
+                raise ValueError(f"arm name '{SCRATCH}' is the fresh backbone's, and this arm pretrains with "
+                                 f"{arm.objective}; give it another name")
             if arm.objective is None and arm.name != SCRATCH:
                 raise ValueError(f"arm '{arm.name}' names no objective; a fresh backbone is the arm '{SCRATCH}'")
             if arm.objective is not None and arm.objective not in OBJECTIVES:

@@ -104,12 +104,15 @@ def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
         load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
 
 
-def test_a_plan_with_a_repeated_seed_is_refused_at_load():
+def test_a_plan_with_a_repeated_seed_or_a_pretrained_scratch_arm_is_refused_at_load():
     """seeds: [0, 0] was reported as two seeds with a spread of 0.00 (round 4, row 101)."""
     with pytest.raises(ConfigError, match=r"^seeds \[0, 0\] repeats 0: the same fine-tuning counted twice"):
         load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["seeds=[0, 0]"])
     with pytest.raises(ConfigError, match=r"^lrs \[0.1, 0.1\] repeats 0.1: the same recipe tried twice"):
         load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[]", "lrs=[0.1, 0.1]"])
+    # an arm that pretrains under the fresh backbone's name, reported as 'scratch | masked patch prediction' (row 107)
+    with pytest.raises(ConfigError, match=r"arm name 'scratch' is the fresh backbone's, and this arm pretrains with mpp"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["arms=[{name: scratch, objective: mpp}]"])
 
 
 def test_null_in_a_grid_recipe_or_an_arms_keys_is_none_as_on_the_command_line():

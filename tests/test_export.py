@@ -213,6 +213,7 @@ def test_class_names_from_idx_files_and_from_class_names_reach_the_export(tmp_pa
     (lambda c: c.update(num_attention_heads=3), r"config.json gives num_attention_heads 3, which does not divide hidden_size 64"),
     (lambda c: c.update(patch_size=4), r"config.json gives patch_size 4 but the weights beside it hold 8"),
     (lambda c: c.update(num_hidden_layers=5), r"config.json gives num_hidden_layers 5 but the weights beside it hold 2"),
+    (lambda c: c.update(num_channels=1), r"config.json gives num_channels 1 but the weights beside it hold 3"),
     (lambda c: c.update(image_size=64), r"config.json gives image_size 64 \(64 positions of patch 8\) but the weights beside it hold 16 positions"),
     (lambda c: c.update(hidden_size="64"), r'config.json gives hidden_size as "64", not a positive whole number'),
     (lambda c: c.update(model_type="clip"), r"config.json describes no Hugging Face ViT \(model_type 'clip'"),
