@@ -114,11 +114,27 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         steps = pretrain_config(cc, arm).train.steps if arm.objective else None
         if steps and any(not 0 < step < steps for step in cc.checkpoints):
             raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
+        if steps and arm.name in cc.ablate:
+            check_checkpoints_kept(cc.checkpoints, pretrain_config(cc, arm).train, arm.name)
     if any(c.train.epochs is not None for c in stages.values()):
         raise ConfigError("a comparison plan gives its runs' lengths in train.steps (its lengths multiply them and its "
                           "checkpoints name pretraining steps); set train.steps in the plan instead of train.epochs")
     check_one_process(stages)
     return cc
+
+
+def check_checkpoints_kept(checkpoints: list[int], train, arm: str) -> None:
+    """Refuse, before any stage, checkpoint steps the arm's pretraining will not keep: it saves every
+    checkpoint_every steps and at its last, and keeps the newest keep_checkpoints (an uninterrupted run's)."""
+    saved = sorted({*range(train.checkpoint_every, train.steps + 1, train.checkpoint_every), train.steps})
+    kept = saved[-train.keep_checkpoints:]
+    missing = [step for step in checkpoints if step not in kept]
+    if missing:
+        raise ConfigError(f"checkpoints names pretraining step(s) {', '.join(map(str, missing))}, which the {arm} "
+                          f"pretraining will not keep (it keeps step(s) {', '.join(map(str, kept))}: every "
+                          f"pretrain.train.checkpoint_every={train.checkpoint_every} steps, the newest "
+                          f"pretrain.train.keep_checkpoints={train.keep_checkpoints}); make each a multiple of "
+                          f"checkpoint_every and raise keep_checkpoints to keep it")
 
 
 def check_one_process(stages: dict[str, Config]) -> None:
@@ -168,11 +184,11 @@ def stage_config(cc: CompareConfig, section: str, extra: dict[str, Any] | None =
 
 
 def nested(keys: dict[str, Any]) -> DictConfig:
-    """Dotted keys as a config layer, each value as it is: written back as `key=value` text and parsed again, a null
-    became the string 'None', which no setting takes."""
+    """Dotted keys as a config layer, each value as it is (a path as its text): written back as `key=value` text and
+    parsed again, a null became the string 'None', which no setting takes."""
     layer = OmegaConf.create()
     for key, value in keys.items():
-        OmegaConf.update(layer, key, value)
+        OmegaConf.update(layer, key, str(value) if isinstance(value, Path) else value)
     return layer
 
 

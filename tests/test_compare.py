@@ -147,8 +147,12 @@ def test_an_ablated_arms_pick_is_fine_tuned_from_earlier_pretraining_checkpoints
     text = (tmp_path / "cmp" / "report.md").read_text().split("## Pretraining length (mpp)")[1].split("##")[0]
     assert [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ")][1:] == ["| 2", "| 4"]
     reset_accelerator()
-    with pytest.raises(compare.CompareError, match=r"keeps no checkpoint at step 3 \(kept: 2, 4\)"):
-        compare.run(tiny(tmp_path, *plan, "checkpoints=[3]"))
+    # refused when the plan loads, before any stage (round 4, rows 115-116: only after the pretraining and fine-tunings)
+    with pytest.raises(ConfigError, match=r"checkpoints names pretraining step\(s\) 3, which the mpp pretraining will "
+                                          r"not keep \(it keeps step\(s\) 2, 4: every pretrain.train.checkpoint_every=2"):
+        tiny(tmp_path, *plan, "checkpoints=[3]")
+    with pytest.raises(ConfigError, match=r"step\(s\) 2, which .* keeps step\(s\) 4: .*keep_checkpoints=1\)"):
+        tiny(tmp_path, *plan, "checkpoints=[2]", "pretrain.train.keep_checkpoints=1")
     with pytest.raises(ConfigError, match=r"checkpoints \[4\] must be pretraining steps between 0 and pretrain.train.steps \(4\)"):
         tiny(tmp_path, "pretrain.train.steps=4", "checkpoints=[4]")
 
