@@ -24,10 +24,12 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.training.loop import Preempted  # noqa: E402
-from mpp.training.preemption import EXIT_STATUS as STOPPED  # noqa: E402
-from . import parts  # noqa: E402,F401 (every part's config section, which --help lists)
-from .run.start import RanksDisagree  # noqa: E402
+from mpp.training.loop import Preempted
+from mpp.training.preemption import EXIT_STATUS as STOPPED
+from . import parts
+from .run.start import RanksDisagree
+from mpp.model.objectives import OBJECTIVES
+from mpp.training.runtime import compile_failure, model_too_big, out_of_memory
 
 
 def shipped_configs() -> Path:
@@ -260,7 +262,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
     add_prepare(stages)
-    return parser.parse_args(argv)
+    return with_overrides_anywhere(parser, argv)
 
 
 def add_prepare(stages) -> None:
@@ -293,8 +295,22 @@ def add_prepare(stages) -> None:
                               "name says which (mnist, fashion-mnist)")
 
 
+def with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The parsed line, with key=value overrides taken wherever they stand: argparse fills the `overrides` positional
+    only from the words before the first option that follows them, and calls the rest (`--resume train.steps=30`,
+    `--ckpt RUN data.shards=DIR`) unrecognized. Words after a flag keep their order, so a later override still wins."""
+    args, rest = parser.parse_known_args(argv)
+    if hasattr(args, "overrides"):
+        args.overrides += [word for word in rest if not word.startswith("-")]
+        rest = [word for word in rest if word.startswith("-")]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = None  # a run config, for the stages that take one
     if args.stage == "predict":  # its images and its overrides share the positional arguments
         args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
         args.inputs = [item for item in args.inputs if not OVERRIDE.match(item)]
@@ -369,20 +385,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(rank {os.environ.get('RANK', '0')}) stopped: another process of this run has ended ({lost}); its "
                   f"own message above, or the launcher's report, says why", file=sys.stderr)
             return 1
-        return explained_failure(err)
+        return explained_failure(err, args, cfg)
     return 0
 
 
-def explained_failure(err: Exception) -> int:
+def explained_failure(err: Exception, args: argparse.Namespace, cfg: Config | None) -> int:
     """A failure a user can fix without a traceback (compile, memory) said in one line; anything else raised on."""
-    from mpp.training.runtime import compile_failure, out_of_memory  # here: they load torch, as the parts do
+    from mpp.model.objectives import OBJECTIVES  # here: they load torch, as the parts do
+    from mpp.training.runtime import compile_failure, model_too_big, out_of_memory
 
     if compile_failure(err):
         return fail(f"torch.compile could not compile the model ({compile_cause(err)}); set train.compile=false to "
                     f"train without it")
     if out_of_memory(err):  # outside training (building the model, evaluating): the model itself is too big
-        return fail(f"out of memory ({one_line(err)}); shrink model.width, model.depth or model.image_size, or pick "
-                    f"a target with fewer outputs (mpp.target and its settings)")
+        pretraining = args.stage == "pretrain" and cfg is not None
+        classifier = args.stage == "finetune" or (pretraining and OBJECTIVES[cfg.objective].reads_labels)
+        return fail(model_too_big(err, cfg, classifier=classifier, mpp_head=pretraining and cfg.objective == "mpp"))
     raise err
 
 

@@ -99,7 +99,8 @@ def test_a_classifier_with_more_classes_than_the_summary_names_exports_with_numb
         assert launch.main(["export", "--ckpt", str(runs / "ft"), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert [str(w.message) for w in warned if w.category is UserWarning] == [
         f"the training shards ({runs / 'shards'}) name 10 classes but the classifier has 12 outputs, so its labels are "
-        f"exported as LABEL_0 to LABEL_11; set data.shards to the fine-tuning's shards to export their names"]
+        f"exported as LABEL_0 to LABEL_11; the fine-tuning set model.num_classes=12, so no names are known for its "
+        f"other outputs"]  # it advised setting data.shards to the fine-tuning's shards, which they were (round 4, Part 1 row 25)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["id2label"] == {str(i): f"LABEL_{i}" for i in range(12)}
 

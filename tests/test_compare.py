@@ -8,7 +8,7 @@ from PIL import Image
 
 from mpp.config import ConfigError, load_config
 from pipelines.stages import compare
-from pipelines.comparison.plan import load_compare_config
+from pipelines.comparison.plan import load_compare_config, pretrain_config, recipes, stage_config
 
 from conftest import ROOT, reset_accelerator, write_test_shards
 
@@ -105,6 +105,28 @@ def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):
         load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[{train: {lrr: 0.1}}]"])
 
 
+def test_a_plan_with_a_repeated_seed_or_a_pretrained_scratch_arm_is_refused_at_load():
+    """seeds: [0, 0] was reported as two seeds with a spread of 0.00 (round 4, row 101)."""
+    with pytest.raises(ConfigError, match=r"^seeds \[0, 0\] repeats 0: the same fine-tuning counted twice"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["seeds=[0, 0]"])
+    with pytest.raises(ConfigError, match=r"^lrs \[0.1, 0.1\] repeats 0.1: the same recipe tried twice"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[]", "lrs=[0.1, 0.1]"])
+    # an arm that pretrains under the fresh backbone's name, reported as 'scratch | masked patch prediction' (row 107)
+    with pytest.raises(ConfigError, match=r"arm name 'scratch' is the fresh backbone's, and this arm pretrains with mpp"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["arms=[{name: scratch, objective: mpp}]"])
+
+
+def test_null_in_a_grid_recipe_or_an_arms_keys_is_none_as_on_the_command_line():
+    """A null became the string 'None' on its way to the run config, and was refused (round 4, rows 111-113)."""
+    plan = ["grid=[{train.clip_grad_norm: null}, {name: b, model.num_classes: null, data.crop_scale: [0.5, 1.0]}]",
+            "arms=[{name: m, objective: mpp, pretrain: {train.clip_grad_norm: null}}, scratch]"]
+    cc = load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", plan)
+    assert pretrain_config(cc, cc.arms[0]).train.clip_grad_norm is None
+    picked = {name: stage_config(cc, "finetune", **recipe) for name, recipe in recipes(cc).items()}
+    assert [c.train.clip_grad_norm for c in picked.values()][0] is None and picked["b"].model.num_classes is None
+    assert picked["b"].data.crop_scale == (0.5, 1.0)
+
+
 def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
     cc = tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]")
     compare.run(cc)
@@ -126,8 +148,12 @@ def test_an_ablated_arms_pick_is_fine_tuned_from_earlier_pretraining_checkpoints
     text = (tmp_path / "cmp" / "report.md").read_text().split("## Pretraining length (mpp)")[1].split("##")[0]
     assert [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ")][1:] == ["| 2", "| 4"]
     reset_accelerator()
-    with pytest.raises(compare.CompareError, match=r"keeps no checkpoint at step 3 \(kept: 2, 4\)"):
-        compare.run(tiny(tmp_path, *plan, "checkpoints=[3]"))
+    # refused when the plan loads, before any stage (round 4, rows 115-116: only after the pretraining and fine-tunings)
+    with pytest.raises(ConfigError, match=r"checkpoints names pretraining step\(s\) 3, which the mpp pretraining will "
+                                          r"not keep \(it keeps step\(s\) 2, 4: every pretrain.train.checkpoint_every=2"):
+        tiny(tmp_path, *plan, "checkpoints=[3]")
+    with pytest.raises(ConfigError, match=r"step\(s\) 2, which .* keeps step\(s\) 4: .*keep_checkpoints=1\)"):
+        tiny(tmp_path, *plan, "checkpoints=[2]", "pretrain.train.keep_checkpoints=1")
     with pytest.raises(ConfigError, match=r"checkpoints \[4\] must be pretraining steps between 0 and pretrain.train.steps \(4\)"):
         tiny(tmp_path, "pretrain.train.steps=4", "checkpoints=[4]")
 

@@ -146,6 +146,22 @@ def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsy
     assert plan["arms"] == ["mpp"] and plan["output_dir"] == "runs/compare/tiny"
 
 
+@pytest.mark.parametrize("line", [
+    ["pretrain", "train.steps=20", "--resume", "train.steps=30", "output_dir=runs/a"],
+    ["finetune", "train.steps=20", "--ckpt", "runs/base", "train.steps=30", "output_dir=runs/a"],
+    ["finetune", "train.steps=20", "--overwrite", "train.steps=30", "--config", "default", "output_dir=runs/a"],
+    ["knn", "--ckpt", "runs/base", "train.steps=20", "--config", "f.yaml", "train.steps=30", "output_dir=runs/a"],
+])
+def test_overrides_are_taken_wherever_they_stand_on_the_line(line):
+    assert cli.parse_args(line).overrides == ["train.steps=20", "train.steps=30", "output_dir=runs/a"]  # in order: the last wins
+
+
+def test_an_unknown_flag_among_overrides_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.parse_args(["pretrain", "train.steps=20", "--steps", "30"])
+    assert done.value.code == 2 and "unrecognized arguments: --steps" in capsys.readouterr().err
+
+
 def test_readme_contents_link_every_section_by_its_github_anchor():
     readme = (ROOT / "README.md").read_text()
     headings = [h for h in re.findall(r"^## (.+)$", readme, re.M) if h != "Contents"]

@@ -180,6 +180,25 @@ def test_shard_specs(make_shards, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="holds no .tar, .tar.gz, .tgz files"):
         expand_shards(str(tmp_path / "empty"))
+    # a directory inside a '::' list, as the README promises (it was refused as "a directory, not a tar file")
+    assert expand_shards(f"{directory}::pipe:cat a.tar::{directory}/shard-000000.tar") == [*urls, "pipe:cat a.tar", urls[0]]
+
+
+def test_train_epochs_count_only_the_shards_data_shards_names(tmp_path):
+    """summary.json counts its whole set: a brace pattern over half of it was taken for all of it (round 4, row 14:
+    train.epochs=1 over 2 of 4 shards trained 2 epochs)."""
+    from mpp.config import load_config
+    from mpp.data.shards import synthetic_samples, write_shards
+    from pipelines.run.loaders import training_samples
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_shards(synthetic_samples(70, 8), a, samples_per_shard=20)  # 20, 20, 20, 10
+    write_shards(synthetic_samples(30, 8), b, samples_per_shard=20)
+    count = lambda spec: training_samples(load_config(None, [f"data.shards={spec}", "train.epochs=1"]))
+    assert count(a) == count(f"{a}/shard-00000{{0..3}}.tar") == 70  # the whole set: summary.json's count
+    assert count(f"{a}/shard-00000{{2..3}}.tar") == 30  # part of it: counted from the tar headers
+    assert count(f"{a}::{b}") == 100 and count(f"{a}/shard-000003.tar::{b}") == 40
+    assert count(f"{b}::{b}/shard-000000.tar") == 50  # read twice, counted twice
 
 
 def test_pipe_urls_stream(make_shards):

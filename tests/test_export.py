@@ -1,4 +1,5 @@
 import json
+import re
 import logging
 import sys
 import warnings
@@ -203,3 +204,41 @@ def test_class_names_from_idx_files_and_from_class_names_reach_the_export(tmp_pa
         f"the training shards ({tmp_path / 'plain'}) name no classes (no class_names in a summary.json beside them), so "
         f"the classifier's labels were exported as LABEL_0 to LABEL_2; prepare the shards with --class-names, or set "
         f"data.shards to shards whose summary.json names them"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("image_size"), r"config.json lacks image_size, which a ViT's config.json gives"),
+    (lambda c: c.update(image_size=[32, 64]), r"config.json gives image_size \[32, 64\], not square"),
+    (lambda c: c.update(image_size=[32, 32]), None),  # (height, width) of a square: read
+    (lambda c: c.update(num_attention_heads=3), r"config.json gives num_attention_heads 3, which does not divide hidden_size 64"),
+    (lambda c: c.update(patch_size=4), r"config.json gives patch_size 4 but the weights beside it hold 8"),
+    (lambda c: c.update(num_hidden_layers=5), r"config.json gives num_hidden_layers 5 but the weights beside it hold 2"),
+    (lambda c: c.update(num_channels=1), r"config.json gives num_channels 1 but the weights beside it hold 3"),
+    (lambda c: c.update(image_size=64), r"config.json gives image_size 64 \(64 positions of patch 8\) but the weights beside it hold 16 positions"),
+    (lambda c: c.update(hidden_size="64"), r'config.json gives hidden_size as "64", not a positive whole number'),
+    (lambda c: c.update(model_type="clip"), r"config.json describes no Hugging Face ViT \(model_type 'clip'"),
+    ("truncated", r"config.json is not valid JSON"),
+])
+def test_a_hugging_face_config_that_does_not_describe_its_weights_is_named_with_what_is_wrong(tmp_path, edit, message):
+    """Every such problem read `no ViT config.json lies beside it`, with the file there (round 4, rows 84-88), or
+    went on to advise a model.* setting the user never made (num_attention_heads 3, patch_size 4)."""
+    from mpp.model.checkpoint import read_weights
+    from mpp.errors import UserError
+
+    export_hf(VisionTransformer(32, 8, 64, 2, 2), tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    if edit == "truncated":
+        path.write_text(path.read_text()[:40])
+    else:
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))
+    if message is None:
+        assert read_weights(tmp_path / "hf").about["image_size"] == 32
+        return
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}"):
+        try:
+            read_weights(tmp_path / "hf")
+        except UserError as err:
+            assert re.search(message, str(err)), str(err)
+            raise

@@ -155,6 +155,28 @@ def test_a_stray_huge_label_is_named_not_taken_for_the_class_count(tmp_path):
         num_classes(load_config(None, ["data.shards=x"]), urls)
 
 
+def test_a_label_beyond_the_head_is_told_a_stray_label_from_a_short_head():
+    """With model.num_classes=10, a label 10^9 advised raising num_classes, which sized the head for a billion classes
+    and ran out of memory (round 4, rows 135-136); a label just past the head is a class count to raise."""
+    import torch
+
+    from mpp.data.stream import Batch
+    from pipelines.run.loaders import labelled
+
+    def first_error(label):
+        batch = Batch(torch.zeros(3, 3, 8, 8, dtype=torch.uint8), torch.tensor([1, label, 2]), keys=("s.tar/a", "s.tar/b", "s.tar/c"))
+        with pytest.raises(DataError) as err:
+            list(labelled([batch], 10, "data.shards (DIR)"))
+        return str(err.value)
+
+    assert first_error(1000000000) == (
+        "data.shards (DIR) holds label 1000000000 (sample s.tar/b) but the head has 10 classes (0 to 9); a label that "
+        "far beyond them looks like a stray one: correct that sample's label or remove the sample from the shards (set "
+        "model.num_classes only if the shards really hold 1000000001 classes)")
+    assert first_error(12).endswith("holds label 12 (sample s.tar/b) but the head has 10 classes (0 to 9); set "
+                                    "model.num_classes to the number of classes")
+
+
 @pytest.mark.parametrize("summary, complaint", [
     ("{not json", "it is not JSON"),
     ('{"labels": true, "classes": "three"}', "classes: input should be a valid integer"),

@@ -60,3 +60,26 @@ def test_the_probe_runs_inside_pretraining_shows_in_the_results_and_runs_as_a_co
     written = json.loads((tmp_path / "eval" / "probe.json").read_text())
     assert written["features"] == "mean" and written["epochs"] == 5 and written["train_images"] == 80  # from config.yaml
     assert written["eval_images"] == 40 and 0 < written["top1"] <= 1
+
+
+def test_a_probe_pool_without_most_classes_is_scored_with_a_warning_giving_the_ceiling(tmp_path, make_shards):
+    """As kNN's pool (not refused as few-shot's): a probe trained on 2 of 10 classes scored with no word before."""
+    from safetensors.torch import save_file
+
+    from mpp.model.vit import VisionTransformer
+    from pipelines.evaluations import probe
+
+    from test_fewshot import write_two_class_shards
+
+    make_shards([40], size=32)  # 10 classes, 4 images each
+    write_two_class_shards(tmp_path / "two")
+    save_file(VisionTransformer(16, 4, 64, 2, 2).state_dict(), str(tmp_path / "backbone.safetensors"))
+    with pytest.warns(UserWarning) as warned:
+        result = probe.run(tiny(tmp_path, f"probe.shards={tmp_path / 'two'}", "probe.epochs=2"),
+                           ckpt=str(tmp_path / "backbone.safetensors"))
+    assert [str(w.message) for w in warned if w.category is UserWarning] == [
+        f"the linear probe training pool ({tmp_path / 'two'}, first 20 images) holds no image of 8 of the 10 classes "
+        f"of the evaluation images (class 2, 3, 4, 5, 6, ...); the 80% of them in those classes can never be classified "
+        f"right, so linear probe top-1 is at most 20.0%; raise probe.train_images or use shards that mix classes "
+        f"(`mpp prepare` shuffles them)"]
+    assert result["top1"] <= 0.2

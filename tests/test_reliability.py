@@ -381,6 +381,31 @@ def test_out_of_memory_says_what_to_reduce(tmp_path, make_shards):
     assert "shrink model.width" in result.stderr
 
 
+def test_out_of_memory_names_the_settings_of_the_objective_that_ran_out(tmp_path, make_shards):
+    """A fine-tuning whose classifier has 10^9 outputs (256 GB) was told to pick a smaller mpp.target, which has no
+    part in it (round 4, row 136). The advice now follows the objective: the classifier's size where it outweighs the
+    backbone, MPP's head only in MPP pretraining."""
+    from mpp.training.runtime import model_too_big
+
+    make_shards([20], size=32)
+    shards = tmp_path / "shards"
+    result = subprocess.run([sys.executable, "launch.py", "finetune", f"data.shards={shards}", f"data.val_shards={shards}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, "model.num_classes=1000000001", "train.steps=2"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: out of memory (") and "mpp.target" not in error, error
+    assert error.endswith("the classifier's model.num_classes=1000000001 outputs alone hold 64,000,000,064 weights, more "
+                          "than the 98,304 of the backbone's blocks: set model.num_classes to the number of classes the "
+                          "shards hold"), error
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    mpp_run, supervised = load_config(None, TINY), load_config(None, [*TINY, "objective=supervised", "model.num_classes=10"])
+    assert model_too_big(oom, mpp_run, mpp_head=True).endswith(
+        "shrink model.width, model.depth or model.image_size, or pick a target with fewer outputs (mpp.target and its settings)")
+    assert model_too_big(oom, supervised, classifier=True).endswith(
+        "shrink model.width, model.depth or model.image_size, or lower model.num_classes")
+
+
 @pytest.mark.parametrize("batch, fix", [
     (["train.batch_size=64"], "lower train.batch_size and raise train.grad_accum to keep the global batch"),
     (["train.global_batch_size=64"], "set train.micro_batch_size below 64 (train.grad_accum follows, so "

@@ -38,7 +38,7 @@ from webdataset.tariterators import base_plus_ext
 
 from mpp.errors import DataError, command
 from mpp.data.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote
-from mpp.data.tars import READ_ERRORS, ShardEnd, members_apart, open_shard, tar_samples
+from mpp.data.tars import METADATA, READ_ERRORS, ShardEnd, members_apart, open_shard, tar_samples
 
 
 class Reader(ABC):
@@ -76,14 +76,16 @@ class TarReader(Reader):
         return True
 
     def expand(self, spec: str) -> list[str]:
-        if os.path.isdir(spec):
+        if os.path.isdir(spec):  # whole, first: a directory's name may hold braces or '::'
             shards = sorted(p for suffix in SHARD_SUFFIXES for p in glob(os.path.join(spec, f"*{suffix}")))
             if not shards:
                 raise DataError(f"shard directory {spec} holds no {', '.join(SHARD_SUFFIXES)} files, no .parquet files "
                                 f"and no images; write shards into it with `{command(f'prepare SOURCE --out {spec}')}`")
             check_local_shards(shards)
             return shards
-        shards = [url for part in spec.split("::") for url in braceexpand(part.strip()) if url]
+        shards = []
+        for part in map(str.strip, spec.split("::")):
+            shards += self.expand(part) if os.path.isdir(part) else [url for url in braceexpand(part) if url]
         if not shards:
             raise DataError(f"shard spec '{spec}' names no shards; pass a directory, a brace pattern or URLs")
         check_local_shards([s for s in shards if not is_remote(s)])
@@ -303,3 +305,18 @@ def read_samples(urls: Iterable[str], on_end: Callable[[ShardEnd], None]) -> Ite
         except reader.errors as exc:
             end.damage = str(exc) or type(exc).__name__
         on_end(end)
+
+
+def samples_in(url: str) -> int:
+    """The samples of a local tar shard, counted from its tar headers (runs of members sharing a key); those before
+    any damage, which the stream counts as it meets it."""
+    samples, key = 0, None
+    try:
+        with tarfile.open(url) as tar:
+            for member in tar:
+                name = base_plus_ext(member.name)[0]
+                if member.isreg() and name is not None and not METADATA.match(member.name) and name != key:
+                    samples, key = samples + 1, name
+    except READ_ERRORS:
+        pass
+    return samples

@@ -30,8 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mpp.errors import DataError
 from mpp.data.randaugment import RandAugment
 from mpp.data.shardformat import IMAGE_KEYS, is_remote, shard_summary, summary_beside
-from mpp.data.tars import (LossEstimate, ShardEnd, end_commands_and_exit,
-                           forget_inherited_commands)
+from mpp.data.tars import LossEstimate, ShardEnd, end_commands_and_exit, forget_inherited_commands
 from mpp.data.readers import read_samples, reader_of
 
 ORIENTATION_TAG = 0x0112  # EXIF

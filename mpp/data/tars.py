@@ -36,7 +36,7 @@ BLOCK = tarfile.BLOCKSIZE  # 512: tar headers and member data start on block bou
 READ_ERRORS = (OSError, EOFError, tarfile.TarError, zlib.error, lzma.LZMAError)
 COMPRESSED = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}  # magic bytes -> reader
 METADATA = re.compile(r"__[^/]*__($|/)")  # webdataset's own members (__key__ and the like), skipped as it skips them
-DRAIN_CHUNK = 1 << 20
+DRAIN_CHUNK = 1 << 16  # small: a read that fails at a garbled stream's end (its check) takes the data it read with it
 READ_SIZE = 16 * BLOCK  # what tarfile asks of the stream at a time
 COMMAND_GRACE_S = 5  # a `pipe:` command told to stop gets this long before it is killed
 
@@ -50,6 +50,7 @@ class ShardEnd:
     good_bytes: int = 0  # tar bytes read before the damage
     damage: str | None = None
     lost_bytes: int | None = None  # tar bytes holding data after the damage, where the rest of the stream was read
+    unread_fraction: float | None = None  # of a local file's bytes, where the damage stopped reading before its end
 
 
 def shard_samples(urls: Iterable[str], on_end: Callable[[ShardEnd], None]) -> Iterator[dict]:
@@ -61,10 +62,24 @@ def shard_samples(urls: Iterable[str], on_end: Callable[[ShardEnd], None]) -> It
         end = ShardEnd(url)
         try:
             with open_shard(url) as stream:
-                yield from tar_samples(stream, end)
+                try:
+                    yield from tar_samples(stream, end)
+                except READ_ERRORS:
+                    end.unread_fraction = unread_fraction(stream)
+                    raise
         except READ_ERRORS as exc:
             end.damage = str(exc) or type(exc).__name__
         on_end(end)
+
+
+def unread_fraction(stream) -> float | None:
+    """The part of a local file not yet read (a compressed shard's bytes, where the reader read them up to its
+    damage); None for a stream of unknown size (a `pipe:` command, a URL) or one read to its end."""
+    try:
+        size, position = os.fstat(stream.fileno()).st_size, stream.tell()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return (size - position) / size if 0 < position < size else None
 
 
 def tar_samples(stream, end: ShardEnd) -> Iterator[dict]:
@@ -121,13 +136,17 @@ def archive_end(tar_bytes: TarBytes, stop: int) -> tuple[str | None, int | None]
     """
     first = last = None  # first and last data (non-zero) byte from `stop` on
     length = stop
-    for offset, chunk in tar_bytes.rest(stop):
-        length = offset + len(chunk)
-        data = chunk.rstrip(b"\0")
-        if data:
-            last = offset + len(data)
-            if first is None:
-                first = offset + len(chunk) - len(chunk.lstrip(b"\0"))
+    try:
+        for offset, chunk in tar_bytes.rest(stop):
+            length = offset + len(chunk)
+            data = chunk.rstrip(b"\0")
+            if data:
+                last = offset + len(data)
+                if first is None:
+                    first = offset + len(chunk) - len(chunk.lstrip(b"\0"))
+    except READ_ERRORS as exc:  # a compressed stream whose check fails after the rest was read (garbled), a failed command
+        lost = last - stop if last is not None else (0 if length >= stop + BLOCK else None)  # 0: its end blocks came whole
+        return str(exc) or type(exc).__name__, lost
     if length < stop + BLOCK:  # not one whole block after the last member: what followed is gone
         return f"no end-of-archive blocks: it ends at tar byte {length}, cut short", None
     if first is not None and first < stop + BLOCK:
@@ -281,8 +300,9 @@ def end_commands_and_exit(signum: int = signal.SIGTERM, frame=None) -> None:
 class LossEstimate:
     """How many samples a shard that could not be read to its end lost, at least one, from the best of:
     the bytes it could not read at the bytes per sample of what was read (this shard's, else the stream's so far);
-    summary.json's samples per shard (`per_shard`); the mean of the shards read whole so far. Each shard's end is
-    `record`ed after it is estimated."""
+    summary.json's samples per shard (`per_shard`); the mean of the shards read whole so far; the part of a local
+    file left unread, at the samples per byte read before it; else as many samples as the shard yielded. Each shard's
+    end is `record`ed after it is estimated."""
 
     per_shard: float | None = None
     samples: int = 0
@@ -292,10 +312,17 @@ class LossEstimate:
 
     def lost(self, end: ShardEnd) -> int:
         samples, good_bytes = (end.samples, end.good_bytes) if end.samples else (self.samples, self.good_bytes)
-        if end.lost_bytes and samples:
+        if end.lost_bytes is not None and samples:
             return max(1, round(end.lost_bytes * samples / good_bytes))
         expected = self.per_shard or (self.whole_samples / self.whole_shards if self.whole_shards else 0)
-        return max(1, round(expected) - end.samples)
+        if expected:
+            return max(1, round(expected) - end.samples)
+        if end.unread_fraction and end.samples:  # the file's unread bytes, at the samples per byte read before them
+            return max(1, round(end.samples * end.unread_fraction / (1 - end.unread_fraction)))
+        # Nothing to go by (no summary.json, no shard read whole yet, a stream of unknown size, e.g. a `pipe:` cut
+        # short): a cut that falls anywhere in a shard with equal chance falls half way on average, so the shard lost
+        # about as many samples as it yielded.
+        return max(1, end.samples)
 
     def record(self, end: ShardEnd) -> None:
         self.samples += end.samples

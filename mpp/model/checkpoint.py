@@ -104,7 +104,7 @@ def read_weights(ckpt: str | Path) -> SavedWeights:
 
 def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
     """A transformers ViT (as `export --to hf` or save_pretrained writes it) under our names, its architecture read
-    from the config.json beside it."""
+    from the config.json beside it and checked against the tensors wherever they show it."""
     architecture = hf_architecture(path)
     if architecture is None:
         raise CheckpointError(f"{path} holds a Hugging Face ViT but no ViT {HF_CONFIG} lies beside it to say its heads "
@@ -114,6 +114,27 @@ def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
     except KeyError as missing:
         raise CheckpointError(f"{path} is not a complete Hugging Face ViT: it lacks {missing}; pass the directory that "
                               f"`{command('export')} --to hf` or save_pretrained wrote") from None
+    conv = tensors.get("embeddings.patch_embeddings.projection.weight", tensors.get("vit.embeddings.patch_embeddings.projection.weight"))
+    positions = ours["pos_embed"].shape[1] - 1
+    patch, grid = architecture["patch_size"], architecture["image_size"] // architecture["patch_size"]
+    shown = {  # config.json's key -> (what it says, what the weights hold)
+        "hidden_size": (architecture["width"], ours["cls_token"].shape[-1]),
+        "num_hidden_layers": (architecture["depth"], len({k.split(".")[1] for k in ours if k.startswith("blocks.")})),
+        "patch_size": (patch, conv.shape[-1]),
+        "image_size": (f"{architecture['image_size']} ({grid * grid} positions of patch {patch})", f"{positions} positions"),
+    }
+    config_file = path.parent / HF_CONFIG
+    channels = json.loads(config_file.read_text()).get("num_channels", 3)  # read whole by hf_architecture
+    if channels != conv.shape[1]:
+        shown["num_channels"] = (channels, conv.shape[1])
+    for key, (said, held) in shown.items():
+        if said != held and not (key == "image_size" and grid * grid == positions):
+            raise CheckpointError(f"{config_file} gives {key} {said} but the weights beside it hold {held}; correct "
+                                  f"{key} in it, or pass the directory that save_pretrained wrote, with its {HF_CONFIG} as written")
+    if architecture["width"] % architecture["heads"]:
+        raise CheckpointError(f"{config_file} gives num_attention_heads {architecture['heads']}, which does not divide "
+                              f"hidden_size {architecture['width']}; correct num_attention_heads in it (the weights "
+                              f"cannot show it: the value save_pretrained wrote)")
     return SavedWeights(path, ours, {**architecture, "holds": CLASSIFIER if LINEAR_HEAD <= set(ours) else BACKBONE})
 
 

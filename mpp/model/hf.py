@@ -109,21 +109,46 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return ours
 
 
+HF_ARCHITECTURE = {"width": "hidden_size", "depth": "num_hidden_layers", "heads": "num_attention_heads",
+                   "patch_size": "patch_size", "image_size": "image_size"}  # ours -> config.json's
+
+
 def hf_architecture(weights_file: Path) -> dict | None:
     """What the transformers config.json beside `weights_file` says of the ViT ({width, depth, heads, patch_size,
-    image_size}, as our checkpoints' metadata says it); None where there is no ViT config beside it."""
+    image_size}, as our checkpoints' metadata says it); None where there is no config.json beside it. One that is
+    there but cannot say it (not JSON, not a ViT's, a key missing or not a whole number, a non-square size) is
+    refused with a line naming the file and what is wrong in it."""
     config_file = weights_file.parent / HF_CONFIG
+    if not config_file.is_file():
+        return None
+    fix = "correct it, or pass the directory that save_pretrained wrote, with its config.json as written"
     try:
         config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict) or config.get("model_type") != "vit":
-        return None
-    keys = {"width": "hidden_size", "depth": "num_hidden_layers", "heads": "num_attention_heads",
-            "patch_size": "patch_size", "image_size": "image_size"}
-    if any(not isinstance(config.get(hf_key), int) for hf_key in keys.values()):
-        return None
-    return {ours: config[hf_key] for ours, hf_key in keys.items()}
+    except UnicodeDecodeError:
+        raise UserError(f"{config_file} is not text, so not the ViT config.json expected beside {weights_file.name}; {fix}") from None
+    except ValueError as exc:
+        raise UserError(f"{config_file} is not valid JSON ({exc}); {fix}") from None
+    except OSError as exc:
+        raise UserError(f"{config_file} cannot be read ({exc.strerror}); {fix}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "vit":
+        found = f"model_type {model_type!r}" if model_type else "no model_type"
+        raise UserError(f"{config_file} describes no Hugging Face ViT ({found}, where a ViT's is 'vit'), so the weights "
+                        f"beside it cannot be read as one; pass a ViT's directory (ViTModel or ViTForImageClassification)")
+    architecture = {}
+    for ours, key in HF_ARCHITECTURE.items():
+        value = config.get(key)
+        if key in ("image_size", "patch_size") and isinstance(value, list) and len(value) == 2 and value[0] == value[1]:
+            value = value[0]  # transformers also takes a side as (height, width)
+        if key not in config:
+            raise UserError(f"{config_file} lacks {key}, which a ViT's config.json gives ({', '.join(HF_ARCHITECTURE.values())}); {fix}")
+        if isinstance(value, list):
+            raise UserError(f"{config_file} gives {key} {value}, not square; this project's ViT takes square images and "
+                            f"patches only, so these weights cannot be read by it")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{config_file} gives {key} as {json.dumps(value)}, not a positive whole number; {fix}")
+        architecture[ours] = value
+    return architecture
 
 
 def preprocessor_config(image_size: int) -> dict:

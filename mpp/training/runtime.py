@@ -208,6 +208,26 @@ def out_of_memory(err: BaseException) -> bool:
         s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
+def model_too_big(err: BaseException, cfg=None, *, classifier: bool = False, mpp_head: bool = False) -> str:
+    """The line for running out of memory outside training (building the model, evaluating it): the settings that
+    size this run's model (`cfg`, None where a stage runs several), as its objective has them: a classifier's
+    model.num_classes, MPP's head. A classifier whose outputs outweigh the backbone is named alone: a stray label
+    followed by a model.num_classes that takes it in makes a head of billions of weights."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    settings = ["model.width, model.depth or model.image_size"]
+    if cfg is None or mpp_head:
+        settings.append("pick a target with fewer outputs (mpp.target and its settings)")
+    if cfg is not None and classifier:
+        width, depth, classes = cfg.model.variant.width, cfg.model.variant.depth, cfg.model.num_classes
+        blocks = 12 * depth * width ** 2  # a block's weights: attention 4 D^2, MLP 8 D^2
+        if classes is not None and classes * width > blocks:
+            return (f"out of memory ({first}); the classifier's model.num_classes={classes} outputs alone hold "
+                    f"{classes * width:,} weights, more than the {blocks:,} of the backbone's blocks: set "
+                    f"model.num_classes to the number of classes the shards hold")
+        settings.append("lower model.num_classes")
+    return f"out of memory ({first}); shrink {', or '.join(settings)}"
+
+
 @contextlib.contextmanager
 def explained_out_of_memory(cfg) -> Iterator[None]:
     """Turn running out of memory while training under `cfg` (a resolved TrainConfig) into one line naming the setting

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
 from mpp.config import Config, ConfigError, Section, dotted, read_layers, validate_config
@@ -64,6 +64,9 @@ class CompareConfig(Section):
         for arm in resolved:
             if not PLAIN_NAME.fullmatch(arm.name) or names.count(arm.name) > 1:
                 raise ValueError(f"arm name '{arm.name}' is taken or not a plain name; give each arm a distinct name of letters, digits, '-', '_' or '.'")
+            if arm.objective is not None and arm.name == SCRATCH:
+                raise ValueError(f"arm name '{SCRATCH}' is the fresh backbone's, and this arm pretrains with "
+                                 f"{arm.objective}; give it another name")
             if arm.objective is None and arm.name != SCRATCH:
                 raise ValueError(f"arm '{arm.name}' names no objective; a fresh backbone is the arm '{SCRATCH}'")
             if arm.objective is not None and arm.objective not in OBJECTIVES:
@@ -83,6 +86,14 @@ class CompareConfig(Section):
             raise ValueError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
         if isinstance(self.dev_folds, int) and (self.dev_folds == 1 or self.dev_folds < 0):
             raise ValueError(f"dev_folds {self.dev_folds} is no cross-validation; use dev_folds 0 (one dev split), at least 2, or auto")
+        repeats = {"seeds": "the same fine-tuning counted twice, which shrinks the spread the report gives (0.00 for [0, 0])",
+                   "lrs": "the same recipe tried twice", "checkpoints": "the same fine-tunings run twice"}
+        for key, meaning in repeats.items():
+            values = getattr(self, key)
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                raise ValueError(f"{key} {values} repeats {', '.join(f'{v:g}' for v in repeated)}: {meaning}; give "
+                                 f"distinct {key}")
         return self
 
 
@@ -104,11 +115,27 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         steps = pretrain_config(cc, arm).train.steps if arm.objective else None
         if steps and any(not 0 < step < steps for step in cc.checkpoints):
             raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
+        if steps and arm.name in cc.ablate:
+            check_checkpoints_kept(cc.checkpoints, pretrain_config(cc, arm).train, arm.name)
     if any(c.train.epochs is not None for c in stages.values()):
         raise ConfigError("a comparison plan gives its runs' lengths in train.steps (its lengths multiply them and its "
                           "checkpoints name pretraining steps); set train.steps in the plan instead of train.epochs")
     check_one_process(stages)
     return cc
+
+
+def check_checkpoints_kept(checkpoints: list[int], train, arm: str) -> None:
+    """Refuse, before any stage, checkpoint steps the arm's pretraining will not keep: it saves every
+    checkpoint_every steps and at its last, and keeps the newest keep_checkpoints (an uninterrupted run's)."""
+    saved = sorted({*range(train.checkpoint_every, train.steps + 1, train.checkpoint_every), train.steps})
+    kept = saved[-train.keep_checkpoints:]
+    missing = [step for step in checkpoints if step not in kept]
+    if missing:
+        raise ConfigError(f"checkpoints names pretraining step(s) {', '.join(map(str, missing))}, which the {arm} "
+                          f"pretraining will not keep (it keeps step(s) {', '.join(map(str, kept))}: every "
+                          f"pretrain.train.checkpoint_every={train.checkpoint_every} steps, the newest "
+                          f"pretrain.train.keep_checkpoints={train.keep_checkpoints}); make each a multiple of "
+                          f"checkpoint_every and raise keep_checkpoints to keep it")
 
 
 def check_one_process(stages: dict[str, Config]) -> None:
@@ -150,13 +177,20 @@ def recipes(cc: CompareConfig) -> dict[str, dict[str, Any]]:
 
 def stage_config(cc: CompareConfig, section: str, extra: dict[str, Any] | None = None, **keys) -> Config:
     """common <- the section <- `extra` (nested or dotted) <- `keys` (dotted), validated as a run config."""
-    layers = [OmegaConf.create(cc.common), OmegaConf.create(getattr(cc, section)),
-              OmegaConf.from_dotlist([f"{k}={v}" for k, v in dotted(extra or {}).items()]),
-              OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items()])]
+    layers = [OmegaConf.create(cc.common), OmegaConf.create(getattr(cc, section)), nested(dotted(extra or {})), nested(keys)]
     try:
         return validate_config(OmegaConf.to_container(OmegaConf.merge(*layers)))
     except ConfigError as err:
         raise ConfigError(f"in the comparison's '{section}' runs (common + {section}): {err}") from None
+
+
+def nested(keys: dict[str, Any]) -> DictConfig:
+    """Dotted keys as a config layer, each value as it is (a path as its text): written back as `key=value` text and
+    parsed again, a null became the string 'None', which no setting takes."""
+    layer = OmegaConf.create()
+    for key, value in keys.items():
+        OmegaConf.update(layer, key, str(value) if isinstance(value, Path) else value)
+    return layer
 
 
 def pretrain_config(cc: CompareConfig, arm: Arm, **keys) -> Config:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
-import torch
 from accelerate import Accelerator
 from torch import nn
 from pydantic import Field
@@ -43,18 +40,7 @@ class Knn:
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.knn, "kNN", "knn", "kNN neighbour shards")
         self.metrics = (Metric(KNN_TOP1, KNN, "kNN top-1 of frozen features", headline=True, percent=True),)
 
-        # A pool short of a few classes of many is normal (5000 neighbours, 1000 classes) and top-1 still measures
-        # something; one short of most only measures that, so the numbers are said, once, before any training.
-        eval_y = self.sets.eval.all_labels(accelerator)
-        missing, share = missing_classes(self.sets.pool.all_labels(accelerator), eval_y)
-        if missing and accelerator.is_main_process:
-            listed = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
-            warnings.warn(f"the kNN neighbour pool ({cfg.knn.shards or cfg.data.shards}, first {self.sets.pool.total} "
-                          f"images) holds no image of {len(missing)} of the {len(torch.unique(eval_y))} classes of the "
-                          f"evaluation images (class {listed}); the {share:.0%} of them in those classes can never be "
-                          f"classified right, so kNN top-1 is at most {1 - share:.1%}; "
-                          f"raise knn.train_images or use shards that mix classes (`{command('prepare')}` shuffles them)",
-                          stacklevel=2)
+        self.sets.warn_of_missing_classes("kNN neighbour pool")
 
     def baselines(self) -> dict[str, dict[str, float]]:
         return {KNN_TOP1: self.sets.baseline}

@@ -42,6 +42,9 @@ class LinearProbe:
         self.cfg = cfg.probe
         self.sets = FrozenFeatureSets(cfg, accelerator, cfg.probe, "linear probe", "probe", "linear probe training shards")
         self.metrics = (Metric(PROBE_TOP1, PROBE, "linear probe top-1 of frozen features (SGD)", headline=True, percent=True),)
+        # Warned of, as kNN's pool is, not refused as few-shot's is: the probe's pool is a sample of a training set
+        # (MAE probes on all of ImageNet's), which may miss a few of many classes and still measure the features.
+        self.sets.warn_of_missing_classes("linear probe training pool")
 
     def baselines(self) -> dict[str, dict[str, float]]:
         return {PROBE_TOP1: self.sets.baseline}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -10,17 +12,18 @@ from accelerate import Accelerator
 
 from mpp.evaluation.baselines import class_baselines
 from mpp.config import Config, ConfigError
-from mpp.training.runtime import data_workers
-from mpp.data.stream import Batch, DataError, EvalTransform, StreamState, TrainTransform, label_space, make_loader, shared_label_names
-from mpp.data.readers import expand_shards
+from mpp.training.runtime import data_workers, process_state
+from mpp.data.stream import (Batch, DataError, EvalTransform, StreamState, TrainTransform, label_space, make_loader,
+                             shared_label_names, SPARSE_FACTOR, SPARSE_FLOOR)
+from mpp.data.readers import expand_shards, samples_in
 from mpp.errors import command
 from mpp.evaluation.ridge import FewShotError, LabelledImages
 from mpp.model.vit import VisionTransformer
 from mpp.data.randaugment import RandAugment
-from mpp.training.runtime import process_state
 from mpp.data.shardformat import SUMMARY, shard_summary
 from mpp.data.shards import synthetic_samples, write_shards
 from mpp.data.synthetic import is_synthetic
+from mpp.evaluation.neighbours import missing_classes
 
 SYNTHETIC_ROOT = Path("data")
 
@@ -55,16 +58,28 @@ def with_run_length(cfg: Config) -> Config:
 
 
 def training_samples(cfg: Config) -> int:
-    """The training set's size, for train.epochs: the samples of the summary.json beside data.shards (`prepare`
-    writes it), or of the embedded corpus."""
+    """The training set's size, for train.epochs: of the embedded corpus, or of the shards data.shards names, by the
+    summary.json beside them (`prepare` writes it). A summary counts the shards it lists (or, from an older mpp, its
+    directory's) together, so where data.shards names only some of them (a brace pattern over part of a directory),
+    or names some twice, those are counted from their tar headers."""
     if is_synthetic(cfg.data.shards):
         return cfg.data.synthetic_size
-    summary = shard_summary(expand_shards(cfg.data.shards))
-    if summary is None or summary.samples is None:
-        raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) has "
-                          f"no summary.json giving its samples beside it; give the length in train.steps instead (with "
-                          f"train.epochs=null), or write the shards with `{command('prepare')}`, which writes one")
-    return summary.samples
+    by_directory: dict[str, list[str]] = {}
+    for url in expand_shards(cfg.data.shards):
+        by_directory.setdefault(os.path.dirname(url), []).append(url)
+    samples = 0
+    for named in by_directory.values():
+        summary = shard_summary(named)
+        if summary is None or summary.samples is None:
+            raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) "
+                              f"has no summary.json giving its samples beside {named[0]}; give the length in "
+                              f"train.steps instead (with train.epochs=null), or write the shards with "
+                              f"`{command('prepare')}`, which writes one")
+        listed = (summary.model_extra or {}).get("files") or [
+            os.path.basename(url) for url in expand_shards(os.path.dirname(named[0]) or ".")]
+        whole = sorted(os.path.basename(url) for url in named) == sorted(listed)
+        samples += summary.samples if whole else sum(samples_in(url) for url in named)
+    return samples
 
 
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
@@ -105,8 +120,9 @@ class FrozenFeatureSets:
         if eval_shards is None:
             raise FewShotError(f"{name} evaluation needs evaluation images; set {key}.val_shards or data.val_shards to "
                                f"labelled shards (or {key}.every=0 to turn it off)")
-        self.section, self.accelerator = section, accelerator
+        self.section, self.accelerator, self.name, self.key = section, accelerator, name, key
         pool_shards = section.shards or cfg.data.shards
+        self.pool_shards = pool_shards
 
         def images(spec: str, count: int, what: str) -> LabelledImages:
             batches = eval_batches(spec, cfg, accelerator, section.batch_size, labelled_by=pool_shards)
@@ -118,6 +134,20 @@ class FrozenFeatureSets:
         classes = int(max(pool_y.max(), eval_y.max())) + 1 if len(pool_y) and len(eval_y) else 1
         # What the frozen features' accuracy is shown beside: always the pool's majority class, and chance.
         self.baseline = class_baselines(torch.bincount(pool_y, minlength=classes).tolist(), eval_y.tolist(), classes)
+
+    def warn_of_missing_classes(self, pool: str) -> None:
+        """One warning, before any training, where the pool (`pool` says what it is) holds no image of some classes
+        of the evaluation images, with the ceiling that puts on top-1. A pool short of a few classes of many is normal
+        (5000 images, 1000 classes) and top-1 still measures the features; one short of most measures only that."""
+        eval_y = self.eval.all_labels(self.accelerator)
+        missing, share = missing_classes(self.pool.all_labels(self.accelerator), eval_y)
+        if missing and self.accelerator.is_main_process:
+            listed = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+            warnings.warn(f"the {pool} ({self.pool_shards}, first {self.pool.total} images) holds no image of "
+                          f"{len(missing)} of the {len(torch.unique(eval_y))} classes of the evaluation images (class "
+                          f"{listed}); the {share:.0%} of them in those classes can never be classified right, so "
+                          f"{self.name} top-1 is at most {1 - share:.1%}; raise {self.key}.train_images or use shards "
+                          f"that mix classes (`{command('prepare')}` shuffles them)", stacklevel=3)
 
     def features(self, backbone: VisionTransformer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.section
@@ -160,6 +190,13 @@ def labelled(batches: Iterable[Batch], classes: int, what: str) -> Iterator[Batc
             raise DataError(f"{what} holds images without a label (no cls, json label or txt); supervised pretraining "
                             f"and fine-tuning need a label for every image (use labelled shards, or objective=mpp)")
         if labels.numel() and labels.max() >= classes:
-            raise DataError(f"{what} holds label {int(labels.max())} but the head has {classes} classes; "
-                            f"set model.num_classes to the number of classes")
+            label = int(labels.max())
+            sample = f" (sample {batch.keys[int(labels.argmax())]})" if batch.keys else ""
+            if label + 1 > max(SPARSE_FACTOR * classes, SPARSE_FLOOR):  # as label_space tells a stray label
+                raise DataError(f"{what} holds label {label}{sample} but the head has {classes} classes (0 to "
+                                f"{classes - 1}); a label that far beyond them looks like a stray one: correct that "
+                                f"sample's label or remove the sample from the shards (set model.num_classes only "
+                                f"if the shards really hold {label + 1} classes)")
+            raise DataError(f"{what} holds label {label}{sample} but the head has {classes} classes (0 to "
+                            f"{classes - 1}); set model.num_classes to the number of classes")
         yield batch

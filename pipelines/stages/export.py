@@ -73,9 +73,11 @@ def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
     names = class_names(cfg)
     outputs = head["weight"].shape[0]
     if names is not None and len(names) != outputs:
+        # The run's own model.num_classes sized the classifier: its shards are the right ones, and name too few.
+        fix = (f"the fine-tuning set model.num_classes={outputs}, so no names are known for its other outputs"
+               if cfg.model.num_classes == outputs else "set data.shards to the fine-tuning's shards to export their names")
         warnings.warn(f"the training shards ({cfg.data.shards}) name {len(names)} classes but the classifier has {outputs} "
-                      f"outputs, so its labels are exported as LABEL_0 to LABEL_{outputs - 1}; set data.shards to the "
-                      f"fine-tuning's shards to export their names", stacklevel=2)
+                      f"outputs, so its labels are exported as LABEL_0 to LABEL_{outputs - 1}; {fix}", stacklevel=2)
         return None
     return names
 
