@@ -24,12 +24,10 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.training.loop import Preempted
-from mpp.training.preemption import EXIT_STATUS as STOPPED
-from . import parts
-from .run.start import RanksDisagree
-from mpp.model.objectives import OBJECTIVES
-from mpp.training.runtime import compile_failure, model_too_big, out_of_memory
+from mpp.training.loop import Preempted  # noqa: E402
+from mpp.training.preemption import EXIT_STATUS as STOPPED  # noqa: E402
+from . import parts  # noqa: E402,F401 (every part's config section, which --help lists)
+from .run.start import RanksDisagree  # noqa: E402
 
 
 def shipped_configs() -> Path:

@@ -8,8 +8,7 @@ from pydantic import Field
 
 from mpp.config import Config, Pooling, Section
 from mpp.evaluation.baselines import beside
-from mpp.errors import command
-from mpp.evaluation.neighbours import knn_accuracy, missing_classes
+from mpp.evaluation.neighbours import knn_accuracy
 from mpp.metrics import KNN, KNN_TOP1, Metric
 from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
