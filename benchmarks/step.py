@@ -12,6 +12,9 @@ runs, so background load hits all alike; the table gives medians over rounds and
 over that row's. MFU counts 3x the forward FLOPs of our model (backbone plus the head at corrupted positions) for
 every row, so MFU ratios equal throughput ratios.
 
+`--stem resnet` times the paper's hybrid (the ResNet stem's convolutions counted in its FLOPs) with the plain ViT
+of the same size and patch as the row beside it, each row's MFU from its own FLOPs; vit-pytorch has no hybrid.
+
 The peer is a benchmark-only install: `pip install --no-deps vit-pytorch`. Its package __init__ imports
 torchvision, so `vit.py` and `mpp.py` are loaded from the installed package directly; nothing of it is copied here.
 """
@@ -44,12 +47,33 @@ RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1
 COLORS = 512
 
 
+def conv_flops(vit: VisionTransformer) -> int:
+    """Convolution FLOPs (2 per multiply-add) of a hybrid's ResNet stem on one image, counted from its layers' output
+    shapes by a forward hook; 0 for a plain ViT."""
+    if vit.stem != "resnet":
+        return 0
+    total = 0
+
+    def count(module: nn.Conv2d, _, output: torch.Tensor) -> None:
+        nonlocal total
+        total += 2 * output[0].numel() * module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+
+    hooks = [m.register_forward_hook(count) for m in vit.patch_embed.stem.modules() if isinstance(m, nn.Conv2d)]
+    with torch.no_grad():
+        vit.patch_embed.stem(torch.zeros(1, 3, vit.image_size, vit.image_size, device=vit.cls_token.device))
+    for hook in hooks:
+        hook.remove()
+    return total
+
+
 def forward_flops(vit: VisionTransformer, head_positions: int, head_out: int = COLORS) -> int:
-    """Matmul FLOPs (2 per multiply-add) of one image's forward pass: patch projection, blocks, head."""
-    n, d, p = vit.num_patches, vit.width, vit.patch_size
+    """Matmul FLOPs (2 per multiply-add) of one image's forward pass: the ResNet stem (a hybrid's), the patch
+    projection, blocks, head."""
+    n, d = vit.num_patches, vit.width
     t = n + 1
     block = 2 * t * d * 3 * d + 2 * 2 * t * t * d + 2 * t * d * d + 2 * 2 * t * d * 4 * d  # qkv, QK^T and AV, proj, MLP
-    return 2 * n * 3 * p * p * d + vit.depth * block + 2 * head_positions * d * head_out
+    projection = 2 * n * vit.patch_embed.proj.in_features * d  # P*P*3 inputs per patch, or the ResNet's channels
+    return conv_flops(vit) + projection + vit.depth * block + 2 * head_positions * d * head_out
 
 
 def load_peer():
@@ -111,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--depth", type=int, default=None)
     parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--stem", choices=("patch", "resnet"), default="patch", help="as model.stem: resnet times the hybrid (no peer: vit-pytorch has none)")
+    parser.add_argument("--stem-layers", type=int, nargs="+", default=[3, 4, 9], help="as model.stem_layers (the paper's R50: 3 4 9)")
+    parser.add_argument("--stem-width", type=int, default=64, help="as model.stem_width")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="ours (auto: as train.mixed_precision auto)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile ours (auto: on cuda only, as train.compile)")
@@ -138,25 +165,38 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"Accelerate picked {accelerator.device}, not {args.device}")
     device = accelerator.device
 
-    vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads)
-    objective = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
-    ours = accelerator.prepare(objective)
-    ours_optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
-    schedule = build_schedule(ours_optimizer, cfg)
+    vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads,
+                    stem=args.stem, stem_layers=args.stem_layers, stem_width=args.stem_width)
     compile_ours = resolve_compile(cfg.compile, Device.this_process())
-    forward = compiled(ours, cfg.compile_backend) if compile_ours else ours
-    ours.train()
     unlabelled = torch.full((args.batch_size,), -1, device=device)
 
-    def our_step(images: torch.Tensor) -> None:  # the training loop's step, as train() runs it
-        train_step(accelerator, ours, forward, ours_optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
+    def our_step_of(vit: VisionTransformer):
+        """The training loop's step of MPP over `vit`, as train() runs it."""
+        objective = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
+        ours = accelerator.prepare(objective)
+        optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+        schedule = build_schedule(optimizer, cfg)
+        forward = compiled(ours, cfg.compile_backend) if compile_ours else ours
+        ours.train()
 
-    steps = {f"ours (mpp, {precision_label(precision)})": our_step}
-    classes = None if args.no_peer else load_peer()
+        def step(images: torch.Tensor) -> None:
+            train_step(accelerator, ours, forward, optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
+
+        return step
+
+    first = f"ours ({'hybrid, ' if args.stem == 'resnet' else ''}mpp, {precision_label(precision)})"
+    steps = {first: our_step_of(vit)}
+    flops = {first: 3 * forward_flops(vit, num_corrupted(vit.num_patches, RATE))}
+    if args.stem == "resnet":  # the plain ViT of the same size and patch, as the baseline beside it
+        plain = build_vit(args.model, args.image_size, vit.patch_size, width=args.width, depth=args.depth, heads=args.heads)
+        name = f"ours (plain ViT, patch {plain.patch_size}, {precision_label(precision)})"
+        steps[name], flops[name] = our_step_of(plain), 3 * forward_flops(plain, num_corrupted(plain.num_patches, RATE))
+    classes = None if args.no_peer or args.stem == "resnet" else load_peer()
     if classes is not None:
         for peer_precision in ("no", "bf16") if precision == "bf16" else ("no",):
             label = "as shipped" if peer_precision == "no" else "our autocast"
-            steps[f"peer ({precision_label(peer_precision)}, {label})"] = peer_step(classes, vit, device, peer_precision)
+            name = f"peer ({precision_label(peer_precision)}, {label})"
+            steps[name], flops[name] = peer_step(classes, vit, device, peer_precision), flops[first]
 
     images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8, device=device)
     setup = {}
@@ -176,21 +216,21 @@ def main(argv: list[str] | None = None) -> int:
             sync(device)
             rates[name].append(args.steps * args.batch_size / (time.perf_counter() - started))
 
-    flops = 3 * forward_flops(vit, num_corrupted(vit.num_patches, RATE))
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else f", {torch.cuda.get_device_name()}"
-    print(f"{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
+    stem = f"hybrid (ResNet {args.stem_layers} x {args.stem_width}, {conv_flops(vit) / 1e9:.3g} GFLOP forward) " if args.stem == "resnet" else ""
+    print(f"{stem}{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
           f"batch {args.batch_size}, {device.type}{threads}, precision {precision}, compile ours "
           f"{compile_ours}; {args.rounds} rounds x {args.steps} steps, medians; "
-          f"model FLOPs per image {flops / 1e9:.3g} GFLOP (3x forward)")
+          f"model FLOPs per image {flops[first] / 1e9:.3g} GFLOP (3x forward)")
     width = max(map(len, rates))
     print(f"{'':{width}s} {'images/s':>10s} {'min':>9s} {'max':>9s} {'ours/this':>9s} {'MFU':>7s} {'warmup s':>9s}")
     medians = {name: statistics.median(r) for name, r in rates.items()}
     ours_rate = next(iter(medians.values()))
     for name, r in rates.items():
-        mfu = f"{medians[name] * flops / (args.peak_tflops * 1e12):.1%}" if args.peak_tflops else "-"
+        mfu = f"{medians[name] * flops[name] / (args.peak_tflops * 1e12):.1%}" if args.peak_tflops else "-"
         print(f"{name:{width}s} {medians[name]:10.1f} {min(r):9.1f} {max(r):9.1f} {ours_rate / medians[name]:8.2f}x "
               f"{mfu:>7s} {setup[name]:9.1f}")
-    if classes is None and not args.no_peer:
+    if classes is None and not args.no_peer and args.stem == "patch":
         print(f"peer not timed: vit-pytorch is not installed; `{PEER_INSTALL}` adds it (benchmark only, needs torch and einops)")
     return 0
 

@@ -57,7 +57,7 @@ from .evaluators import Stage, TopK
 from .fewshot import FewShot
 from .knn import Knn
 from .loaders import class_names, num_classes, resolve_shards
-from .plan import Arm, CompareConfig, pretrain_config, recipes, stage_config
+from .plan import Arm, CompareConfig, arm_plan, pretrain_config, recipes, stage_config
 from .plots import comparison_figure
 from .report import PRETRAIN_CURVES, report_markdown, scalar_history
 from .run_policy import RunInUse
@@ -84,7 +84,7 @@ def run(cc: CompareConfig) -> dict:
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
     selection = Selection.of(cc, base, out, select=len(grid) > 1)  # first: a useless split costs no pretraining
-    arms = {arm.name: ArmRun(cc, arm, base, grid, selection).run() for arm in cc.arms}
+    arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
     return collect(cc, base, grid, selection, arms)
 
 

@@ -20,6 +20,7 @@ from mpp.rundir import CONFIG, checkpoint_step
 # apply to it (mpp.* outside MPP pretraining, train.label_smoothing outside classification). TensorBoard ticks the
 # first five by name, the model's shape here.
 HPARAMS = ("objective", "model.name", "model.width", "model.depth", "model.patch_size", "model.image_size",
+           "model.stem", "model.stem_layers", "model.stem_width", "model.pos_embed", "mpp.corrupt_in",
            "train.optimizer", "train.lr", "train.global_batch_size", "train.steps", "train.layer_decay",
            "train.label_smoothing", "mpp.target", "mpp.masking", "mpp.corrupt_rate")
 CLASSIFICATION_OBJECTIVES = ("supervised", "classification")
