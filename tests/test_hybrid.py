@@ -201,3 +201,16 @@ def test_a_hybrid_over_two_processes_compiled_resumes_exactly(tmp_path, make_sha
     assert re.search(r"resumed from .*step_00000003 at step 3", resumed_run.stdout)
     resumed = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_an_arms_model_keys_hold_for_its_pretraining_and_every_fine_tuning():
+    from pipelines.plan import arm_plan, load_compare_config, pretrain_config, stage_config
+    from conftest import ROOT
+    cc = load_compare_config(ROOT / "configs" / "compare" / "hybrid.yaml")
+    arms = {arm.name: arm for arm in cc.arms}
+    hybrid = arm_plan(cc, arms["mpp-hybrid"])
+    assert pretrain_config(hybrid, arms["mpp-hybrid"]).model.stem == "resnet"
+    assert stage_config(hybrid, "finetune", {"train.lr": 0.1}).model.stem == "resnet"  # a grid recipe on top
+    assert stage_config(arm_plan(cc, arms["mpp-nopos"]), "finetune").model.pos_embed == "none"
+    assert stage_config(arm_plan(cc, arms["scratch"]), "finetune").model.stem == "patch"
+    assert "model.stem=resnet" in arms["mpp-hybrid"].summary
