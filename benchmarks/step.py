@@ -12,6 +12,9 @@ runs, so background load hits all alike; the table gives medians over rounds and
 over that row's. MFU counts 3x the forward FLOPs of our model (backbone plus the head at corrupted positions) for
 every row, so MFU ratios equal throughput ratios.
 
+`--stem resnet` times the paper's hybrid (the ResNet stem's convolutions counted in its FLOPs) with the plain ViT
+of the same size and patch as the row beside it, each row's MFU from its own FLOPs; vit-pytorch has no hybrid.
+
 The peer is a benchmark-only install: `pip install --no-deps vit-pytorch`. Its package __init__ imports
 torchvision, so `vit.py` and `mpp.py` are loaded from the installed package directly; nothing of it is copied here.
 """
@@ -45,12 +48,33 @@ RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1
 COLORS = 512
 
 
+def conv_flops(vit: VisionTransformer) -> int:
+    """Convolution FLOPs (2 per multiply-add) of a hybrid's ResNet stem on one image, counted from its layers' output
+    shapes by a forward hook; 0 for a plain ViT."""
+    if vit.stem != "resnet":
+        return 0
+    total = 0
+
+    def count(module: nn.Conv2d, _, output: torch.Tensor) -> None:
+        nonlocal total
+        total += 2 * output[0].numel() * module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+
+    hooks = [m.register_forward_hook(count) for m in vit.patch_embed.stem.modules() if isinstance(m, nn.Conv2d)]
+    with torch.no_grad():
+        vit.patch_embed.stem(torch.zeros(1, 3, vit.image_size, vit.image_size, device=vit.cls_token.device))
+    for hook in hooks:
+        hook.remove()
+    return total
+
+
 def forward_flops(vit: VisionTransformer, head_positions: int, head_out: int = COLORS) -> int:
-    """Matmul FLOPs (2 per multiply-add) of one image's forward pass: patch projection, blocks, head."""
-    n, d, p = vit.num_patches, vit.width, vit.patch_size
+    """Matmul FLOPs (2 per multiply-add) of one image's forward pass: the ResNet stem (a hybrid's), the patch
+    projection, blocks, head."""
+    n, d = vit.num_patches, vit.width
     t = n + 1
     block = 2 * t * d * 3 * d + 2 * 2 * t * t * d + 2 * t * d * d + 2 * 2 * t * d * 4 * d  # qkv, QK^T and AV, proj, MLP
-    return 2 * n * 3 * p * p * d + vit.depth * block + 2 * head_positions * d * head_out
+    projection = 2 * n * vit.patch_embed.proj.in_features * d  # P*P*3 inputs per patch, or the ResNet's channels
+    return conv_flops(vit) + projection + vit.depth * block + 2 * head_positions * d * head_out
 
 
 def load_peer():
@@ -112,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--depth", type=int, default=None)
     parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--stem", choices=("patch", "resnet"), default="patch", help="as model.stem: resnet times the hybrid (no peer: vit-pytorch has none)")
+    parser.add_argument("--stem-layers", type=int, nargs="+", default=[3, 4, 9], help="as model.stem_layers (the paper's R50: 3 4 9)")
+    parser.add_argument("--stem-width", type=int, default=64, help="as model.stem_width")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="ours (auto: as train.mixed_precision auto)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile ours (auto: on cuda only, as train.compile)")
@@ -144,42 +171,52 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"Accelerate picked {accelerator.device}, not {args.device}")
     device = accelerator.device
 
-    vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads)
+    vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads,
+                    stem=args.stem, stem_layers=args.stem_layers, stem_width=args.stem_width)
     compile_ours = resolve_compile(cfg.compile, Device.this_process())
     unlabelled = torch.full((args.batch_size,), -1, device=device)
 
-    def ours_step(compile_mode: str):
-        """The training loop's step on a fresh model, as train() runs it (compiled in `compile_mode` when compiling)."""
-        torch.manual_seed(0)
-        objective = MaskedPatchPrediction(build_vit(args.model, args.image_size, args.patch_size, width=args.width,
-                                                    depth=args.depth, heads=args.heads),
-                                          corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
+    def our_step_of(vit: VisionTransformer, compile_mode: str):
+        """The training loop's step of MPP over `vit`, as train() runs it (compiled in `compile_mode` when compiling)."""
+        objective = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
         ours = accelerator.prepare(objective)
-        ours_optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
-        schedule = build_schedule(ours_optimizer, cfg)
+        optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+        schedule = build_schedule(optimizer, cfg)
         forward = compiled(ours, cfg.compile_backend, compile_mode) if compile_ours else ours
         ours.train()
 
         def step(images: torch.Tensor) -> None:
-            train_step(accelerator, ours, forward, ours_optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
+            train_step(accelerator, ours, forward, optimizer, schedule, [Batch(images, unlabelled)], cfg.clip_grad_norm)
 
         return step
 
     # Every compiled model is made before the first is called: making one resets dynamo, which would discard the
     # code of any compiled before.
-    steps = {f"ours (mpp, {precision_label(precision)})": ours_step(cfg.compile_mode)}
+    first = f"ours ({'hybrid, ' if args.stem == 'resnet' else ''}mpp, {precision_label(precision)})"
+    steps = {first: our_step_of(vit, cfg.compile_mode)}
+    flops = {first: 3 * forward_flops(vit, num_corrupted(vit.num_patches, RATE))}
     if args.compare_compile_mode and compile_ours:
-        steps[f"ours (mpp, {precision_label(precision)}, {args.compare_compile_mode})"] = ours_step(args.compare_compile_mode)
-    classes = None if args.no_peer else load_peer()
+        name = f"{first[:-1]}, {args.compare_compile_mode})"
+        torch.manual_seed(0)
+        twin = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads,
+                         stem=args.stem, stem_layers=args.stem_layers, stem_width=args.stem_width)
+        steps[name], flops[name] = our_step_of(twin, args.compare_compile_mode), flops[first]
+    if args.stem == "resnet":  # the plain ViT of the same size and patch, as the baseline beside it
+        plain = build_vit(args.model, args.image_size, vit.patch_size, width=args.width, depth=args.depth, heads=args.heads)
+        name = f"ours (plain ViT, patch {plain.patch_size}, {precision_label(precision)})"
+        steps[name] = our_step_of(plain, cfg.compile_mode)
+        flops[name] = 3 * forward_flops(plain, num_corrupted(plain.num_patches, RATE))
+    classes = None if args.no_peer or args.stem == "resnet" else load_peer()
     if classes is not None:
         for peer_precision in ("no", "bf16") if precision == "bf16" else ("no",):
             label = "as shipped" if peer_precision == "no" else "our autocast"
-            steps[f"peer ({precision_label(peer_precision)}, {label})"] = peer_step(classes, vit, device, peer_precision)
+            name = f"peer ({precision_label(peer_precision)}, {label})"
+            steps[name], flops[name] = peer_step(classes, vit, device, peer_precision), flops[first]
 
     images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8, device=device)
     setup, rates = time_steps(steps, images, args)
-    print_rates(args, vit, device, precision, compile_ours, setup, rates)
-    if classes is None and not args.no_peer:
+    print_rates(args, vit, device, precision, compile_ours, flops, setup, rates)
+    if classes is None and not args.no_peer and args.stem == "patch":
         print(f"peer not timed: vit-pytorch is not installed; `{PEER_INSTALL}` adds it (benchmark only, needs torch and einops)")
     return 0
 
@@ -207,29 +244,31 @@ def time_steps(steps: dict, images: torch.Tensor, args) -> tuple[dict[str, float
 
 
 def print_rates(args, vit: VisionTransformer, device: torch.device, precision: str, compile_ours: bool,
-                setup: dict[str, float], rates: dict[str, list[float]]) -> None:
-    """The table: each step's median images/s, spread, ratio to ours, MFU and warmup time."""
-    flops = 3 * forward_flops(vit, num_corrupted(vit.num_patches, RATE))
+                flops: dict[str, float], setup: dict[str, float], rates: dict[str, list[float]]) -> None:
+    """The table: each step's median images/s, spread, ratio to ours, MFU (by its own model's FLOPs) and warmup
+    time; with --json, the same as JSON."""
+    first = next(iter(rates))
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else f", {torch.cuda.get_device_name()}"
-    print(f"{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
+    stem = f"hybrid (ResNet {args.stem_layers} x {args.stem_width}, {conv_flops(vit) / 1e9:.3g} GFLOP forward) " if args.stem == "resnet" else ""
+    print(f"{stem}{args.model} width {vit.width} depth {vit.depth} heads {vit.heads} patch {vit.patch_size} at {args.image_size} px, "
           f"batch {args.batch_size}, {device.type}{threads}, precision {precision}, compile ours "
           f"{compile_ours}{f' ({args.compile_mode})' if compile_ours else ''}; {args.rounds} rounds x {args.steps} steps, medians; "
-          f"model FLOPs per image {flops / 1e9:.3g} GFLOP (3x forward)")
+          f"model FLOPs per image {flops[first] / 1e9:.3g} GFLOP (3x forward)")
     width = max(map(len, rates))
     print(f"{'':{width}s} {'images/s':>10s} {'min':>9s} {'max':>9s} {'ours/this':>9s} {'MFU':>7s} {'warmup s':>9s}")
     medians = {name: statistics.median(r) for name, r in rates.items()}
-    ours_rate = next(iter(medians.values()))
+    mfu = {name: medians[name] * flops[name] / (args.peak_tflops * 1e12) if args.peak_tflops else None for name in rates}
     for name, r in rates.items():
-        mfu = f"{medians[name] * flops / (args.peak_tflops * 1e12):.1%}" if args.peak_tflops else "-"
-        print(f"{name:{width}s} {medians[name]:10.1f} {min(r):9.1f} {max(r):9.1f} {ours_rate / medians[name]:8.2f}x "
-              f"{mfu:>7s} {setup[name]:9.1f}")
+        shown = f"{mfu[name]:.1%}" if mfu[name] is not None else "-"
+        print(f"{name:{width}s} {medians[name]:10.1f} {min(r):9.1f} {max(r):9.1f} {medians[first] / medians[name]:8.2f}x "
+              f"{shown:>7s} {setup[name]:9.1f}")
     if args.json:
         args.json.write_text(json.dumps({
             "model": args.model, "image_size": args.image_size, "batch_size": args.batch_size, "precision": precision,
-            "compile": compile_ours, "compile_mode": args.compile_mode, "device": device.type,
-            "gflop_per_image": flops / 1e9, "peak_tflops": args.peak_tflops,
+            "compile": compile_ours, "compile_mode": args.compile_mode, "device": device.type, "stem": args.stem,
+            "gflop_per_image": flops[first] / 1e9, "peak_tflops": args.peak_tflops,
             "rows": {name: {"images_per_s": medians[name], "min": min(r), "max": max(r), "warmup_s": setup[name],
-                            "mfu": medians[name] * flops / (args.peak_tflops * 1e12) if args.peak_tflops else None}
+                            "gflop_per_image": flops[name] / 1e9, "mfu": mfu[name]}
                      for name, r in rates.items()}}, indent=1))
 
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from mpp.errors import UserError, command
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator, create_model
-from mpp.model.variants import Variant, parse_model_name, resolve_variant
+from mpp.model.variants import Variant, parse_model_name, resnet_stride, resolve_variant
 from pydantic.fields import FieldInfo
 
 
@@ -83,7 +83,7 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    hparams = ("name", "width", "depth", "patch_size", "image_size")  # TensorBoard ticks the first five: the shape
+    hparams = ("name", "width", "depth", "patch_size", "image_size", "stem", "stem_layers", "stem_width", "pos_embed")  # TensorBoard ticks the first five: the shape
     name: str = Field("vit_ti", description="ViT variant: vit_ti, vit_s, vit_b, vit_l or vit_h, optionally with the patch size appended (vit_b16).")
     image_size: int = Field(224, gt=0, description="Input resolution in pixels (square).")
     patch_size: int | None = Field(None, gt=0, description="Patch side in pixels; defaults to the number in model.name, else 16.")
@@ -93,6 +93,10 @@ class ModelConfig(Section):
     num_classes: int | None = Field(None, gt=0, description="Classes of the classification head (supervised pretraining, fine-tuning); null reads them from summary.json beside the training shards.")
     drop_path: float = Field(0.0, ge=0, lt=1, description="Stochastic depth: the rate at which the last block's residual branches are dropped per sample in training, rising linearly from 0 at the first block (off in eval).")
     grad_checkpointing: bool = Field(False, description="Activation checkpointing: keep only each block's input and recompute its activations in the backward pass (about a third more compute for a fraction of the activation memory; for large models and batches).", json_schema_extra=RESUMABLE)
+    stem: Literal["patch", "resnet"] = Field("patch", description="What turns the image into tokens: patch, a linear projection of each patch (the paper's ViT); resnet, the paper's hybrid, a ResNet (BiT's: Group Normalization, weight-standardised convolutions) whose feature map's 1x1 cells are the tokens, each the image region of the ResNet's stride (model.patch_size, which defaults to that stride).")
+    stem_layers: list[int] = Field([3, 4, 9], min_length=1, max_length=4, description="With model.stem=resnet: bottleneck units per ResNet stage; the stride is 4 x 2^(stages - 1). The paper's R50 hybrid: [3, 4, 9] (ResNet-50 with stage 4's units moved into stage 3), stride 16.")
+    stem_width: int = Field(64, gt=0, description="With model.stem=resnet: channels of the ResNet's root convolution; stage s has 4 x width x 2^s output channels (ResNet-50: 64).")
+    pos_embed: Literal["learned", "learned_2d", "sincos_2d", "none"] = Field("learned", description="Position embeddings (the paper's appendix D.4): learned, one learned vector per patch position (the paper); learned_2d, a learned row and a learned column vector of half the width each, concatenated; sincos_2d, fixed 2-D sines and cosines (width divisible by 4); none. Learned kinds are interpolated when fine-tuning at another resolution.")
 
     @model_validator(mode="before")
     @classmethod
@@ -102,15 +106,30 @@ class ModelConfig(Section):
         name = raw.get("name", cls.model_fields["name"].default)
         _, named_patch = parse_model_name(str(name))
         patch = raw.get("patch_size")
+        layers = raw.get("stem_layers", cls.model_fields["stem_layers"].default)
+        if raw.get("stem") == "resnet" and patch is None and named_patch is None and isinstance(layers, list) and layers:
+            patch = resnet_stride(layers)  # the hybrid's patch is the stem's stride
         if patch is not None and named_patch is not None and patch != named_patch:
             raise ValueError(f"model.name {name} implies patch size {named_patch} but model.patch_size is {patch}; drop the number from the name or the override")
         return {**raw, "patch_size": resolve_variant(str(name), patch).patch_size}
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.stem == "resnet":
+            if any(units < 1 for units in self.stem_layers):
+                raise ValueError(f"model.stem_layers must count at least one unit per stage, got {self.stem_layers}")
+            stride = resnet_stride(self.stem_layers)
+            if self.patch_size != stride:
+                raise ValueError(f"model.patch_size {self.patch_size} does not match the ResNet stem's stride {stride} "
+                                 f"({len(self.stem_layers)} stages in model.stem_layers); set model.patch_size={stride} "
+                                 f"(or drop it and the number in model.name), or change model.stem_layers")
         if self.image_size % self.patch_size:
             raise ValueError(f"model.image_size {self.image_size} is not divisible by model.patch_size {self.patch_size}; pick sizes where it is (e.g. 224 and 16)")
         width, heads = self.variant.width, self.variant.heads
+        if self.pos_embed == "learned_2d" and width % 2 or self.pos_embed == "sincos_2d" and width % 4:
+            raise ValueError(f"model.pos_embed={self.pos_embed} splits the width over rows and columns, but width {width} "
+                             f"is not divisible by {2 if self.pos_embed == 'learned_2d' else 4}; pick such a model.width or "
+                             f"another model.pos_embed")
         if width % heads:
             raise ValueError(f"model width {width} is not divisible by {heads} heads; set model.heads to a divisor of the width")
         return self

@@ -115,11 +115,13 @@ def test_nonfinite_gradient_leaves_weights_moments_and_step_count_untouched(tmp_
     assert not all(torch.equal(a, b) for a, b in zip(after[0], snapshot()[0]))
 
 
-def test_flop_count_matches_torch_flop_counter():
+@pytest.mark.parametrize("stem", ["patch", "resnet"])
+def test_flop_count_matches_torch_flop_counter(stem):
     spec = importlib.util.spec_from_file_location("bench_step", ROOT / "benchmarks" / "step.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    objective = tiny_objective()
+    objective = tiny_objective() if stem == "patch" else MaskedPatchPrediction(
+        build_vit("vit_ti", 16, width=32, depth=1, heads=2, stem="resnet", stem_layers=(1,), stem_width=8))
     # The math backend spells attention as matmuls, which the counter sees (it skips CPU's fused kernel).
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         objective.predict(images(batch=1))

@@ -52,7 +52,7 @@ def test_pretraining_run_reads_at_a_glance(tmp_path, make_shards, capsys):
     assert [m.name.tag for m in experiment.metric_infos] == ["train/loss", "train/color_acc"]  # the run's headline metrics
     assert {"train/loss", "train/color_acc"} <= set(acc.Tags()["scalars"])  # the metrics' values, logged by the run
     # The few settings that tell runs apart, not the whole config (that is under Text); the same columns for every stage.
-    assert [h.name for h in experiment.hparam_infos] == list(hparam_columns()) and len(hparam_columns()) <= 16
+    assert [h.name for h in experiment.hparam_infos] == list(hparam_columns()) and len(hparam_columns()) <= 20
     start = hparams_content(acc, "_hparams_/session_start_info").session_start_info
     assert start.hparams["train.lr"].number_value == pytest.approx(cfg.train.lr)
     assert start.hparams["objective"].string_value == "mpp" and start.hparams["mpp.target"].string_value == "color"

@@ -21,24 +21,28 @@ from mpp.model.vit import VisionTransformer
 
 def patch_filters(backbone: VisionTransformer, count: int, grey: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` principal components of the patch projection's D filters, as patches (count, 3, P, P), and
-    the fraction of the filters' variance each explains (count,).
+    the fraction of the filters' variance each explains (count,). For a hybrid: of its ResNet's first convolution,
+    the filters that meet the pixels, (count, 3, 7, 7).
 
     grey=True (for a model trained on grey images, R = G = B): each filter summed over its colour channels first, the
     only part of it a grey image meets; what varies between channels never got a gradient and is initial noise."""
-    p = backbone.patch_size
-    filters = rearrange(backbone.patch_embed.proj.weight.detach().float().cpu(), "d (p1 p2 c) -> d p1 p2 c", p1=p, p2=p)
+    filters = backbone.patch_embed.filters().detach().float().cpu()  # (D, h, w, c)
+    h, w = filters.shape[1:3]
     if grey:
         filters = filters.sum(dim=-1, keepdim=True)
     centred = (filters - filters.mean(dim=0, keepdim=True)).flatten(1)  # (D, P*P*channels)
     _, singular, components = torch.linalg.svd(centred, full_matrices=False)
     count = min(count, components.shape[0])
     variance = singular.square()
-    patches = rearrange(components[:count], "k (p1 p2 c) -> k c p1 p2", p1=p, p2=p).expand(-1, 3, -1, -1)
+    patches = rearrange(components[:count], "k (h w c) -> k c h w", h=h, w=w).expand(-1, 3, -1, -1)
     return patches, variance[:count] / variance.sum().clamp_min(1e-12)
 
 
-def position_similarity(pos_embed: torch.Tensor) -> torch.Tensor:  # (1, 1 + N, D) -> (N, N)
-    """Cosine similarity between the position embeddings of every pair of patch positions ([class]'s left out)."""
+def position_similarity(pos_embed: torch.Tensor | None) -> torch.Tensor | None:  # (1, 1 + N, D) -> (N, N)
+    """Cosine similarity between the position embeddings of every pair of patch positions ([class]'s left out), as
+    VisionTransformer.position_embeddings gives them; None for a ViT without position embeddings."""
+    if pos_embed is None:
+        return None
     positions = torch.nn.functional.normalize(pos_embed.detach().float()[0, 1:], dim=-1)  # (N, D)
     return positions @ positions.T
 

@@ -22,13 +22,13 @@ from safetensors.torch import save_file
 
 from mpp.errors import UserError, command
 from mpp.model.hf import HF_CONFIG, from_hf_state_dict, hf_architecture, is_hf_vit
-from mpp.model.vit import VisionTransformer, resize_pos_embed, resolve_variant
+from mpp.model.vit import VisionTransformer, resolve_variant, resize_position_weights, resnet_stride
 from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
 
 if TYPE_CHECKING:
     from mpp.model.objectives import Objective
 
-VIT_KEYS = ("cls_token", "pos_embed", "patch_embed.proj.weight", "norm.weight")
+VIT_KEYS = ("cls_token", "patch_embed.proj.weight", "norm.weight")
 METADATA_KEY = "mpp"  # safetensors metadata: JSON of the backbone's architecture and what the file holds
 BACKBONE, CLASSIFIER = "backbone", "classifier"  # what a file holds
 LINEAR_HEAD = {"head.weight", "head.bias"}  # a fine-tuned classifier's head (a pretraining objective's head differs)
@@ -59,7 +59,9 @@ def save_weights(objective: Objective, path: str | Path) -> None:
     weights = objective.export_weights()
     b = objective.backbone
     about = {"width": b.width, "depth": b.depth, "heads": b.heads, "patch_size": b.patch_size, "image_size": b.image_size,
-             "holds": CLASSIFIER if LINEAR_HEAD <= set(weights) else BACKBONE}
+             "stem": b.stem, "pos_embed": b.pos_embed_kind, "holds": CLASSIFIER if LINEAR_HEAD <= set(weights) else BACKBONE}
+    if b.stem == "resnet":
+        about.update(stem_layers=list(b.stem_layers), stem_width=b.stem_width)
     save_file(weights, str(path), metadata={METADATA_KEY: json.dumps(about)})
     usual_mode(Path(path))
 
@@ -202,33 +204,80 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
         raise CheckpointError(f"{path} holds no Transformer blocks (no blocks.* tensors), so it is not a trained ViT; "
                               f"pass a checkpoint written by `{command('pretrain')}` or `{command('finetune')}`")
     check_finite(path, weights)
-    proj = tuple(weights["patch_embed.proj.weight"].shape)  # (D, P*P*3)
-    pos = tuple(weights["pos_embed"].shape)  # (1, 1 + N, D)
-    if len(proj) != 2 or len(pos) != 3:
-        raise CheckpointError(f"{path} has a patch projection of shape {proj} and position embeddings of shape {pos}; "
-                              f"a ViT of this project has (D, P*P*3) and (1, 1 + N, D): pass a checkpoint written by `{command('pretrain')}`")
-    if math.isqrt(pos[1] - 1) ** 2 != pos[1] - 1:
-        raise CheckpointError(f"{path} has {pos[1] - 1} patch positions, not a square grid, so they cannot be interpolated "
-                              f"to model.image_size={model_cfg.image_size}; pass a checkpoint of a square-image ViT")
     width = weights["cls_token"].shape[-1]
-    patch = math.isqrt(proj[1] // 3)
-    expected = (width, 3 * model_cfg.patch_size ** 2)
-    if patch * patch * 3 != proj[1] or patch != model_cfg.patch_size:
-        raise CheckpointError(f"{path} has patch embedding weights of shape {proj} (patch size {patch}) but model.patch_size={model_cfg.patch_size} "
-                              f"needs {expected}; set model.patch_size={patch} (a ViT cannot change its patch size)")
+    stem = saved.about.get("stem") or ("resnet" if any(k.startswith("patch_embed.stem.") for k in weights) else "patch")
+    if stem == "resnet":
+        patch, stem_layers, stem_width = resnet_architecture(path, weights, model_cfg)
+    else:
+        patch, stem_layers, stem_width = patch_size_of(path, weights, model_cfg), (), 0
+    pos_embed = position_kind(path, saved.about, weights, model_cfg)
     depth = len({k.split(".")[1] for k in weights if k.startswith("blocks.")})
     heads = attention_heads(saved, model_cfg)
     if width % heads:
         raise CheckpointError(f"{path} has width {width}, which {heads} attention heads do not divide; set model.heads to the pretraining run's value")
 
-    backbone = VisionTransformer(model_cfg.image_size, patch, width, depth, heads)
-    weights["pos_embed"] = resize_pos_embed(weights["pos_embed"], backbone.grid)
+    backbone = VisionTransformer(model_cfg.image_size, patch, width, depth, heads, stem=stem, stem_layers=stem_layers or (3, 4, 9),
+                                 stem_width=stem_width or 64, pos_embed=pos_embed)
+    weights = resize_position_weights(weights, backbone.grid)
     try:
         backbone.load_state_dict(weights)
     except RuntimeError as exc:
         detail = " ".join(str(exc).split())
         raise CheckpointError(f"{path} does not fit a ViT of width {width}, depth {depth} and patch size {patch}: {detail[:300]}") from None
     return backbone
+
+
+def patch_size_of(path: Path, weights: dict[str, torch.Tensor], model_cfg) -> int:
+    """A plain ViT's patch size, from its patch projection (D, P*P*3); model.patch_size must agree."""
+    proj = tuple(weights["patch_embed.proj.weight"].shape)  # (D, P*P*3)
+    if len(proj) != 2:
+        raise CheckpointError(f"{path} has a patch projection of shape {proj}; a ViT of this project has (D, P*P*3): "
+                              f"pass a checkpoint written by `{command('pretrain')}`")
+    patch = math.isqrt(proj[1] // 3)
+    if model_cfg.stem != "patch":
+        raise CheckpointError(f"{path} holds a ViT with a linear patch embedding but model.stem={model_cfg.stem}; set "
+                              f"model.stem=patch (a ViT cannot change its stem)")
+    if patch * patch * 3 != proj[1] or patch != model_cfg.patch_size:
+        expected = (proj[0], 3 * model_cfg.patch_size ** 2)
+        raise CheckpointError(f"{path} has patch embedding weights of shape {proj} (patch size {patch}) but model.patch_size={model_cfg.patch_size} "
+                              f"needs {expected}; set model.patch_size={patch} (a ViT cannot change its patch size)")
+    return patch
+
+
+def resnet_architecture(path: Path, weights: dict[str, torch.Tensor], model_cfg) -> tuple[int, tuple[int, ...], int]:
+    """A hybrid's patch size (its ResNet's stride), units per stage and root width, read from its tensors; the
+    model section must agree."""
+    units: dict[int, set[str]] = {}
+    for key in weights:
+        if key.startswith("patch_embed.stem.stages."):
+            stage, unit = key.split(".")[3:5]
+            units.setdefault(int(stage), set()).add(unit)
+    layers = tuple(len(units[s]) for s in sorted(units))
+    width = weights["patch_embed.stem.root.0.weight"].shape[0]
+    for key, saved, asked in (("stem", "resnet", model_cfg.stem), ("stem_layers", list(layers), list(model_cfg.stem_layers)),
+                              ("stem_width", width, model_cfg.stem_width)):
+        if saved != asked:
+            shown = str(saved).replace(" ", "")
+            raise CheckpointError(f"{path} holds a hybrid ViT with model.{key}={shown} but the config says model.{key}="
+                                  f"{str(asked).replace(' ', '')}; set model.{key}={shown} (a ViT cannot change its stem)")
+    return resnet_stride(layers), layers, width
+
+
+def position_kind(path: Path, about: dict, weights: dict[str, torch.Tensor], model_cfg) -> str:
+    """Which position embeddings the file's ViT has: its metadata says; else its tensors (a learned table, learned
+    rows and columns), else model.pos_embed; model.pos_embed must agree."""
+    kind = about.get("pos_embed") or ("learned" if "pos_embed" in weights else "learned_2d" if "pos_embed_rows" in weights
+                                      else model_cfg.pos_embed)
+    if kind != model_cfg.pos_embed:
+        raise CheckpointError(f"{path} holds a ViT with model.pos_embed={kind} but the config says model.pos_embed="
+                              f"{model_cfg.pos_embed}; set model.pos_embed={kind}")
+    if kind == "learned":
+        positions = tuple(weights["pos_embed"].shape) if "pos_embed" in weights else None
+        if positions is None or len(positions) != 3 or math.isqrt(positions[1] - 1) ** 2 != positions[1] - 1:
+            raise CheckpointError(f"{path} has position embeddings of shape {positions}, not (1, 1 + N, D) over a square grid, "
+                                  f"so they cannot be interpolated to model.image_size={model_cfg.image_size}; pass a "
+                                  f"checkpoint of a square-image ViT written by `{command('pretrain')}`")
+    return kind
 
 
 def run_files_in(directory: Path) -> str | None:

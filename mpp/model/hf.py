@@ -40,13 +40,21 @@ def hf_config(backbone: VisionTransformer, num_labels: int | None = None) -> dic
     return config
 
 
+def hf_position_table(backbone: VisionTransformer) -> torch.Tensor:  # (1, 1 + N, D)
+    """transformers' ViT has one learned table: the 2-D kinds are written as the table they add at this resolution
+    (the same outputs here; at another resolution transformers interpolates that table, not the rows and columns or
+    the sin-cos), no position embeddings as zeros."""
+    table = backbone.position_embeddings()
+    return torch.zeros(1, backbone.num_patches + 1, backbone.width) if table is None else table.detach()
+
+
 def hf_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Our weights under transformers 5 ViT parameter names; with `head` ({'weight', 'bias'}) the classifier's too."""
     ours = backbone.state_dict()
     p = backbone.patch_size
     out = {
         "embeddings.cls_token": ours["cls_token"],
-        "embeddings.position_embeddings": ours["pos_embed"],
+        "embeddings.position_embeddings": hf_position_table(backbone),
         # Linear over patchify's layout -> Conv2d kernel (D, C, P, P): each output's weights unpatchified as one patch.
         "embeddings.patch_embeddings.projection.weight": unpatchify(ours["patch_embed.proj.weight"][:, None], p, grid=1),
         "embeddings.patch_embeddings.projection.bias": ours["patch_embed.proj.bias"],
@@ -178,6 +186,9 @@ def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, 
     A head trained on mean-pooled patch outputs (`pool="mean"`) is refused: transformers' ViT classifies from
     [class] only, so its export would give other logits than the model that was trained.
     """
+    if backbone.stem != "patch":
+        raise ExportError("this is a hybrid ViT (model.stem=resnet), which transformers 5 has no class for (ViTModel embeds "
+                          "patches linearly); use its model.safetensors with mpp, or pretrain with model.stem=patch to export")
     if head is not None and pool != "cls":
         raise ExportError("this classifier was fine-tuned on the mean of the patch outputs (finetune.pool=mean), which "
                           "transformers' ViTForImageClassification cannot represent (it reads the [class] token); "

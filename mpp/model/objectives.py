@@ -166,7 +166,8 @@ def draw_corruption(b: int, n: int, rate: float, mask_prob: float, random_prob: 
 
 
 def apply_corruption(tokens: torch.Tensor, mask_embedding: torch.Tensor, corruption: Corruption) -> torch.Tensor:
-    """Patch embeddings (B, N, D) with the corrupted positions replaced as `corruption` says."""
+    """Patch embeddings (B, N, D), or patches of pixels (B, N, P*P*3), with the corrupted positions replaced as
+    `corruption` says."""
     b, n, d = tokens.shape
     flat = tokens.reshape(b * n, d)
     replacement = torch.where((corruption.kinds == MASK)[..., None], mask_embedding.to(tokens.dtype), flat[corruption.sources])
@@ -181,18 +182,35 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: 
 # ---------------------------------------------------------------- the objective
 
 
+def corruption_space(corrupt_in: str, stem: str) -> str:
+    """mpp.corrupt_in resolved: auto corrupts a plain ViT's embeddings (the paper) and a hybrid's pixels, since a
+    hybrid's token embeddings come out of convolutions that have already shown each patch's pixels to its neighbours."""
+    if corrupt_in != "auto":
+        return corrupt_in
+    return "pixels" if stem == "resnet" else "embeddings"
+
+
 class MaskedPatchPrediction(Objective):
-    """Corrupt patch embeddings, encode, and predict each corrupted patch's target from its own output."""
+    """Corrupt patches, encode, and predict each corrupted patch's target from its own output.
+
+    `corrupt_in="embeddings"` replaces a corrupted patch's embedding after the stem (the paper's ViT: [mask] is a
+    learnable embedding); "pixels" replaces its pixels before the stem ([mask] is a learnable P x P patch), so a
+    convolutional stem (the hybrid) never sees them through a neighbour's receptive field."""
 
     def __init__(self, backbone: VisionTransformer, target: Target | None = None, corrupt_rate: float = 0.5,
-                 mask_prob: float = 0.8, random_prob: float = 0.1, masking: str = "random"):
+                 mask_prob: float = 0.8, random_prob: float = 0.1, masking: str = "random", corrupt_in: str = "auto"):
         super().__init__()
         self.backbone = backbone
         self.target = target or MeanColor(backbone.patch_size)  # the paper's 3-bit mean colour
         self.corrupt_rate, self.mask_prob, self.random_prob = corrupt_rate, mask_prob, random_prob
         self.masking = masking
-        self.mask_embedding = nn.Parameter(torch.zeros(backbone.width))
-        trunc_normal(self.mask_embedding)
+        self.corrupt_in = corruption_space(corrupt_in, backbone.stem)
+        if self.corrupt_in == "pixels":
+            self.mask_patch = nn.Parameter(torch.zeros(3 * backbone.patch_size ** 2))  # (P*P*3,) in patchify's layout
+            trunc_normal(self.mask_patch)
+        else:
+            self.mask_embedding = nn.Parameter(torch.zeros(backbone.width))
+            trunc_normal(self.mask_embedding)
         self.head = nn.Linear(backbone.width, self.target.outputs)
         init_weights(self.head)
 
@@ -207,7 +225,7 @@ class MaskedPatchPrediction(Objective):
         return {"corruption": self.draw_corruption(batch_size, "cpu", generator).to(device)}
 
     def no_weight_decay(self) -> set[str]:
-        return super().no_weight_decay() | {"mask_embedding"}
+        return super().no_weight_decay() | {"mask_patch" if self.corrupt_in == "pixels" else "mask_embedding"}
 
     def metrics(self, split: str) -> list[Metric]:
         return self.target.metrics(split)
@@ -215,17 +233,22 @@ class MaskedPatchPrediction(Objective):
     @property
     def description(self) -> str:
         masking = "in rectangles of patches (blockwise)" if self.masking == "block" else "at random"
-        return (f"masked patch prediction (Dosovitskiy et al. 2021, section 4.6): {self.corrupt_rate:.0%} of the patch "
-                f"embeddings corrupted {masking} ({self.mask_prob:.0%} [mask], {self.random_prob:.0%} another patch's, the "
+        where = "patch embeddings" if self.corrupt_in == "embeddings" else "patches (in pixels, before the stem)"
+        return (f"masked patch prediction (Dosovitskiy et al. 2021, section 4.6): {self.corrupt_rate:.0%} of the "
+                f"{where} corrupted {masking} ({self.mask_prob:.0%} [mask], {self.random_prob:.0%} another patch's, the "
                 f"rest kept), each predicting {self.target.description}")
 
     def predict(self, images: torch.Tensor, corruption: Corruption | None = None) -> tuple[torch.Tensor, Corruption]:
         """(B, 3, H, W) uint8 -> head outputs at the corrupted positions only (B, K, out); a fresh corruption
         unless one is given (the pretext validation reuses a fixed one)."""
-        tokens = self.backbone.embed_patches(normalize(images))
         if corruption is None:
             corruption = self.draw_corruption(images.shape[0], images.device)
-        tokens = apply_corruption(tokens, self.mask_embedding, corruption)
+        if self.corrupt_in == "pixels":
+            p, grid = self.backbone.patch_size, self.backbone.grid
+            pixels = apply_corruption(patchify(normalize(images), p), self.mask_patch, corruption)  # (B, N, P*P*3)
+            tokens = self.backbone.embed_patches(unpatchify(pixels, p, grid))
+        else:
+            tokens = apply_corruption(self.backbone.embed_patches(normalize(images)), self.mask_embedding, corruption)
         encoded = self.backbone.encode(tokens)[:, 1:]  # drop [class]
         return self.head(gather_positions(encoded, corruption.positions)), corruption
 
@@ -336,13 +359,14 @@ MAX_HEAD_BYTES = 10**9  # a larger MPP head (e.g. color4x4 at 8 bits: 268M outpu
 class MPPConfig(Section):
     """The `mpp` section: masked patch prediction's settings; each target's own (`Target.settings`) join it."""
 
-    hparams = ("target", "masking", "corrupt_rate")
+    hparams = ("target", "masking", "corrupt_rate", "corrupt_in")
 
     target: str = Field("color", description="What a corrupted patch predicts (the targets register the choices).")
     corrupt_rate: float = Field(0.5, gt=0, lt=1, description="Fraction of patch positions corrupted per image (paper: 0.5; 0.15 also tried).")
     mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
     random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
     masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: random, uniformly at random (the paper), or block, in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
+    corrupt_in: Literal["auto", "embeddings", "pixels"] = Field("auto", description="Where a corrupted patch is replaced: embeddings, its token after the patch embedding (the paper); pixels, its pixels before the stem (a learnable mask patch, another patch's pixels, or its own), as SimMIM does for convolutional stems; auto: embeddings for model.stem=patch, pixels for model.stem=resnet. A hybrid corrupted in embeddings leaks: its convolutions show a masked patch's pixels to its neighbours' tokens (kept to measure that).")
 
     @field_validator("target")
     @classmethod
@@ -387,7 +411,7 @@ def masked_patch_prediction(backbone: VisionTransformer, cfg, classes: int | Non
     m = cfg.mpp
     return MaskedPatchPrediction(backbone, target=TARGETS[m.target].from_settings(backbone.patch_size, m),
                                  corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob, random_prob=m.random_prob,
-                                 masking=m.masking)
+                                 masking=m.masking, corrupt_in=m.corrupt_in)
 
 
 def batch_mixing(train, classes: int) -> Mixing | None:

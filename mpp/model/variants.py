@@ -49,3 +49,8 @@ def resolve_variant(name: str, patch_size: int | None = None, *, width: int | No
     """'vit_b16' plus overrides -> its width, depth, heads and patch size (the override, else the name's number, else 16)."""
     size, named_patch = parse_model_name(name)
     return Variant(width or size.width, depth or size.depth, heads or size.heads, patch_size or named_patch or 16)
+
+
+def resnet_stride(layers) -> int:
+    """The stem's downsampling: 4 in the root (a stride-2 convolution, a stride-2 max pool), 2 in each stage after the first."""
+    return 4 * 2 ** (len(layers) - 1)

@@ -10,7 +10,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mpp.model.variants import VIT_SIZES, Variant, ViTSize, parse_model_name, resolve_variant  # noqa: F401 (the model's names)
+from mpp.model.variants import VIT_SIZES, Variant, ViTSize, parse_model_name, resnet_stride, resolve_variant  # noqa: F401 (the model's names)
 
 
 # Inputs are scaled to [-1, 1]; targets are always computed from the raw uint8 pixels.
@@ -40,6 +40,88 @@ class PatchEmbed(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, N, D)
         return self.proj(patchify(images, self.patch_size))
+
+    def filters(self) -> torch.Tensor:  # (D, P, P, C): each output's weights as the patch it reads
+        p = self.patch_size
+        return rearrange(self.proj.weight, "d (p1 p2 c) -> d p1 p2 c", p1=p, p2=p)
+
+
+class StdConv2d(nn.Conv2d):
+    """A convolution with weight standardisation (Qiao et al. 2019), as BiT's ResNets: each filter is shifted to zero
+    mean and scaled to unit variance before it is applied, which suits Group Normalization and small batches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        mean, var = w.mean(dim=(1, 2, 3), keepdim=True), w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
+        return F.conv2d(x, (w - mean) / (var + 1e-8).sqrt(), self.bias, self.stride, self.padding)
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """BiT's Group Normalization: 32 groups (fewer for a narrow CPU-sized stem: the largest count dividing the channels)."""
+    return nn.GroupNorm(math.gcd(32, channels), channels, eps=1e-6)
+
+
+class Bottleneck(nn.Module):
+    """A ResNet bottleneck unit with GN and weight-standardised convolutions: 1x1 -> 3x3 (stride) -> 1x1 (4x wider),
+    added to the shortcut (a strided 1x1 projection where the shape changes), then ReLU. The last GN starts at zero,
+    so every unit starts as its shortcut."""
+
+    def __init__(self, channels_in: int, mid: int, stride: int):
+        super().__init__()
+        out = 4 * mid
+        self.conv1, self.norm1 = StdConv2d(channels_in, mid, 1, bias=False), group_norm(mid)
+        self.conv2, self.norm2 = StdConv2d(mid, mid, 3, stride=stride, padding=1, bias=False), group_norm(mid)
+        self.conv3, self.norm3 = StdConv2d(mid, out, 1, bias=False), group_norm(out)
+        nn.init.zeros_(self.norm3.weight)
+        self.downsample = None
+        if stride != 1 or channels_in != out:
+            self.downsample = nn.Sequential(StdConv2d(channels_in, out, 1, stride=stride, bias=False), group_norm(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C_in, H, W) -> (B, 4 mid, H / stride, W / stride)
+        shortcut = x if self.downsample is None else self.downsample(x)
+        y = F.relu(self.norm1(self.conv1(x)))
+        y = F.relu(self.norm2(self.conv2(y)))
+        return F.relu(self.norm3(self.conv3(y)) + shortcut)
+
+
+class ResNetStem(nn.Module):
+    """The CNN of the paper's hybrid (section 3.1, appendix B): BiT's ResNet (Kolesnikov et al. 2020), GN and
+    weight-standardised convolutions, with `layers` units per stage. The paper's R50 drops ResNet-50's stage 4 and
+    moves its units into stage 3: layers (3, 4, 9), a map of 1024 channels at 1/16 of the image side."""
+
+    def __init__(self, layers=(3, 4, 9), width: int = 64):
+        super().__init__()
+        self.stride = resnet_stride(layers)
+        self.root = nn.Sequential(StdConv2d(3, width, 7, stride=2, padding=3, bias=False), group_norm(width), nn.ReLU(),
+                                  nn.MaxPool2d(3, stride=2, padding=1))
+        stages, channels = [], width
+        for s, units in enumerate(layers):
+            mid = width * 2 ** s
+            stages.append(nn.Sequential(*(Bottleneck(channels if u == 0 else 4 * mid, mid, 2 if s > 0 and u == 0 else 1)
+                                          for u in range(units))))
+            channels = 4 * mid
+        self.stages = nn.Sequential(*stages)
+        self.channels = channels
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, C, H / stride, W / stride)
+        return self.stages(self.root(images))
+
+
+class HybridEmbed(nn.Module):
+    """The hybrid's patch embedding (section 3.1): the input sequence is the CNN's feature map, each 1x1 cell a patch
+    (a `stride` x `stride` region of the image), linearly projected to the model width."""
+
+    def __init__(self, layers, stem_width: int, dim: int):
+        super().__init__()
+        self.stem = ResNetStem(layers, stem_width)
+        self.patch_size = self.stem.stride
+        self.proj = nn.Linear(self.stem.channels, dim)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, N, D), cells row-major
+        return self.proj(rearrange(self.stem(images), "b c h w -> b (h w) c"))
+
+    def filters(self) -> torch.Tensor:  # (C, 7, 7, 3): the first convolution's kernels, what meets the pixels
+        return rearrange(self.stem.root[0].weight, "d c h w -> d h w c")
 
 
 class Attention(nn.Module):
@@ -107,25 +189,55 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x))), weights
 
 
+STEMS = ("patch", "resnet")  # model.stem: the paper's linear patch embedding, or the hybrid's ResNet
+POS_EMBEDS = ("learned", "learned_2d", "sincos_2d", "none")  # model.pos_embed (the paper's appendix D.4, plus fixed sin-cos)
+
+
+def sincos_2d(grid: int, dim: int) -> torch.Tensor:  # (grid * grid, dim), positions row-major
+    """Fixed 2-D sine-cosine position embeddings (as MoCo v3 and MAE): a quarter of the channels each are sin and cos
+    of the row, sin and cos of the column, at frequencies 1 / 10000^(i / (dim / 4))."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))  # (dim / 4,)
+    rows, cols = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij")
+    angles_r, angles_c = rows.flatten()[:, None] * omega, cols.flatten()[:, None] * omega  # (N, dim / 4) each
+    return torch.cat([angles_r.sin(), angles_r.cos(), angles_c.sin(), angles_c.cos()], dim=1).float()
+
+
 class VisionTransformer(nn.Module):
     """Backbone only: heads belong to the objectives that train it.
 
     `embed_patches` and `encode` are separate so an objective can alter patch embeddings
     (MPP corrupts them) after the projection and before position embeddings are added.
+
+    `stem`: patch, the paper's linear projection of P x P patches; resnet, the hybrid, whose tokens are the 1x1 cells
+    of a ResNet's feature map (`stem_layers` units per stage, `stem_width` root channels), a P x P region each, P
+    the ResNet's stride. `pos_embed` (appendix D.4): learned, one learned vector per position (the paper's choice);
+    learned_2d, a learned row vector and a learned column vector of width D/2 each, concatenated; sincos_2d, fixed
+    sines and cosines of the row and column; none. The 2-D kinds give [class] no position embedding.
     """
 
     def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, drop_path: float = 0.0,
-                 grad_checkpointing: bool = False):
+                 grad_checkpointing: bool = False, stem: str = "patch", stem_layers=(3, 4, 9), stem_width: int = 64,
+                 pos_embed: str = "learned"):
         super().__init__()
+        if stem == "resnet" and patch_size != resnet_stride(stem_layers):
+            raise ValueError(f"patch size {patch_size} does not match the ResNet stem's stride {resnet_stride(stem_layers)}")
         if image_size % patch_size:
             raise ValueError(f"image size {image_size} is not divisible by patch size {patch_size}")
         self.image_size, self.patch_size, self.width = image_size, patch_size, width
         self.depth, self.heads = depth, heads
+        self.stem, self.stem_layers, self.stem_width, self.pos_embed_kind = stem, tuple(stem_layers), stem_width, pos_embed
         self.grid = image_size // patch_size
         self.num_patches = self.grid * self.grid
-        self.patch_embed = PatchEmbed(patch_size, width)
+        self.patch_embed = PatchEmbed(patch_size, width) if stem == "patch" else HybridEmbed(stem_layers, stem_width, width)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches + 1, width))
+        if pos_embed == "learned":
+            self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches + 1, width))  # (1, 1 + N, D)
+        elif pos_embed == "learned_2d":
+            self.pos_embed_rows = nn.Parameter(torch.zeros(1, self.grid, width // 2))  # (1, grid, D/2)
+            self.pos_embed_cols = nn.Parameter(torch.zeros(1, self.grid, width - width // 2))
+        elif pos_embed == "sincos_2d":
+            # Computed from the grid, so not saved: a new resolution recomputes it.
+            self.register_buffer("pos_embed_fixed", sincos_2d(self.grid, width)[None], persistent=False)  # (1, N, D)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width, eps=1e-6)
         self.set_drop_path(drop_path)
@@ -138,22 +250,40 @@ class VisionTransformer(nn.Module):
             block.drop_path.rate = rate * i / max(1, self.depth - 1)
 
     def reset_parameters(self) -> None:
-        trunc_normal(self.pos_embed)
-        trunc_normal(self.cls_token)
+        for name in self.no_weight_decay():
+            trunc_normal(getattr(self, name))
         self.apply(init_weights)
 
     def no_weight_decay(self) -> set[str]:
         """The input tokens, exempt from weight decay (timm's convention; biases and norms are exempt anyway)."""
-        return {"cls_token", "pos_embed"}
+        learned = {"learned": ["pos_embed"], "learned_2d": ["pos_embed_rows", "pos_embed_cols"]}
+        return {"cls_token", *learned.get(self.pos_embed_kind, [])}
 
     def layer_of(self, name: str) -> int:
         """The layer of parameter `name` (as named_parameters() gives it) in BEiT/MAE's numbering for layer-wise lr
-        decay: the patch embedding and the input tokens are layer 0, block i is layer i + 1, the final norm depth + 1."""
+        decay: the patch embedding (a hybrid's whole ResNet, as timm counts it) and the input tokens are layer 0,
+        block i is layer i + 1, the final norm depth + 1."""
         if name in self.no_weight_decay() or name.startswith("patch_embed."):
             return 0
         if name.startswith("blocks."):
             return int(name.split(".")[1]) + 1
         return self.depth + 1
+
+    def position_embeddings(self) -> torch.Tensor | None:  # (1, 1 + N, D), [class] first; None without any
+        """What is added to the tokens: the learned table, the row and column halves concatenated per position, or
+        the fixed sin-cos (the 2-D kinds with a zero vector for [class])."""
+        if self.pos_embed_kind == "learned":
+            return self.pos_embed
+        if self.pos_embed_kind == "learned_2d":
+            g = self.grid
+            rows = self.pos_embed_rows[:, :, None].expand(-1, -1, g, -1)  # (1, g, g, D/2): row i everywhere on row i
+            cols = self.pos_embed_cols[:, None].expand(-1, g, -1, -1)  # (1, g, g, D/2)
+            patches = torch.cat([rows, cols], dim=-1).flatten(1, 2)  # (1, N, D)
+        elif self.pos_embed_kind == "sincos_2d":
+            patches = self.pos_embed_fixed
+        else:
+            return None
+        return torch.cat([patches.new_zeros(1, 1, self.width), patches], dim=1)
 
     def embed_patches(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) float -> (B, N, D)
         return self.patch_embed(images)
@@ -161,7 +291,9 @@ class VisionTransformer(nn.Module):
     def tokens(self, patch_tokens: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 1 + N, D)
         """The encoder's input: [class] before the patch tokens, position embeddings added."""
         cls = self.cls_token.expand(patch_tokens.shape[0], -1, -1)
-        return torch.cat([cls, patch_tokens], dim=1) + self.pos_embed
+        x = torch.cat([cls, patch_tokens], dim=1)
+        position = self.position_embeddings()
+        return x if position is None else x + position
 
     def encode(self, patch_tokens: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 1 + N, D)
         x = self.tokens(patch_tokens)
@@ -204,14 +336,38 @@ def resize_pos_embed(pos_embed: torch.Tensor, grid: int) -> torch.Tensor:
     return torch.cat([cls, rearrange(resized, "1 d h w -> 1 (h w) d")], dim=1)
 
 
+def resize_rows(embed: torch.Tensor, grid: int) -> torch.Tensor:
+    """(1, g, D') -> (1, grid, D'): learned_2d's row (or column) embeddings resampled bicubically along their axis."""
+    if embed.shape[1] == grid:
+        return embed
+    line = rearrange(embed, "1 g d -> 1 d g 1")
+    resized = F.interpolate(line.float(), size=(grid, 1), mode="bicubic", align_corners=False).to(embed.dtype)
+    return rearrange(resized, "1 d g 1 -> 1 g d")
+
+
+def resize_position_weights(weights: dict[str, torch.Tensor], grid: int) -> dict[str, torch.Tensor]:
+    """A backbone's state dict with its learned position embeddings resampled to a grid x grid image (the fixed
+    sin-cos kind is recomputed by the model, `none` has nothing to resample)."""
+    weights = dict(weights)
+    if "pos_embed" in weights:
+        weights["pos_embed"] = resize_pos_embed(weights["pos_embed"], grid)
+    for axis in ("pos_embed_rows", "pos_embed_cols"):
+        if axis in weights:
+            weights[axis] = resize_rows(weights[axis], grid)
+    return weights
+
+
 def trunc_normal(tensor: torch.Tensor, std: float = 0.02) -> None:
     # torch's default bounds are +-2 in absolute terms, i.e. no truncation at std 0.02; cut at 2 std instead.
     nn.init.trunc_normal_(tensor, std=std, a=-2 * std, b=2 * std)
 
 
 def init_weights(module: nn.Module) -> None:
-    """Truncated-normal linear weights, zero biases, unit LayerNorm: common ViT practice."""
-    if isinstance(module, nn.Linear):
+    """Truncated-normal linear weights, zero biases, unit LayerNorm: common ViT practice; convolutions (the hybrid's
+    ResNet) He-normal over their outputs, as ResNets are initialised."""
+    if isinstance(module, nn.Conv2d):
+        nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+    elif isinstance(module, nn.Linear):
         trunc_normal(module.weight)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
@@ -222,13 +378,20 @@ def init_weights(module: nn.Module) -> None:
 
 def build_vit(name: str, image_size: int, patch_size: int | None = None, *, width: int | None = None,
               depth: int | None = None, heads: int | None = None, drop_path: float = 0.0,
-              grad_checkpointing: bool = False) -> VisionTransformer:
-    """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden."""
+              grad_checkpointing: bool = False, stem: str = "patch", stem_layers=(3, 4, 9), stem_width: int = 64,
+              pos_embed: str = "learned") -> VisionTransformer:
+    """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden; with
+    stem="resnet" the hybrid, whose patch size is the ResNet's stride unless given."""
+    if stem == "resnet" and patch_size is None and parse_model_name(name)[1] is None:
+        patch_size = resnet_stride(stem_layers)
     v = resolve_variant(name, patch_size, width=width, depth=depth, heads=heads)
-    return VisionTransformer(image_size, v.patch_size, v.width, v.depth, v.heads, drop_path, grad_checkpointing)
+    return VisionTransformer(image_size, v.patch_size, v.width, v.depth, v.heads, drop_path, grad_checkpointing,
+                             stem, stem_layers, stem_width, pos_embed)
 
 
 def build_backbone(model) -> VisionTransformer:
     """A fresh backbone as a run's `model` config section (a ModelConfig) describes it."""
     return build_vit(model.name, model.image_size, model.patch_size, width=model.width, depth=model.depth,
-                     heads=model.heads, drop_path=model.drop_path, grad_checkpointing=model.grad_checkpointing)
+                     heads=model.heads, drop_path=model.drop_path, grad_checkpointing=model.grad_checkpointing,
+                     stem=model.stem, stem_layers=model.stem_layers, stem_width=model.stem_width,
+                     pos_embed=model.pos_embed)

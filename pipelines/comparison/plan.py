@@ -30,18 +30,20 @@ class Arm(Section):
     name: str = Field(description="The arm's name in the report and its directories (pre/<name>, ft/<name>/...).")
     objective: str | None = Field(None, description="The pretraining objective (a registered one); null: no pretraining (scratch).")
     pretrain: dict[str, Any] = Field({}, description="Run-config keys on top of the plan's pretrain section, for this arm only (mpp.target: pixels).")
+    model: dict[str, Any] = Field({}, description="model.* keys of this arm's every run, its pretraining and all its fine-tuning (a scratch arm's too), on top of common's: the network an arm pretrains is the one it fine-tunes ({stem: resnet}, {pos_embed: sincos_2d}).")
 
     @property
     def summary(self) -> str:
+        network = ", ".join(f"model.{k}={v}" for k, v in dotted(self.model).items())
         if self.objective is None:
-            return "none (random init)"
-        variant = ", ".join(f"{k}={v}" for k, v in dotted(self.pretrain).items())
+            return "none (random init)" + (f" ({network})" if network else "")
+        variant = ", ".join([f"{k}={v}" for k, v in dotted(self.pretrain).items()] + ([network] if network else []))
         return OBJECTIVES[self.objective].summary + (f" ({variant})" if variant else "")
 
 
 class CompareConfig(Section):
     output_dir: str = Field("runs/compare", description="Where every stage's run directory, report.md, results.json and comparison.png/svg go.")
-    arms: list[str | Arm] = Field(["mpp", "supervised", SCRATCH], min_length=1, description="The starting points to fine-tune: scratch, a registered objective by name (mpp, supervised), or a variant {name, objective, pretrain: {keys}}.")
+    arms: list[str | Arm] = Field(["mpp", "supervised", SCRATCH], min_length=1, description="The starting points to fine-tune: scratch, a registered objective by name (mpp, supervised), or a variant {name, objective, pretrain: {keys}, model: {keys}} (model: the network of all its runs, pretraining and fine-tuning).")
     note: str | None = Field(None, description="A line printed at the top of the report (a smoke-test plan says its numbers mean nothing).")
     common: dict[str, Any] = Field({}, description="Run-config keys shared by every stage (model.*, fewshot.*, data.num_workers, ...).")
     pretrain: dict[str, Any] = Field({}, description="Run-config keys of every pretraining run: data.shards (upstream; labelled for supervised), train.*, mpp.*.")
@@ -76,7 +78,8 @@ class CompareConfig(Section):
     @field_serializer("arms")
     def _arms_as_written(self, arms: list[Arm]) -> list[str | dict]:
         """An arm that is just an objective's name (or scratch) is written back as that name."""
-        return [arm.name if not arm.pretrain and arm.objective in (arm.name, None) else arm.model_dump() for arm in arms]
+        return [arm.name if not arm.pretrain and not arm.model and arm.objective in (arm.name, None) else arm.model_dump()
+                for arm in arms]
 
     @model_validator(mode="after")
     def _check(self) -> CompareConfig:
@@ -108,11 +111,12 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         message = first["msg"].removeprefix("Value error, ")
         raise ConfigError(f"comparison config key '{key}': {message}; see configs/compare/tiny.yaml" if key else message) from None
     recipes(cc)  # names and keys of the grid
-    stages = {f"{arm.name} pretraining": pretrain_config(cc, arm) for arm in cc.arms if arm.objective}
+    stages = {f"{arm.name} pretraining": pretrain_config(arm_plan(cc, arm), arm) for arm in cc.arms if arm.objective}
+    stages.update({f"{arm.name} fine-tuning": stage_config(arm_plan(cc, arm), "finetune") for arm in cc.arms if arm.model})
     stages["fine-tuning and few-shot evaluation"] = stage_config(cc, "finetune")
     stages.update({f"fine-tuning recipe {name}": stage_config(cc, "finetune", **recipe) for name, recipe in recipes(cc).items()})
     for arm in cc.arms:
-        steps = pretrain_config(cc, arm).train.steps if arm.objective else None
+        steps = pretrain_config(arm_plan(cc, arm), arm).train.steps if arm.objective else None
         if steps and any(not 0 < step < steps for step in cc.checkpoints):
             raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
         if steps and arm.name in cc.ablate:
@@ -191,6 +195,15 @@ def nested(keys: dict[str, Any]) -> DictConfig:
     for key, value in keys.items():
         OmegaConf.update(layer, key, str(value) if isinstance(value, Path) else value)
     return layer
+
+
+def arm_plan(cc: CompareConfig, arm: Arm) -> CompareConfig:
+    """The plan as `arm` runs it: its model keys (Arm.model) put on top of common's, so every stage of the arm
+    builds (or loads) the same network."""
+    if not arm.model:
+        return cc
+    common = OmegaConf.merge(OmegaConf.create(cc.common), OmegaConf.create({"model": arm.model}))
+    return cc.model_copy(update={"common": OmegaConf.to_container(common)})
 
 
 def pretrain_config(cc: CompareConfig, arm: Arm, **keys) -> Config:

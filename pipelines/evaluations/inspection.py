@@ -51,7 +51,7 @@ class Views:
 
     filters: torch.Tensor  # (K, 3, P, P) principal components of the patch embedding's filters
     explained: torch.Tensor  # (K,) fraction of the filters' variance each explains
-    similarity: torch.Tensor  # (N, N) cosine similarity of the patch positions' embeddings
+    similarity: torch.Tensor | None  # (N, N) cosine similarity of the patch positions' embeddings; None without any
     distance: torch.Tensor  # (depth, heads) mean attention distance in pixels
     uniform_distance: float  # what uniform attention over the patches gives, in pixels
     images: torch.Tensor  # (R, 3, H, W) uint8, the images the rollout is drawn on
@@ -71,12 +71,13 @@ class Views:
         from . import inspection_figures as draw
 
         reach = {POOLINGS[pooling]: maps.numpy() for pooling, maps in self.rollout.items()}
-        return {
+        figures = {
             "filters": draw.filters_figure(self.filters.numpy(), self.explained.numpy(), self.grey),
-            "position_similarity": draw.similarity_figure(self.similarity.numpy(), self.grid),
+            "position_similarity": None if self.similarity is None else draw.similarity_figure(self.similarity.numpy(), self.grid),
             "attention_distance": draw.distance_figure(self.distance.numpy(), self.uniform_distance, self.grid * self.patch_size),
             "rollout": draw.rollout_figure(self.images.numpy(), reach, self.grid),
         }
+        return {name: figure for name, figure in figures.items() if figure is not None}  # model.pos_embed=none: no view
 
     def numbers(self) -> dict:
         """The views as JSON-ready numbers (inspect.json)."""
@@ -90,7 +91,8 @@ class Views:
             "attention_distance_mean_px": rounded(self.distance.mean(dim=1), 3),  # [layer]
             "uniform_attention_distance_px": round(self.uniform_distance, 3),
             "filters_explained_variance": rounded(self.explained),
-            "position_similarity": rounded(self.similarity),  # [position][position], row-major positions
+            # [position][position], row-major positions; null for model.pos_embed=none
+            "position_similarity": None if self.similarity is None else rounded(self.similarity),
             "rollout": {pooling: rounded(reach) for pooling, reach in self.rollout.items()},  # [image][position]
         }
 
@@ -126,8 +128,10 @@ class Inspector:
         _, maps = backbone.forward_with_attention(normalize(self.shown.to(device)))
         rollout = attention_rollout(maps)
         filters, explained = patch_filters(backbone, self.cfg.filters, self.grey)
+        similarity = position_similarity(backbone.position_embeddings())
+        similarity = None if similarity is None else similarity.cpu()
         backbone.train(was_training)
-        return Views(filters, explained, position_similarity(backbone.pos_embed).cpu(), distance.cpu(),
+        return Views(filters, explained, similarity, distance.cpu(),
                      float(patch_distances(backbone.grid, backbone.patch_size).mean()), self.shown,
                      {pooling: rollout_to_patches(rollout, pooling).cpu() for pooling in POOLINGS},
                      backbone.grid, backbone.patch_size, self.images.total, self.grey)

@@ -165,5 +165,7 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scor
 
 def describe(objective: Objective) -> str:
     b = objective.backbone
-    return (f"width {b.width}, depth {b.depth}, {b.heads} heads, patch {b.patch_size}, {b.image_size} px; "
+    stem = f"hybrid (ResNet stem, units {list(b.stem_layers)}, root width {b.stem_width}), " if b.stem == "resnet" else ""
+    positions = "" if b.pos_embed_kind == "learned" else f", position embeddings {b.pos_embed_kind}"
+    return (f"{stem}width {b.width}, depth {b.depth}, {b.heads} heads, patch {b.patch_size}, {b.image_size} px{positions}; "
             f"{sum(p.numel() for p in b.parameters()) / 1e6:.1f}M params")

@@ -3,6 +3,7 @@ rank), its ranks seeded, its end tied to its launcher's."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import NamedTuple
 
@@ -117,6 +118,7 @@ def run_settings(accelerator: Accelerator, cfg: Config, global_batch: int) -> st
 
 
 ARCHITECTURE = ("image_size", "patch_size", "width", "depth", "heads")  # the model.* keys a weights file can say
+STEM = ("stem", "stem_layers", "stem_width", "pos_embed")  # and those newer files say too (older ones: the defaults)
 
 
 def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
@@ -130,5 +132,6 @@ def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Co
             about = read_weights(weights).about
             if all(key in about for key in ARCHITECTURE):
                 # A name without a patch size, so the file's own patch size is not contradicted by the default's.
-                overrides = ["model.name=vit_b", *(f"model.{key}={about[key]}" for key in ARCHITECTURE), *overrides]
+                said = [key for key in (*ARCHITECTURE, *STEM) if key in about]
+                overrides = ["model.name=vit_b", *(f"model.{key}={json.dumps(about[key])}" for key in said), *overrides]
     return load_config(config, overrides)

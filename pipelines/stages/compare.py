@@ -57,7 +57,7 @@ from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
-from ..comparison.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config
+from ..comparison.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config, arm_plan
 from ..comparison.plots import comparison_figure
 from ..comparison.report import PRETRAIN_CURVES, report_markdown, scalar_history
 from ..run.run_policy import RunInUse
@@ -84,7 +84,7 @@ def run(cc: CompareConfig) -> dict:
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
     selection = Selection.of(cc, base, out, select=len(grid) > 1)  # first: a useless split costs no pretraining
-    arms = {arm.name: ArmRun(cc, arm, base, grid, selection).run() for arm in cc.arms}
+    arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
     return collect(cc, base, grid, selection, arms)
 
 

@@ -138,6 +138,10 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         f"- **Steps**: {steps}, batch {batch}, {cfg.train.optimizer} at peak lr {cfg.train.lr:g}.",
         f"- **Resolution**: {backbone.image_size} x {backbone.image_size} px; **patch size** {backbone.patch_size} "
         f"({(backbone.image_size // backbone.patch_size) ** 2} patches).",
+        *([] if backbone.pos_embed_kind == "learned" else [
+            f"- **Position embeddings**: trained as {backbone.pos_embed_kind}, written as the one table they add at "
+            f"{backbone.image_size} px (transformers' ViT has a learned table only); at another resolution transformers "
+            f"interpolates that table."]),
         "- **Pooling**: the [class] token after the final LayerNorm (`last_hidden_state[:, 0]`); the exported pooler is "
         "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."),
         f"- **Final metrics**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
