@@ -165,3 +165,9 @@ def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tup
     built = [(every, registration.build(cfg, accelerator, stage)) for registration in EVALUATORS.values()
              if stage.name in registration.stages and (every := registration.every(cfg))]
     return tuple(Evaluator(every, evaluate, tuple(evaluate.metrics), getattr(evaluate, "baselines", dict)) for every, evaluate in built)
+
+
+def stage_evaluators(cfg: Config, accelerator: Accelerator, stage) -> tuple[Evaluator, ...]:
+    """The evaluators of a training stage (pipelines.run.stage.TrainingStage): what pretrain and finetune hand
+    run_training."""
+    return build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective, stage.class_counts))

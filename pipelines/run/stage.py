@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from accelerate import Accelerator
 
 from mpp.evaluation.baselines import beside, below_baseline, likely_causes, not_above, with_priors
 from mpp.config import Config
@@ -25,7 +26,6 @@ from mpp.model.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
 from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, train
-from ..evaluations.evaluators import Stage, build_evaluators
 from mpp.data.shardformat import ShardSummary
 from .invocation import command_line, resume_command
 from .loaders import with_run_length
@@ -33,6 +33,11 @@ from .run_policy import (OutputDirLock, StartingPoint, check_output_dir, continu
                          record_run_start)
 from .start import Run, run_settings, start_run
 from .tracking import end_tracking, stage_objective, start_tracking
+
+
+# What a stage's evaluators are, given the run's config, its Accelerator and the stage (the stages hand over
+# pipelines.evaluations.evaluators.stage_evaluators: this sequence sits below the evaluators and does not import them).
+EvaluatorsOf = Callable[[Config, Accelerator, "TrainingStage"], Iterable[Evaluator]]
 
 
 @dataclass
@@ -52,8 +57,8 @@ class TrainingStage:
     class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
 
 
-def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: bool | Literal["auto"] = False,
-                 start: StartingPoint | None = None, overwrite: bool = False) -> dict:
+def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluators_of: EvaluatorsOf,
+                 resume: bool | Literal["auto"] = False, start: StartingPoint | None = None, overwrite: bool = False) -> dict:
     """Run a training stage under `cfg`: `build(run)` makes what it trains once the run has started; `resume` continues
     the run in output_dir (`auto`: where it holds a checkpoint, see run_policy.continues_a_run); `start` is where
     a fine-tuning's weights come from (None for a stage that starts from nothing else, pretraining), recorded when
@@ -73,8 +78,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, resume: 
         record_run_start(accelerator, cfg, start, resumed=resume_from is not None)
         if start is not None and resume_from is None:
             start.record(accelerator, cfg.output_dir)
-        evaluators = tuple(map(stage.recording, build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective,
-                                                                                        stage.class_counts))))
+        evaluators = tuple(map(stage.recording, evaluators_of(cfg, accelerator, stage)))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.shards} shards with "

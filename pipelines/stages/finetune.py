@@ -25,6 +25,7 @@ from mpp.model.objectives import Classification, batch_mixing, finetuning_head
 from mpp.training.loop import Evaluator
 from ..run.loaders import class_names, labelled, num_classes, resolve_shards, train_loader
 from ..run.run_policy import StartingPoint
+from ..evaluations.evaluators import stage_evaluators
 from ..run.stage import TrainingStage, run_training
 from ..run.start import Run
 
@@ -152,4 +153,5 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False
                              recording=history.recording, checkpointed=(history,), data=shard_summary(urls),
                              class_counts=training_class_counts(urls, classes, names))
 
-    return run_training(cfg, stage, resume=resume, start=StartingPoint.of(ckpt), overwrite=overwrite)
+    return run_training(cfg, stage, evaluators_of=stage_evaluators, resume=resume, start=StartingPoint.of(ckpt),
+                        overwrite=overwrite)

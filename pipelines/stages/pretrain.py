@@ -8,6 +8,7 @@ from mpp.config import Config
 from mpp.model.vit import build_backbone
 from mpp.model.objectives import OBJECTIVES, Objective
 from ..run.loaders import labelled, num_classes, resolve_shards, train_loader
+from ..evaluations.evaluators import stage_evaluators
 from ..run.stage import TrainingStage, run_training
 from ..run.start import Run
 from mpp.data.shardformat import shard_summary
@@ -33,4 +34,4 @@ def run(cfg: Config, *, resume: bool | Literal["auto"] = False, overwrite: bool 
         return TrainingStage("pretrain", build_objective(cfg, classes), batches, len(urls),
                              f"{cfg.objective} pretraining of a ViT", classes, data=shard_summary(urls))
 
-    return run_training(cfg, stage, resume=resume, overwrite=overwrite)
+    return run_training(cfg, stage, evaluators_of=stage_evaluators, resume=resume, overwrite=overwrite)
