@@ -24,10 +24,6 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
-from mpp.training.loop import Preempted  # noqa: E402
-from mpp.training.preemption import EXIT_STATUS as STOPPED  # noqa: E402
-from . import parts  # noqa: E402,F401 (every part's config section, which --help lists)
-from .run.start import RanksDisagree  # noqa: E402
 
 
 def shipped_configs() -> Path:
@@ -90,6 +86,7 @@ def run_config(args: argparse.Namespace) -> Config:
     """The run config of a stage that takes one: --config (a training stage's default; for --resume without it, the
     saved config of the run in output_dir; the run that wrote --ckpt), then the key=value overrides. A stage that
     scores --ckpt writes beside it unless output_dir is among the overrides."""
+    with_every_part()
     if args.stage in ("pretrain", "finetune"):
         default = str(CONFIGS / args.stage / "default.yaml")
         if args.resume and args.config is None:
@@ -107,8 +104,15 @@ def run_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def with_every_part() -> None:
+    """Import every registry, so the run config has every part's section (pipelines/parts.py). Here, not at the top:
+    the parts load torch, which `mpp --help`, `--list-configs` and a mistyped stage need not wait for."""
+    from . import parts  # noqa: F401
+
+
 def config_keys_help() -> str:
     """The --help of a stage that takes a run config: every key with its default and meaning, from the schema."""
+    with_every_part()
     width = max(60, shutil.get_terminal_size().columns - 2)
     lines = textwrap.wrap("config keys, set in the --config file or as key=value (the defaults are the schema's; a "
                           "--config file sets its own, and --print-config shows what a run gets):", width)
@@ -119,8 +123,8 @@ def config_keys_help() -> str:
 
 def stage_parser(stages, name: str, summary: str) -> argparse.ArgumentParser:
     """A stage that takes a run config: its --help lists the config keys, and --print-config shows the config."""
-    parser = stages.add_parser(name, help=summary, description=summary, epilog=config_keys_help(),
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = stages.add_parser(name, help=summary, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.keys_in_help = True
     parser.add_argument("--print-config", action="store_true",
                         help="print the config the stage would run with (the file, then the overrides) and exit")
     return parser
@@ -182,6 +186,12 @@ class Parser(argparse.ArgumentParser):
     """argparse's parser, whose "unrecognized arguments" names the config key a `--name value` meant."""
 
     argv: list[str] = []  # the command line parsed, for the hint
+    keys_in_help = False  # a stage's parser whose --help ends with every config key (built when --help asks)
+
+    def format_help(self) -> str:
+        if self.keys_in_help and self.epilog is None:
+            self.epilog = config_keys_help()
+        return super().format_help()
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):
@@ -192,6 +202,7 @@ class Parser(argparse.ArgumentParser):
 def flag_hint(unknown: list[str], argv: list[str]) -> str:
     """For the first `--name value` (or `--name=value`) among `unknown` (what follows it in `argv` is its value): the
     config keys it may mean, written as the key=value override they take; '' if none is close."""
+    with_every_part()
     keys = [key for key, _, _ in config_reference()]
     for token in unknown:
         if not token.startswith("--"):
@@ -308,6 +319,11 @@ def with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str]) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # Here, after parsing: they load torch, which --help, --list-configs and a mistyped command need not wait for.
+    from mpp.training.loop import Preempted
+    from mpp.training.preemption import EXIT_STATUS as STOPPED
+    from .run.start import RanksDisagree
+
     cfg = None  # a run config, for the stages that take one
     if args.stage == "predict":  # its images and its overrides share the positional arguments
         args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
