@@ -51,7 +51,7 @@ def metadata(path) -> dict:
 
 
 def test_final_weights_carry_their_architecture_and_another_head_count_is_refused(runs, tmp_path):
-    architecture = {"width": 64, "depth": 2, "heads": 2, "patch_size": 4, "image_size": 16}
+    architecture = {"width": 64, "depth": 2, "heads": 2, "patch_size": 4, "image_size": 16, "stem": "patch", "pos_embed": "learned"}
     assert metadata(runs / "pre" / "model.safetensors") == {**architecture, "holds": "backbone"}
     assert metadata(runs / "ft" / "model.safetensors") == {**architecture, "holds": "classifier"}
 

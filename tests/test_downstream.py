@@ -152,7 +152,7 @@ def vit_weights_with(**changes):
 
 @pytest.mark.parametrize("changes, message", [
     ({"blocks.": None}, "holds no Transformer blocks (no blocks.* tensors)"),
-    ({"pos_embed": torch.zeros(1, 1 + 12, 64)}, "has 12 patch positions, not a square grid"),
+    ({"pos_embed": torch.zeros(1, 1 + 12, 64)}, "has position embeddings of shape (1, 13, 64), not (1, 1 + N, D) over a square grid"),
     ({"patch_embed.proj.weight": torch.zeros(64 * 48)}, "has a patch projection of shape (3072,)"),
 ], ids=["no-blocks", "non-square-grid", "1d-projection"])
 def test_malformed_vit_checkpoints_are_refused_with_one_line(tmp_path, changes, message):
