@@ -130,8 +130,8 @@ def test_integer_labels_need_no_scan_of_every_shard(tmp_path):
     import mpp.data.stream
 
     urls = write_labelled(tmp_path / "a", [1, 2, 0, 1]) + write_labelled(tmp_path / "b", [3, 0])
-    assert mpp.data.label_names(tuple(urls)) == ()
-    assert mpp.data.label_space.cache_info().currsize == 0  # the full scan never ran
+    assert mpp.data.stream.label_names(tuple(urls)) == ()
+    assert mpp.data.stream.label_space.cache_info().currsize == 0  # the full scan never ran
 
 
 # ---------------------------------------------------------------- labels and summaries that used to end in a traceback

@@ -153,7 +153,7 @@ def test_the_tenth_run_compiled_in_one_process_is_still_compiled(tmp_path, make_
     compiled_in, run_index = [], [0]
     real_compile = torch.compile
 
-    def counting_compile(model, backend):
+    def counting_compile(model, backend, **options):
         def count(graph, example_inputs):
             compiled_in.append(run_index[0])
             return graph.forward

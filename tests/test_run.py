@@ -76,7 +76,8 @@ def test_epochs_without_the_training_set_size_or_in_a_comparison_are_refused(tmp
     with pytest.raises(ConfigError) as err:
         pretrain.run(cfg)
     assert str(err.value) == (f"train.epochs needs the number of training images, and data.shards ({tmp_path / 'shards'}) "
-                              f"has no summary.json giving its samples beside it; give the length in train.steps instead "
+                              f"has no summary.json giving its samples beside {tmp_path / 'shards' / 'shard-000000.tar'}; give "
+                              f"the length in train.steps instead "
                               f"(with train.epochs=null), or write the shards with `mpp prepare`, which writes one")
     assert not (tmp_path / "run").exists()
     assert cli.main(["compare", "--config", "tiny", "finetune.train.epochs=2", f"output_dir={tmp_path / 'cmp'}"]) == 2

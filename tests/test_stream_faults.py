@@ -163,7 +163,7 @@ def signal_during_the_fourth_wait(monkeypatch) -> None:
             fourth.set()
         return next_batch(*args)
 
-    monkeypatch.setattr(mpp.train, "next_batch", counted_next_batch)
+    monkeypatch.setattr(mpp.training.loop, "next_batch", counted_next_batch)
 
     def signal_while_waiting():
         if fourth.wait(STUCK_AFTER_S):

@@ -250,8 +250,11 @@ class VisionTransformer(nn.Module):
             block.drop_path.rate = rate * i / max(1, self.depth - 1)
 
     def reset_parameters(self) -> None:
-        for name in self.no_weight_decay():
-            trunc_normal(getattr(self, name))
+        # In a fixed order (no_weight_decay is a set, whose order changes with each process's hash seed): the same
+        # seed must give the same weights in every process, or two processes start apart from one.
+        for name in ("pos_embed", "pos_embed_rows", "pos_embed_cols", "cls_token"):
+            if name in self.no_weight_decay():
+                trunc_normal(getattr(self, name))
         self.apply(init_weights)
 
     def no_weight_decay(self) -> set[str]:
