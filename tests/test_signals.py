@@ -78,16 +78,24 @@ def signal_run(proc: subprocess.Popen, target: str, signum: int) -> None:
         trainers[-1].children()[0].send_signal(signum)
 
 
+def started_until_a_checkpoint(command: list[str], out) -> subprocess.Popen:
+    """`command` started in its own session, returned once its first checkpoint is written (every rank is in the loop)."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not complete_checkpoints(out):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(proc.communicate()[1][-3000:])
+        time.sleep(0.1)
+    return proc
+
+
 def stopped_run(shards, out, processes, target, signum=signal.SIGTERM):
     """A run signalled once its first checkpoint is written (every rank is in the loop): its launcher's exit
     status, its stderr, and the step and command of its `stopped at` lines (one per rank)."""
-    proc = subprocess.Popen([*LAUNCHER[processes], *pretrain_args(shards, out)], cwd=ROOT, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = started_until_a_checkpoint([*LAUNCHER[processes], *pretrain_args(shards, out)], out)
     try:
-        deadline = time.monotonic() + 300
-        while not complete_checkpoints(out):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
         trainers = psutil.Process(proc.pid).children()
         assert len(trainers) == processes
         signal_run(proc, target, signum)
@@ -148,13 +156,8 @@ def test_a_stop_signal_with_data_workers_stops_every_rank_at_one_step_and_the_pr
 def test_sigusr1_to_the_process_group_stops_with_a_checkpoint_and_the_documented_status(shards, tmp_path):
     # SLURM's `--signal=USR1@120`. Before: the default action, death, for the trainer and its data worker.
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, *pretrain_args(shards, out)], cwd=ROOT, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = started_until_a_checkpoint([sys.executable, *pretrain_args(shards, out)], out)
     try:
-        deadline = time.monotonic() + 300
-        while not complete_checkpoints(out):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGUSR1)  # the trainer and its worker, which passes it on: a repeat, taken as one
         _, stderr = proc.communicate(timeout=300)
     finally:
