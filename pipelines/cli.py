@@ -386,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
 
         end_process()
     except UserError as err:
+        if isinstance(err, RanksDisagree):  # every rank raised it at one point, after the same gather: close the process
+            from .run.tracking import end_process  # group here, not in the interpreter's exit, where gloo aborted once
+
+            end_process()
         return fail(one_line(err), said_by_rank_0=isinstance(err, RanksDisagree))
     except Preempted as stop:
         # Saved, and on its way out. A launcher that sees another rank exit first signals this one, which must not
