@@ -7,11 +7,12 @@ against full decode.
 The images are photo-like JPEGs made here (as benchmarks/data.py makes them), written once as a folder of two
 classes. Each round runs `prepare FOLDER --short-side S` into a fresh directory with --workers 1 and then with
 --workers <cores> (the default), in this one process, so background load hits both alike; the medians over rounds
-and their ratio are printed. The worker processes' start is included (their server is started before the first
-round, as a second prepare in one session finds it). Beside the wall clock, the CPU time each run took (this process,
-plus the workers, reaped by their server) gives images per CPU-second: the parallel path's overhead, whatever the
-load. On a machine shared by several login sessions, Linux's autogroup scheduling gives a session one share of the
-CPUs however many processes it runs, so there the wall-clock ratio shows the share, not the cores.
+and their ratio are printed. The worker processes' start is included; their server is started by the first prepare,
+as every `launch.py prepare` process starts it once, and that first prepare is printed apart. Beside the wall clock,
+the CPU time each run took (this process, plus the workers, reaped by their server) gives images per CPU-second: the
+parallel path's overhead, whatever the load. On a machine shared by several login sessions, Linux's autogroup
+scheduling gives a session one share of the CPUs however many processes it runs, so there the wall-clock ratio shows
+the share, not the cores.
 Then, in this process, the downsizing prepare does per image (`_bounded`: JPEG draft at the smallest DCT scale that
 keeps the short side, upright, LANCZOS resize, JPEG encode) against the same with a full decode, for each image size,
 in images per CPU-second of one core.
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / name)
             return args.images / elapsed, args.images / used
 
-        run(cores, "warm-up")  # starts the worker server, as any first prepare of a session does
+        first = run(cores, "first")  # starts the worker server, as every `launch.py prepare` process does once
         rates = {1: [], cores: []}
         for round_index in range(args.rounds):
             for workers in rates:
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  --workers 1: {one:7.1f} images/s, {one_cpu:6.1f} images per CPU-second")
     print(f"  --workers {cores}: {many:7.1f} images/s ({many / one:.2f}x), {many_cpu:6.1f} images per CPU-second "
           f"({many_cpu / one_cpu:.2f}x: on {cores} idle cores, {cores * many_cpu / one_cpu:.2f}x is the most to expect)")
+    server_s = args.images / first[0] - args.images / many
+    print(f"  the first --workers {cores} prepare of a process: {first[0]:7.1f} images/s ({first[0] / one:.2f}x); starting the "
+          f"worker server (it imports mpp.data.shards once) cost {server_s:.1f} s of wall clock")
     print(f"downsizing one image to a {args.short_side}-px short side, images per CPU-second of one core (median of "
           f"{args.rounds}):")
     for (width, height), (draft, full) in decode.items():
