@@ -33,7 +33,7 @@ WIDTH, DEPTH, HEADS, IMAGE, PATCH = 192, 6, 3, 32, 4  # configs/finetune/default
 
 
 def step_time(accelerator, make, cfg: TrainConfig, images, labels, steps: int) -> float:
-    """Median seconds of the training loop's own step (mpp.train.train_step) on a fresh objective."""
+    """Median seconds of the training loop's own step (mpp.training.loop.train_step) on a fresh objective."""
     torch.manual_seed(0)
     objective = make()
     model = accelerator.prepare(objective)

@@ -5,7 +5,7 @@
 
 Both take uint8 images already on the device and run forward, backward, gradient clipping at norm 1 and a fused
 AdamW step, at the paper's rates (50% of patches corrupted, 80/10/10). Ours is the training loop's own step
-(`mpp.train.train_step` under Accelerate, with the precision and torch.compile settings of `train.*`, auto by default). The peer
+(`mpp.training.loop.train_step` under Accelerate, with the precision and torch.compile settings of `train.*`, auto by default). The peer
 has no mixed precision of its own, so it runs twice: in fp32, as it ships, and in eager mode under the same bf16
 autocast as ours (when ours is bf16), which leaves precision out of the comparison. Rounds alternate between the
 runs, so background load hits all alike; the table gives medians over rounds and, for each row, ours' images/s

@@ -1,6 +1,6 @@
 """What a run logs: every scalar is declared once, as a Metric, by the part that computes it.
 
-The loop declares its own (LOOP_METRICS in mpp/meters.py), an objective those of its loss (through its target, for
+The loop declares its own (LOOP_METRICS in mpp/training/meters.py), an objective those of its loss (through its target, for
 MPP), an evaluator those it scores. TensorBoard's Custom Scalars layout, HParams' metric columns, the progress bar,
 results.json and the model card are all built from these declarations: a part that declares a metric shows up in
 each of them, and no other module spells its tag.

@@ -136,7 +136,7 @@ def write_whole(path: Path, text: str) -> None:
 def out_of_space(exc: BaseException) -> bool:
     """Whether a failed write says it ran out of space: an OSError by its errno, anywhere in the chain of causes;
     safetensors by quoting the system's message ('No space left on device (os error 28)'). torch.save says neither
-    ('unexpected pos 576 vs 534'): mpp.resume asks the file system then."""
+    ('unexpected pos 576 vs 534'): mpp.training.resume asks the file system then."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in NO_SPACE:
             return True

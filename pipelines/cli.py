@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 import re
 import shutil
@@ -37,7 +38,8 @@ def shipped_configs() -> Path:
 CONFIGS = shipped_configs()
 CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
 RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export", "predict")  # the stages that take a run config
-EVALUATION_STAGES = ("fewshot", "knn", "probe", "inspect")  # the stages that score --ckpt and write beside it
+# the stages that score --ckpt and write beside it, with their modules in pipelines/evaluations
+EVALUATION_STAGES = {"fewshot": "fewshot", "knn": "knn", "probe": "probe", "inspect": "inspection"}
 RANK_ERROR_GRACE_S = 20
 OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+=")  # a dotted key=value, not a file name holding '='
 
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpp.training.loop import Preempted
     from mpp.training.preemption import EXIT_STATUS as STOPPED
     from .run.start import RanksDisagree
+    from .run.tracking import end_process
 
     cfg = None  # a run config, for the stages that take one
     if args.stage == "predict":  # its images and its overrides share the positional arguments
@@ -334,62 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_config:
                 print(printed_config(args.stage, cfg), end="")
                 return 0
-        if args.stage == "pretrain":
-            from .stages import pretrain
-
-            pretrain.run(cfg, resume=args.resume, overwrite=args.overwrite)
-        elif args.stage == "finetune":
-            from .stages import finetune
-
-            finetune.run(cfg, ckpt=args.ckpt, resume=args.resume, overwrite=args.overwrite)
-        elif args.stage == "fewshot":
-            from .evaluations import fewshot
-
-            fewshot.run(cfg, ckpt=args.ckpt)
-        elif args.stage == "knn":
-            from .evaluations import knn
-
-            knn.run(cfg, ckpt=args.ckpt)
-        elif args.stage == "probe":
-            from .evaluations import probe
-
-            probe.run(cfg, ckpt=args.ckpt)
-        elif args.stage == "inspect":
-            from .evaluations import inspection
-
-            inspection.run(cfg, ckpt=args.ckpt)
-        elif args.stage == "export":
-            from .stages import export
-
-            export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
-        elif args.stage == "predict":
-            from .stages import predict
-
-            predict.run(cfg, ckpt=args.ckpt, inputs=args.inputs, top_k=args.top_k, out=args.out, batch_size=args.batch_size)
-        elif args.stage == "compare":
-            from .stages import compare
-
-            from .comparison import plan
-
-            cc = plan.load_compare_config(config_file("compare", args.config), args.overrides)
-            if args.print_config:
-                print(OmegaConf.to_yaml(cc.model_dump(mode="json")), end="")
-                return 0
-            compare.run(cc)
-        elif args.stage == "prepare":
-            from .stages import prepare
-
-            prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
-                        count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
-                        quality=args.quality, classes=args.classes, class_names=args.class_names, workers=args.workers)
-        from .run.tracking import end_process
-
+        run_stage(args, cfg)
         end_process()
     except UserError as err:
         if isinstance(err, RanksDisagree):  # every rank raised it at one point, after the same gather: close the process
-            from .run.tracking import end_process  # group here, not in the interpreter's exit, where gloo aborted once
-
-            end_process()
+            end_process()  # group here, not in the interpreter's exit, where gloo aborted once
         return fail(one_line(err), said_by_rank_0=isinstance(err, RanksDisagree))
     except Preempted as stop:
         # Saved, and on its way out. A launcher that sees another rank exit first signals this one, which must not
@@ -405,6 +357,44 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return explained_failure(err, args, cfg)
     return 0
+
+
+def run_stage(args: argparse.Namespace, cfg: Config | None) -> None:
+    """Runs the parsed stage. Each stage's module is imported here, when it runs."""
+    if args.stage == "pretrain":
+        from .stages import pretrain
+
+        pretrain.run(cfg, resume=args.resume, overwrite=args.overwrite)
+    elif args.stage == "finetune":
+        from .stages import finetune
+
+        finetune.run(cfg, ckpt=args.ckpt, resume=args.resume, overwrite=args.overwrite)
+    elif args.stage in EVALUATION_STAGES:
+        evaluation = importlib.import_module(f"{__package__}.evaluations.{EVALUATION_STAGES[args.stage]}")
+        evaluation.run(cfg, ckpt=args.ckpt)
+    elif args.stage == "export":
+        from .stages import export
+
+        export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
+    elif args.stage == "predict":
+        from .stages import predict
+
+        predict.run(cfg, ckpt=args.ckpt, inputs=args.inputs, top_k=args.top_k, out=args.out, batch_size=args.batch_size)
+    elif args.stage == "compare":
+        from .comparison import plan
+        from .stages import compare
+
+        cc = plan.load_compare_config(config_file("compare", args.config), args.overrides)
+        if args.print_config:
+            print(OmegaConf.to_yaml(cc.model_dump(mode="json")), end="")
+            return
+        compare.run(cc)
+    elif args.stage == "prepare":
+        from .stages import prepare
+
+        prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
+                    count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
+                    quality=args.quality, classes=args.classes, class_names=args.class_names, workers=args.workers)
 
 
 def explained_failure(err: Exception, args: argparse.Namespace, cfg: Config | None) -> int:

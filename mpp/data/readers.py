@@ -66,7 +66,7 @@ class Reader(ABC):
 
 
 class TarReader(Reader):
-    """WebDataset tars (mpp.shardformat), local or streamed (mpp.tars): a directory of them, a brace pattern, URLs or
+    """WebDataset tars (mpp.data.shardformat), local or streamed (mpp.data.tars): a directory of them, a brace pattern, URLs or
     `pipe:` commands, several joined by '::'."""
 
     def claims(self, spec: str) -> bool:

@@ -1,5 +1,5 @@
 """Stream a data set's samples (image under jpg/png/webp, optional label in cls, json or txt) as uint8 batches: tar
-shards, or whatever format a reader of mpp.readers reads."""
+shards, or whatever format a reader of mpp.data.readers reads."""
 
 from __future__ import annotations
 
@@ -362,7 +362,7 @@ class ShardStream(IterableDataset):
     without a label whose label lies elsewhere (a member of its shard not next to it, or of the shard before or
     after it) raises DataError saying how to write the tar.
 
-    A shard that cannot be read, whole or from a damage on (see mpp.tars), is named in a warning and counts as the
+    A shard that cannot be read, whole or from a damage on (see mpp.data.tars), is named in a warning and counts as the
     samples it lost (`LossEstimate`, with `samples_per_shard` from summary.json) under unreadable_shard, so that
     data.max_skip_fraction judges shards by what they held.
     A worker whose pass (or BARREN_GROUPS resampled groups in a row) yields no usable image raises DataError
@@ -382,43 +382,14 @@ class ShardStream(IterableDataset):
         self.resampled, self.shuffle_buffer, self.loop = resampled, shuffle_buffer, loop
         self.start, self.worker_offset, self.labels = start or {}, worker_offset, labels
         self.samples_per_shard = samples_per_shard
+        self.place = {url: i for i, url in enumerate(urls)}
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         workers = info.num_workers if info else 1
         worker = ((info.id if info else 0) + self.worker_offset) % workers
         start = self.start.get(worker, StreamPosition())
-        skipped: Counter = Counter()  # samples since the last batch, by reason
-        barren = Barren()  # since the last usable image
-        warned: set[str] = set()  # reasons and shards
-        losses = LossEstimate(self.samples_per_shard)
-        place = {url: i for i, url in enumerate(self.urls)} if self.labels else {}
-        resume_at = pulled = 0  # of the current group: samples read past on a resume, samples pulled so far
-
-        def count(reason: str, detail: str, samples: int = 1) -> str:
-            detail = " ".join(detail.split())[:200]  # one line: it ends up in an error message
-            skipped[reason] += samples
-            barren.reasons[reason] += 1  # events: samples, or shards for unreadable_shard
-            barren.first.setdefault(reason, detail)
-            return detail
-
-        def skip(reason: str, detail: str) -> None:
-            detail = count(reason, detail)
-            if reason not in warned:
-                warned.add(reason)
-                warnings.warn(f"skipping samples with {reason} (first: {detail}); counts are logged as data/skipped_*", stacklevel=2)
-
-        def shard_ended(end: ShardEnd) -> None:
-            if end.damage is not None and pulled >= resume_at:  # a shard read past on a resume was counted before
-                lost = losses.lost(end)
-                count("unreadable_shard", f"{end.url}: {end.damage}", lost)
-                if end.url not in warned:
-                    warned.add(end.url)
-                    read = f"read to its end ({end.damage}) after {end.samples} samples" if end.samples else f"read ({end.damage})"
-                    warnings.warn(f"shard {end.url} could not be {read}: an estimated {lost} sample(s) lost, counted as "
-                                  f"data/skipped_unreadable_shard, which data.max_skip_fraction judges", stacklevel=2)
-            losses.record(end)
-
+        skips = _Skips(LossEstimate(self.samples_per_shard))
         images, labels, keys = [], [], []
         last_group = 10**12 if self.loop or self.resampled else 1
         for group in range(start.group, last_group):
@@ -426,55 +397,62 @@ class ShardStream(IterableDataset):
             shards = self._group_shards(worker, workers, random.Random(key))
             if not shards:
                 return
-            barren.shards.update(shards)
+            skips.barren.shards.update(shards)
             got_image = False
-            samples = read_samples(shards, on_end=shard_ended)
+            samples = read_samples(shards, on_end=skips.shard_ended)
             if self.shuffle_buffer:
                 samples = wds.shuffle(self.shuffle_buffer, min(self.shuffle_buffer, 100), rng=random.Random(key))(samples)
-            resume_at, pulled = (start.consumed if group == start.group else 0), 0
+            skips.resume_at, skips.pulled = (start.consumed if group == start.group else 0), 0
             for index, sample in enumerate(samples, start=1):
-                pulled = index
-                if index <= resume_at:
+                skips.pulled = index
+                if index <= skips.resume_at:
                     continue
-                barren.read += 1
-                name = sample.get("__key__", "?")
-                try:
-                    label = self.labels(sample) if self.labels else -1
-                except BadLabel as exc:
-                    skip("bad_label", f"{name}: {exc}")
+                skips.barren.read += 1
+                decoded = self._decoded(sample, random.Random(f"{key}-{index}"), skips)
+                if decoded is None:
                     continue
-                try:
-                    image = self.transform(open_image(sample), random.Random(f"{key}-{index}"))
-                except KeyError:
-                    skip("missing_image", f"{name} has only {', '.join(k for k in sample if not k.startswith('__')) or 'no members'}")
-                    continue
-                except Exception as exc:
-                    skip("undecodable_image", f"{name}: {exc}")
-                    continue
-                if label < 0 and self.labels:
-                    url = sample["__url__"]
-                    at = place[url]
-                    misplaced = reader_of(url).misplaced_label(url, name, self.urls[max(at - 1, 0):at] + self.urls[at + 1:at + 2])
-                    if misplaced:
-                        raise DataError(misplaced)
                 got_image = True
-                images.append(image)
-                labels.append(label)
-                keys.append(f"{os.path.basename(sample['__url__'])}/{name}")
+                images.append(decoded[0])
+                labels.append(decoded[1])
+                keys.append(f"{os.path.basename(sample['__url__'])}/{sample.get('__key__', '?')}")
                 if len(images) == self.batch_size:
-                    yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(group, index),
-                                tuple(keys))
+                    yield Batch(torch.stack(images), torch.tensor(labels), skips.since_batch.copy(), worker,
+                                StreamPosition(group, index), tuple(keys))
                     images, labels, keys = [], [], []
-                    skipped.clear()
-            if got_image or resume_at:  # a group read past on a resume may have held images: judge the next ones
-                barren = Barren()
+                    skips.since_batch.clear()
+            if got_image or skips.resume_at:  # a group read past on a resume may have held images: judge the next ones
+                skips.barren = Barren()
                 continue
-            barren.groups += 1
-            if barren.groups >= (BARREN_GROUPS if self.resampled else 1):
-                raise DataError(barren.message(worker, self.rank, self.resampled))
+            skips.barren.groups += 1
+            if skips.barren.groups >= (BARREN_GROUPS if self.resampled else 1):
+                raise DataError(skips.barren.message(worker, self.rank, self.resampled))
         if images:
-            yield Batch(torch.stack(images), torch.tensor(labels), skipped.copy(), worker, StreamPosition(last_group, 0),
-                        tuple(keys))
+            yield Batch(torch.stack(images), torch.tensor(labels), skips.since_batch.copy(), worker,
+                        StreamPosition(last_group, 0), tuple(keys))
+
+    def _decoded(self, sample: dict, rng: random.Random, skips: _Skips) -> tuple[torch.Tensor, int] | None:
+        """The sample's transformed image and its label (-1 unread), or None for a sample skipped and counted."""
+        name = sample.get("__key__", "?")
+        try:
+            label = self.labels(sample) if self.labels else -1
+        except BadLabel as exc:
+            skips.skip("bad_label", f"{name}: {exc}")
+            return None
+        try:
+            image = self.transform(open_image(sample), rng)
+        except KeyError:
+            skips.skip("missing_image", f"{name} has only {', '.join(k for k in sample if not k.startswith('__')) or 'no members'}")
+            return None
+        except Exception as exc:
+            skips.skip("undecodable_image", f"{name}: {exc}")
+            return None
+        if label < 0 and self.labels:
+            url = sample["__url__"]
+            at = self.place[url]
+            misplaced = reader_of(url).misplaced_label(url, name, self.urls[max(at - 1, 0):at] + self.urls[at + 1:at + 2])
+            if misplaced:
+                raise DataError(misplaced)
+        return image, label
 
     def _group_shards(self, worker: int, workers: int, rng: random.Random) -> list[str]:
         if self.resampled:
@@ -507,6 +485,43 @@ class Barren:
         return (f"dataloader worker {worker} of rank {rank} read {span} over shard(s) {shards} and got {what}; "
                 f"fix or remove these shards, or point the setting that names them (data.shards, data.val_shards or an "
                 f"evaluator's shards) at usable ones")
+
+
+class _Skips:
+    """What one worker's stream skipped: the counts since its last batch by reason, one warning per reason and per
+    damaged shard, and the run of samples without a usable image (`Barren`). `resume_at` and `pulled` are the current
+    group's samples read past on a resume and pulled so far: a shard ended while reading past was counted before."""
+
+    def __init__(self, losses: LossEstimate):
+        self.since_batch: Counter = Counter()
+        self.barren = Barren()
+        self.warned: set[str] = set()  # reasons and shards
+        self.losses = losses
+        self.resume_at = self.pulled = 0
+
+    def count(self, reason: str, detail: str, samples: int = 1) -> str:
+        detail = " ".join(detail.split())[:200]  # one line: it ends up in an error message
+        self.since_batch[reason] += samples
+        self.barren.reasons[reason] += 1  # events: samples, or shards for unreadable_shard
+        self.barren.first.setdefault(reason, detail)
+        return detail
+
+    def skip(self, reason: str, detail: str) -> None:
+        detail = self.count(reason, detail)
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(f"skipping samples with {reason} (first: {detail}); counts are logged as data/skipped_*", stacklevel=3)
+
+    def shard_ended(self, end: ShardEnd) -> None:
+        if end.damage is not None and self.pulled >= self.resume_at:
+            lost = self.losses.lost(end)
+            self.count("unreadable_shard", f"{end.url}: {end.damage}", lost)
+            if end.url not in self.warned:
+                self.warned.add(end.url)
+                read = f"read to its end ({end.damage}) after {end.samples} samples" if end.samples else f"read ({end.damage})"
+                warnings.warn(f"shard {end.url} could not be {read}: an estimated {lost} sample(s) lost, counted as "
+                              f"data/skipped_unreadable_shard, which data.max_skip_fraction judges", stacklevel=2)
+        self.losses.record(end)
 
 
 class StreamSettings(Protocol):

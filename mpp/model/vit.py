@@ -310,7 +310,7 @@ class VisionTransformer(nn.Module):
 
     def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """forward's output and every block's attention weights [(B, heads, 1 + N, 1 + N)] * depth, through the
-        explicit attention path (mpp.inspection reads them); training never takes this path."""
+        explicit attention path (mpp.evaluation.views reads them); training never takes this path."""
         x, maps = self.tokens(self.embed_patches(images)), []
         for block in self.blocks:
             x, weights = block.forward_with_weights(x)

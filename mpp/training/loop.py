@@ -1,8 +1,8 @@
 """The one training loop. Pretraining and fine-tuning differ only in the objective module and its evaluators.
 
 `train_step` is one optimiser step; `train` runs them, logs, draws the panel, checkpoints, evaluates and stops on a
-signal. What the loop measures is in mpp/meters.py, how a run uses the machine in mpp/runtime.py, its checkpoints in
-mpp/resume.py, signals in mpp/preemption.py, the image panel in mpp/panel.py.
+signal. Beside it in mpp/training/: what the loop measures (meters.py), how a run uses the machine (runtime.py), its
+checkpoints (resume.py), signals (preemption.py), the image panel (panel.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Evaluator:
     """What the loop evaluates: `run(objective, step)` is called on every process every `every` steps and after the
     last, with the bare objective (its `backbone` is the encoder being trained), and returns the scalars to log under
     their tags ({'fewshot/5shot': 0.41}), each declared in `metrics`; they also go into train's results.
-    `baselines()` gives, after the last evaluation, what those scores are shown beside (mpp.baselines).
+    `baselines()` gives, after the last evaluation, what those scores are shown beside (mpp.evaluation.baselines).
 
     An implementer returns the same tags on every process, leaves the training RNG and data stream alone (a
     private generator, its own loader: the run's weights do not change with it), and may leave the module in eval
@@ -50,7 +50,7 @@ class Evaluator:
     every: int
     run: Callable[[nn.Module, int], dict[str, float]]
     metrics: tuple[Metric, ...] = ()
-    # {tag: {kind: value}}, the scores that know nothing its metrics are shown beside (mpp.baselines), asked after the
+    # {tag: {kind: value}}, the scores that know nothing its metrics are shown beside (mpp.evaluation.baselines), asked after the
     # last evaluation
     baselines: Callable[[], dict[str, dict[str, float]]] = dict
 
@@ -62,7 +62,7 @@ class Progress:
 
     A step's checkpoint is written before its evaluations, so a resume from it runs them first. A finished run resumed
     trains nothing and logs nothing: it reports the scalars its last checkpoint kept. Each rank's data stream position
-    is its own and is saved by each rank beside it (mpp.resume.save_checkpoint).
+    is its own and is saved by each rank beside it (mpp.training.resume.save_checkpoint).
     """
 
     step: int = 0
@@ -126,12 +126,9 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
           resume_hint: str = "the same command with --resume") -> dict[str, float]:
     """Train `objective` (see the Objective contract) for cfg.steps optimiser steps.
 
-    `resume_from` (see mpp.resume.resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup,
+    `resume_from` (see mpp.training.resume.resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup,
     steps, weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
     its last checkpoint precedes.
-
-    With cfg.ema_decay set, an EMA of the weights (mpp.ema) follows the training and is checkpointed with it; the
-    evaluators score the EMA and model.safetensors holds it, as timm validates and saves its model EMA.
 
     Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
     `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
@@ -140,12 +137,8 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     the steps have slowed down many times over, with the `data_workers` per process among what to lower.
     """
     output_dir = Path(output_dir)
-    ema = WeightAverage(objective, cfg.ema_decay, accelerator.device) if cfg.ema_decay is not None else None
+    model, forward, optimizer, scheduler, ema = prepare_to_train(accelerator, objective, cfg)
     scored = ema.module if ema else objective  # what the evaluators score and model.safetensors holds
-    model = accelerator.prepare(objective)  # on its device; DDP-wrapped under several processes
-    optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
-    scheduler = build_schedule(optimizer, cfg)  # not prepared: Accelerate would step it once per process
-    forward = compiled(model, cfg.compile_backend, cfg.compile_mode) if resolve_compile(cfg.compile, Device.this_process()) else model
     progress, stream = Progress(), StreamState()
     accelerator.register_for_checkpointing(scheduler, progress, *([ema] if ema else []))
     evaluations = Evaluations(accelerator, scored, evaluators, cfg.steps, progress)
@@ -154,8 +147,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     if resume_from is not None:
         restore(accelerator, resume_from, stream, progress, optimizer, scheduler, cfg)
         results.update(progress.logged)
-        if progress.evaluated < progress.step:
-            results.update(evaluations.run(progress.step))
+        results.update(evaluations.pending())
 
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
     window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers)
@@ -194,13 +186,32 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             results.update(evaluations.run(step))
             bar.update(results)
 
+    save_final_weights(accelerator, scored, output_dir, resume_hint)
+    return results
+
+
+def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):
+    """(model, forward, optimizer, scheduler, ema) for training `objective` on this process: `model` on its device
+    (DDP-wrapped under several processes), `forward` what computes its loss (the model or its compiled form), the
+    weight average when cfg.ema_decay is set, else None. The weight average (mpp.training.ema) follows the training and is
+    checkpointed with it; the evaluators score it and model.safetensors holds it, as timm validates and saves its
+    model EMA."""
+    ema = WeightAverage(objective, cfg.ema_decay, accelerator.device) if cfg.ema_decay is not None else None
+    model = accelerator.prepare(objective)
+    optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
+    scheduler = build_schedule(optimizer, cfg)  # not prepared: Accelerate would step it once per process
+    forward = compiled(model, cfg.compile_backend, cfg.compile_mode) if resolve_compile(cfg.compile, Device.this_process()) else model
+    return model, forward, optimizer, scheduler, ema
+
+
+def save_final_weights(accelerator: Accelerator, scored: nn.Module, output_dir: Path, resume_hint: str) -> None:
+    """model.safetensors, written by the main process once the last step's evaluations are done."""
     if accelerator.is_main_process:
         try:
             save_weights(scored, output_dir / WEIGHTS)
         except WRITE_ERRORS as exc:
             raise weights_not_saved(output_dir, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
-    return results
 
 
 def restore(accelerator: Accelerator, checkpoint: Path, stream: StreamState, progress: Progress, optimizer,
@@ -235,6 +246,10 @@ class Evaluations:
             self.accelerator.log(scores, step=step)
         self.progress.evaluated = step
         return scores
+
+    def pending(self) -> dict[str, float]:
+        """The evaluations a resumed checkpoint precedes (a checkpoint is written before its step's evaluations)."""
+        return self.run(self.progress.step) if self.progress.evaluated < self.progress.step else {}
 
 
 class Feed:

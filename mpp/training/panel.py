@@ -18,7 +18,7 @@ from mpp.training.trackers import log_image
 # TensorBoard shrinks an image to fit its card: Time Series into about 370 x 210 px, the Images tab to about 325 px
 # wide. Three images in four views (532 x 438 px at 32-px crops) show there with cells of ~60 px and names ~12 px high.
 PANEL_IMAGES = 3
-PANEL_TAG = "train/panel"  # in the train/ group, which Time Series opens first (mpp/meters.py says why)
+PANEL_TAG = "train/panel"  # in the train/ group, which Time Series opens first (mpp/training/meters.py says why)
 PANEL_GAP = 4  # white pixels between the panel's cells
 FONT_PROBE = 100  # font size at which the names are measured to size them
 

@@ -78,7 +78,7 @@ def comparison_figure(finetune: Mapping[str, Mapping[object, Curve]], pretrainin
     finetune: {arm: {seed: [[step, top1], ...]}}, top-1 as fractions of 1: panel (a), each arm's mean over seeds as
     a line with the min-max band over seeds. pretraining: {arm: {tag: [[step, value], ...]}}: panel (b), a small
     panel per pretrained arm and tag of PRETRAIN_PANELS; arms and tags absent are skipped. gaps: [{"arms": [a, b],
-    "gap", "low", "high", optionally "confidence"}], fractions of 1 (as `mpp.stats.GapInterval` holds them): panel
+    "gap", "low", "high", optionally "confidence"}], fractions of 1 (as `mpp.evaluation.stats.GapInterval` holds them): panel
     (c), left out when empty.
     """
     arms = [*finetune, *(arm for arm in pretraining if arm not in finetune)]

@@ -2,7 +2,7 @@
 
 EVALUATORS names every evaluator once: the stages it runs in, how often, read from its own config section (0 turns
 it off), and its builder. A builder is called once, before training, as build(cfg, accelerator, stage) and returns
-what the loop calls as evaluate(objective, step) -> {tag: value} (the contract: mpp.train.Evaluator), with the
+what the loop calls as evaluate(objective, step) -> {tag: value} (the contract: mpp.training.loop.Evaluator), with the
 Metric of every tag it returns in `evaluate.metrics`: they reach TensorBoard's charts, HParams, the progress bar,
 results.json and the model card from there. Evaluators read their images through pipelines.run.loaders.eval_batches;
 one that scores a fixed set reads it in its builder, so a bad evaluation set stops the run before its first step.

@@ -1,4 +1,4 @@
-"""Inspecting a ViT (the paper's section 4.5): its views (mpp.inspection) on fixed images, drawn during pretraining
+"""Inspecting a ViT (the paper's section 4.5): its views (mpp.evaluation.views) on fixed images, drawn during pretraining
 and fine-tuning (the `inspect` evaluator: TensorBoard images under inspect/ and the first and last layers' mean
 attention distance) and for any checkpoint (`mpp inspect --ckpt PATH`: PNGs and inspect.json)."""
 

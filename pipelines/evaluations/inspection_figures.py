@@ -1,4 +1,4 @@
-"""The inspection views (mpp.inspection) drawn as the paper draws them, from plain arrays.
+"""The inspection views (mpp.evaluation.views) drawn as the paper draws them, from plain arrays.
 
 Drawn on an explicit Figure with the Agg canvas, never through pyplot, as pipelines/plots.py does: no display, and no
 global figure state left behind by an evaluator that draws every few hundred steps.

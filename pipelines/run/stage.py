@@ -46,7 +46,7 @@ class TrainingStage:
 
     name: str  # "pretrain" or "finetune": its TensorBoard run, its evaluators' stage, results.json's "stage"
     objective: Objective
-    batches: Callable[[StreamState], Iterable[Batch]]  # the training stream from a position (see mpp.train.train)
+    batches: Callable[[StreamState], Iterable[Batch]]  # the training stream from a position (see mpp.training.loop.train)
     shards: int  # how many training shards, for the start line
     what: str  # the start line's opening words, e.g. "mpp pretraining of a ViT"
     classes: int | None = None  # the classes trained on (evaluators score them); None: trained without labels

@@ -71,7 +71,7 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
 
 
 def end_tracking(accelerator: Accelerator, final: dict[str, float] | None = None, step: int = 0) -> None:
-    """Give the trackers the run's `final` metrics (mpp.trackers.log_final), mark the run's HParams session as
+    """Give the trackers the run's `final` metrics (mpp.training.trackers.log_final), mark the run's HParams session as
     finished, then close the trackers.
 
     Not Accelerator.end_training: that also ends the process group, which belongs to the process and serves its

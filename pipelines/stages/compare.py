@@ -316,7 +316,7 @@ def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
 
 
 def fold_stage(cfg: Config, out: Path, k: int) -> dict:
-    """k stratified folds of cfg.data.shards (mpp.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
+    """k stratified folds of cfg.data.shards (mpp.evaluation.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
     samples = [(ident, label) for ident, _, label in labelled_samples(cfg)]
     fold_of = dict(zip((ident for ident, _ in samples), stratified_folds(samples, k)))
     folds = []
@@ -396,7 +396,7 @@ class ArmRun:
         return self.fine_tuned[run_name]
 
     def choose(self, candidates: dict[str, dict]) -> Choice:
-        """Score each candidate recipe on the dev split (each fold) and pick one (mpp.stats.pick_recipe: the best dev
+        """Score each candidate recipe on the dev split (each fold) and pick one (mpp.evaluation.stats.pick_recipe: the best dev
         top-1; exactly equal scores to the more training steps, then the earlier candidate); one candidate or no
         split: that one, unscored."""
         scored = []
@@ -477,7 +477,7 @@ class ArmRun:
 
 @dataclass(frozen=True)
 class Choice:
-    """A pick among candidates scored on the dev split(s): see mpp.stats.Pick."""
+    """A pick among candidates scored on the dev split(s): see mpp.evaluation.stats.Pick."""
 
     pick: str
     top1: dict[str, float | None]  # every candidate's dev top-1
@@ -503,7 +503,7 @@ def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
 
 def gaps(arms: dict[str, dict]) -> list[dict]:
     """Every pair of arms: the difference of mean test top-1, its paired 95% bootstrap interval over the test images
-    and the seeds (mpp.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, and whether
+    and the seeds (mpp.evaluation.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, and whether
     the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed)."""
     result = []
     for a, b in itertools.combinations(arms, 2):
