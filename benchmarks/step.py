@@ -39,9 +39,8 @@ from mpp.config import TrainConfig  # noqa: E402
 from mpp.model.vit import VisionTransformer, build_vit  # noqa: E402
 from mpp.model.objectives import MaskedPatchPrediction, num_corrupted  # noqa: E402
 from mpp.data.stream import Batch  # noqa: E402
-from mpp.training.optim import build_optimizer, build_schedule, param_groups  # noqa: E402
-from mpp.training.runtime import Device, compiled, make_accelerator, precision_label, resolve_compile, resolve_precision  # noqa: E402
-from mpp.training.loop import train_step  # noqa: E402
+from mpp.training.runtime import Device, make_accelerator, precision_label, resolve_compile, resolve_precision  # noqa: E402
+from mpp.training.loop import prepare_to_train, train_step  # noqa: E402
 
 PEER_INSTALL = "pip install --no-deps vit-pytorch"
 RATE, MASK_PROB, RANDOM_PROB = 0.5, 0.8, 0.1
@@ -127,7 +126,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default="vit_b16", help="ViT variant, as model.name (vit_b16, vit_ti, ...)")
@@ -152,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as train.cpu_threads auto)")
     parser.add_argument("--no-peer", action="store_true", help="time ours only")
     parser.add_argument("--json", type=Path, default=None, help="also write the table to this file (benchmarks/gpu_report.py reads it)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -179,10 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     def our_step_of(vit: VisionTransformer, compile_mode: str):
         """The training loop's step of MPP over `vit`, as train() runs it (compiled in `compile_mode` when compiling)."""
         objective = MaskedPatchPrediction(vit, corrupt_rate=RATE, mask_prob=MASK_PROB, random_prob=RANDOM_PROB)
-        ours = accelerator.prepare(objective)
-        optimizer = accelerator.prepare(build_optimizer(param_groups(objective, cfg.layer_decay), cfg))
-        schedule = build_schedule(optimizer, cfg)
-        forward = compiled(ours, cfg.compile_backend, compile_mode) if compile_ours else ours
+        ours, forward, optimizer, schedule, _ = prepare_to_train(accelerator, objective,
+                                                                 cfg.model_copy(update={"compile_mode": compile_mode}))
         ours.train()
 
         def step(images: torch.Tensor) -> None:

@@ -178,24 +178,9 @@ def write_shards(
         lock.acquire()
         stale = _stale_outputs(out, prefix, overwrite)
         staging = Path(tempfile.mkdtemp(prefix=".partial-shards-", dir=out))
-        count, labels, files, skipped = _write_all(source, staging, prefix, samples_per_shard, workers, bar)
-        if not count:
-            raise SourceError(source.nothing_kept if source.nothing_kept and count + skipped < len(source) else
-                              f"{source.name} holds no readable images; point the source at images or a non-empty dataset")
-        summary = {
-            "samples": count,
-            "classes": len(labels),
-            "labels": bool(labels),
-            "shards": len(files),
-            "bytes": sum((staging / file).stat().st_size for file in files),
-            "source": source.name,
-            "skipped": skipped,
-            "files": files,
-        }
-        if source.class_names is not None:
-            summary["class_names"] = source.class_names
-        summary.update(_tally(staging / file for file in files))
+        summary = _summary(source, staging, *_write_all(source, staging, prefix, samples_per_shard, workers, bar))
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        files = summary["files"]
     except BaseException as exc:
         bar.close()  # ends its line, so an error message gets one of its own
         if staging is not None:
@@ -220,6 +205,26 @@ def write_shards(
     finally:
         lock.release()
     return summary
+
+
+def _summary(source: Source, staging: Path, count: int, labels: set[int], files: list[str], skipped: int) -> dict:
+    """summary.json of the shards written into staging; a source that gave no image is refused."""
+    if not count:
+        raise SourceError(source.nothing_kept if source.nothing_kept and count + skipped < len(source) else
+                          f"{source.name} holds no readable images; point the source at images or a non-empty dataset")
+    summary = {
+        "samples": count,
+        "classes": len(labels),
+        "labels": bool(labels),
+        "shards": len(files),
+        "bytes": sum((staging / file).stat().st_size for file in files),
+        "source": source.name,
+        "skipped": skipped,
+        "files": files,
+    }
+    if source.class_names is not None:
+        summary["class_names"] = source.class_names
+    return {**summary, **_tally(staging / file for file in files)}
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # write errors that say the disk (or a quota) is full
