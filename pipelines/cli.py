@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import warnings
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
+import mpp  # noqa: E402
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
 from mpp.errors import UserError, command  # noqa: E402
 
@@ -321,6 +323,7 @@ def with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str]) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    warnings.formatwarning = plain_warning  # data loader workers, forked, inherit it
     # Here, after parsing: they load torch, which --help, --list-configs and a mistyped command need not wait for.
     from mpp.training.loop import Preempted
     from mpp.training.preemption import EXIT_STATUS as STOPPED
@@ -418,6 +421,18 @@ def printed_config(stage: str, cfg: Config) -> str:
     if stage != "finetune":
         return config_to_yaml(cfg)
     return OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in cfg.model_dump(mode="json").items() if k != "objective"}))
+
+
+OWN_CODE = (str(Path(mpp.__file__).resolve().parent), str(Path(__file__).resolve().parent))  # mpp/ and pipelines/
+python_warning = warnings.formatwarning
+
+
+def plain_warning(message, category, filename, lineno, line=None) -> str:
+    """mpp's own warnings as a user reads them, one line each ("warning: ..."), without the line of mpp's code that
+    raised them; other libraries' as Python prints them."""
+    if str(Path(filename).resolve()).startswith(OWN_CODE):
+        return f"warning: {message}\n"
+    return python_warning(message, category, filename, lineno, line)
 
 
 def fail(message: str, said_by_rank_0: bool = False) -> int:
