@@ -332,8 +332,20 @@ def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_
         num_classes(load_config(None, [f"data.shards={tmp_path / 'shards'}"]), unlabelled)
 
 
-def test_heads_come_from_the_model_name_when_nothing_else_says(tmp_path):
+def test_heads_come_from_the_model_name_when_nothing_else_says_and_a_warning_says_so(tmp_path):
+    # Red team round 4, part 1 row 21: a file without metadata loaded under model.heads=4 trained with the wrong head
+    # split without a word (4 heads over width 64 fit every shape).
     save_file(VisionTransformer(16, 4, 96, 1, 3).state_dict(), str(tmp_path / "bare.safetensors"))  # no config.yaml
     cfg = load_config(None, ["model.name=vit_ti", "model.image_size=16", "model.patch_size=4"])  # vit_ti: 3 heads
-    backbone = load_backbone(str(tmp_path / "bare.safetensors"), cfg.model)
+    with pytest.warns(UserWarning, match=r"bare.safetensors carries no architecture metadata .* its attention head count "
+                                         r"cannot be checked, and 3 is assumed; if it was trained with another, set model.heads"):
+        backbone = load_backbone(str(tmp_path / "bare.safetensors"), cfg.model)
     assert (backbone.width, backbone.depth, backbone.heads) == (96, 1, 3)
+
+
+def test_a_file_without_metadata_beside_its_config_refuses_another_explicit_head_count(tmp_path):
+    save_file(VisionTransformer(16, 4, 96, 1, 3).state_dict(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.yaml").write_text("model:\n  name: vit_ti\n  heads: 3\n")  # the run it came from
+    cfg = load_config(None, ["model.name=vit_ti", "model.image_size=16", "model.patch_size=4", "model.heads=4"])
+    with pytest.raises(CheckpointError, match=r"holds a ViT with 3 attention heads but model.heads=4; set model.heads=3"):
+        load_backbone(str(tmp_path / "model.safetensors"), cfg.model)

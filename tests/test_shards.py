@@ -198,6 +198,17 @@ def test_existing_shards_are_refused_unless_overwriting(tmp_path):
     assert sorted(read_shards(out)) == [f"{i:08d}" for i in range(4)]
 
 
+def test_a_directory_of_tars_prepare_did_not_write_is_refused_without_promising_to_replace_them(tmp_path):
+    # Red team round 4, part 1 row 32: the refusal advised --overwrite "to replace them", which keeps them.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "backup-2024.tar").write_bytes(b"")
+    with pytest.raises(ValueError) as err:
+        prepare.run("synthetic", str(out), count=6, size=16)
+    assert str(err.value) == (f"{out} already holds 1 .tar files that prepare did not write, and a run on {out} would "
+                              f"read them with the new shards; choose an empty output directory (--out)")
+
+
 def test_missing_and_empty_sources_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         prepare.run(str(tmp_path / "nowhere" / "images"), str(tmp_path / "out"))

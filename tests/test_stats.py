@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from mpp.evaluation.baselines import likely_causes
 from mpp.errors import UserError
 from mpp.evaluation.stats import (Candidate, FoldError, dev_resolution, mcnemar, mcnemar_p, paired_bootstrap_gap, pick_recipe,
                        stratified_folds)
@@ -165,3 +166,12 @@ def test_stratified_folds_refuse_a_class_smaller_than_k_in_one_line():
     assert isinstance(refused.value, UserError) and "\n" not in message
     assert "class 4 has 3" in message and "lower dev_folds to 3" in message
     assert stratified_folds(samples, 3)  # 3 of class 4: enough for 3 folds
+
+
+def test_a_weight_average_slower_than_the_run_is_named_among_the_likely_causes():
+    # Red team round 4, row 70: train.ema_decay=0.999999 over 20 steps ended below the prior without naming the EMA.
+    common = dict(steps=20, global_batch=16, samples=None, image_size=16, short_side=None, lr=1e-3, warmup=2, class_counts=None)
+    causes = likely_causes(**common, ema_decay=0.999999)
+    assert causes[0] == ("the weight average: train.ema_decay=0.999999 averages over about 1,000,000 steps, more than the "
+                         "run's 20, so the evaluated and saved weights are mostly the initial ones (lower it, or set it to null)")
+    assert not any("weight average" in cause for cause in likely_causes(**common, ema_decay=0.9))

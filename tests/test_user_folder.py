@@ -241,3 +241,14 @@ def test_pretraining_shows_its_pretext_accuracy_beside_the_prior(tmp_path, capsy
     final = results["final"]
     assert results["baselines"]["val/color_acc"] == {"prior": final["val/color_acc_prior"]}
     assert f"val/color_acc {final['val/color_acc']:.1%} (prior {final['val/color_acc_prior']:.1%})" in capsys.readouterr().out
+
+
+def test_the_below_baseline_warning_counts_the_shards_data_shards_names_not_their_whole_directory(tmp_path, capsys):
+    # Red team round 4, rows 14-16: over part of a directory it counted the directory's summary.json, all of it.
+    photos = image_folder(tmp_path / "photos" / "train", [5, 4, 3], same=True)
+    prepare.run(str(photos), str(tmp_path / "all"), samples_per_shard=6)  # 2 shards of 6
+    prepare.run(str(image_folder(tmp_path / "photos" / "val", [5, 4, 3], same=True)), str(tmp_path / "val"))
+    cfg = finetune_config(tmp_path, "model.image_size=8", f"data.shards={tmp_path / 'all' / 'shard-000000.tar'}")
+    finetune.run(cfg, ckpt=None)
+    warning = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: this run ended"))
+    assert "4 steps of 6 images are 4.0 passes over the 6 training images" in warning

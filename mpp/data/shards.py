@@ -534,8 +534,6 @@ def _stale_outputs(out: Path, prefix: str, overwrite: bool) -> list[Path]:
     then the files named as write_shards names them). Refuses if out holds .tar files and overwrite is off, and
     keeps, saying so, the .tar files no write recorded."""
     tars = sorted(out.glob("*.tar"))
-    if tars and not overwrite:
-        raise SourceError(f"{out} already holds {len(tars)} .tar files; choose an empty output directory or pass overwrite (--overwrite) to replace them")
     summary = out / SUMMARY
     try:
         listed = json.loads(summary.read_text()).get("files") if summary.is_file() else None
@@ -547,6 +545,13 @@ def _stale_outputs(out: Path, prefix: str, overwrite: bool) -> list[Path]:
     else:
         ours = [path for path in tars if shard_name.fullmatch(path.name)]
     foreign = [path for path in tars if path not in ours]
+    if tars and not overwrite:
+        if any(path in tars for path in ours):
+            kept = f" (the {len(foreign)} other .tar file(s) stay)" if foreign else ""
+            raise SourceError(f"{out} already holds {len(tars)} .tar files; choose an empty output directory or pass "
+                              f"overwrite (--overwrite) to replace the shards an earlier prepare wrote there{kept}")
+        raise SourceError(f"{out} already holds {len(tars)} .tar files that prepare did not write, and a run on {out} "
+                          f"would read them with the new shards; choose an empty output directory (--out)")
     clashing = [path.name for path in foreign if shard_name.fullmatch(path.name)]
     if clashing:
         raise SourceError(f"{out} holds {clashing[0]}, named like the shards being written but not listed in its "

@@ -62,10 +62,16 @@ def below_baseline(scores: dict[str, str], causes: list[str]) -> str:
 
 
 def likely_causes(*, steps: int, global_batch: int, samples: int | None, image_size: int,
-                  short_side: dict[str, int] | None, lr: float, warmup: int, class_counts: list[int] | None) -> list[str]:
+                  short_side: dict[str, int] | None, lr: float, warmup: int, class_counts: list[int] | None,
+                  ema_decay: float | None = None) -> list[str]:
     """The causes of a run that learnt nothing that can be checked from its settings and data, each with its fix:
-    too few passes over the data, images far larger than the training resolution, the learning rate, the labels."""
+    too few passes over the data, images far larger than the training resolution, a weight average slower than the
+    run, the learning rate, the labels."""
     causes = []
+    if ema_decay is not None and steps * (1 - ema_decay) < 1:
+        causes.append(f"the weight average: train.ema_decay={ema_decay:g} averages over about {1 / (1 - ema_decay):,.0f} "
+                      f"steps, more than the run's {steps}, so the evaluated and saved weights are mostly the initial "
+                      f"ones (lower it, or set it to null)")
     if samples:
         passes = steps * global_batch / samples
         if passes < MIN_PASSES:

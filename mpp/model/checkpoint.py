@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -180,11 +181,15 @@ def saved_heads(weights_file: Path) -> int | None:
 
 
 def attention_heads(saved: SavedWeights, model_cfg) -> int:
-    """The head count the file was trained with: its metadata's (a different explicit model.heads is refused), else,
-    for files without metadata, that of the run's config.yaml, else the config's."""
-    if "heads" not in saved.about:
-        return saved_heads(saved.path) or model_cfg.variant.heads
-    heads = int(saved.about["heads"])
+    """The head count the file was trained with: its metadata's, else, for files without metadata, that of the run's
+    config.yaml (either way, a different explicit model.heads is refused), else the config's, with a warning."""
+    heads = int(saved.about["heads"]) if "heads" in saved.about else saved_heads(saved.path)
+    if heads is None:  # tensor shapes do not show it, and nothing else here says it
+        heads = model_cfg.variant.heads
+        warnings.warn(f"{saved.path} carries no architecture metadata (an older mpp's file, or another tool's) and no "
+                      f"config.yaml beside it: its attention head count cannot be checked, and {heads} is assumed; if it "
+                      f"was trained with another, set model.heads to that", stacklevel=3)
+        return heads
     if model_cfg.heads is not None and model_cfg.heads != heads:
         raise CheckpointError(f"{saved.path} holds a ViT with {heads} attention heads but model.heads={model_cfg.heads}; "
                               f"set model.heads={heads} or drop the override (a ViT cannot change its head count)")

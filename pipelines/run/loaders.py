@@ -82,6 +82,14 @@ def training_samples(cfg: Config) -> int:
     return samples
 
 
+def counted_training_samples(cfg: Config) -> int | None:
+    """training_samples, or None where no summary.json gives the count."""
+    try:
+        return training_samples(cfg)
+    except ConfigError:
+        return None
+
+
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
     data = cfg.data.model_copy(update={"num_workers": data_workers(cfg.data.num_workers)})  # auto, resolved here
     return make_loader(

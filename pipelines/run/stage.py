@@ -28,7 +28,7 @@ from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, train
 from mpp.data.shardformat import ShardSummary
 from .invocation import command_line, resume_command
-from .loaders import with_run_length
+from .loaders import counted_training_samples, with_run_length
 from .run_policy import (OutputDirLock, StartingPoint, check_output_dir, continues_a_run, resume_point, start_over,
                          record_run_start)
 from .start import Run, run_settings, start_run
@@ -112,9 +112,9 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
                       f"weights in {cfg.output_dir}/{WEIGHTS}")
     if worse:
         accelerator.print(below_baseline(worse, likely_causes(
-            steps=cfg.train.steps, global_batch=run.global_batch, samples=stage.data.samples if stage.data else None,
+            steps=cfg.train.steps, global_batch=run.global_batch, samples=counted_training_samples(cfg),
             image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
-            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts)))
+            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts, ema_decay=cfg.train.ema_decay)))
     return results
 
 
