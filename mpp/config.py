@@ -83,7 +83,7 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    hparams = ("name", "width", "depth", "patch_size", "image_size", "stem", "stem_layers", "stem_width", "pos_embed")  # TensorBoard ticks the first five: the shape
+    hparams = ("name", "width", "depth", "patch_size", "image_size", "stem", "stem_layers", "pos_embed")
     name: str = Field("vit_ti", description="ViT variant: vit_ti, vit_s, vit_b, vit_l or vit_h, optionally with the patch size appended (vit_b16).")
     image_size: int = Field(224, gt=0, description="Input resolution in pixels (square).")
     patch_size: int | None = Field(None, gt=0, description="Patch side in pixels; defaults to the number in model.name, else 16.")
@@ -145,7 +145,7 @@ def default_warmup(steps: int) -> int:
 
 
 class TrainConfig(Section):
-    hparams = ("optimizer", "lr", "global_batch_size", "steps", "layer_decay", "label_smoothing")
+    hparams = ("optimizer", "lr", "steps", "seed", "global_batch_size", "layer_decay", "label_smoothing")
     steps: int | None = Field(1000, gt=0, description="Optimiser steps in the whole run (replaced by the steps train.epochs comes to when that is set).", json_schema_extra=RESUMABLE)
     epochs: float | None = Field(None, gt=0, description="The run's length in passes over the training set, instead of train.steps: at the start the run sets train.steps to ceil(epochs x samples / global batch), samples from the summary.json beside data.shards (shards without one need train.steps), and config.yaml records both. A resume may change it as it may train.steps; a comparison plan sets train.steps instead (its lengths multiply them).", json_schema_extra=RESUMABLE)
     batch_size: int = Field(64, gt=0, description="Images per process per micro-batch (global batch = batch_size x processes x grad_accum).")

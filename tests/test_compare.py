@@ -4,6 +4,8 @@ import re
 
 import pytest
 import webdataset as wds
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 from PIL import Image
 
 from mpp.config import ConfigError, load_config
@@ -57,6 +59,9 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     assert "`mim`: train.optimizer=adamw, train.lr=0.001, train.weight_decay=0.05, train.layer_decay=0.75, finetune.pool=mean" in text
     assert "79.9%" in text and "mpp - scratch:" in text and "the spread" in text
     assert "Compute: 11 training runs under" in text  # 2 pretrainings, 3 arms x (2 recipes + 1 more seed)
+    # HParams names each run by its path in the comparison, short and unique, not by its run path below the logdir.
+    trials = {run.parent.parent.relative_to(out).as_posix(): trial_of(run) for run in out.glob("**/tensorboard/*")}
+    assert len(trials) == 11 and all(name == path for path, name in trials.items()), trials
     results = json.loads((out / "results.json").read_text())
     assert results["arms"]["scratch"]["pretrain"] is None and results["arms"]["mpp"]["pretrain"]["images_seen"] == 24
     assert results["seeds"] == [0, 1]
@@ -92,6 +97,11 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     log = capsys.readouterr().out
     # 2 pretrainings, the split, 3 arms x (2 recipes + 1 more seed), 3 x 2 test scorings, 3 frozen-feature evaluations
     assert log.count("finished before, skipped") == 2 + 1 + 9 + 6 + 3 and "running in" not in log
+
+
+def trial_of(run_dir):
+    start = EventAccumulator(str(run_dir)).Reload().SummaryMetadata("_hparams_/session_start_info")
+    return plugin_data_pb2.HParamsPluginData.FromString(start.plugin_data.content).session_start_info.group_name
 
 
 def test_a_plan_with_both_lrs_and_grid_is_refused(tmp_path):

@@ -56,8 +56,14 @@ def test_pretraining_run_reads_at_a_glance(tmp_path, make_shards, capsys):
     start = hparams_content(acc, "_hparams_/session_start_info").session_start_info
     assert start.hparams["train.lr"].number_value == pytest.approx(cfg.train.lr)
     assert start.hparams["objective"].string_value == "mpp" and start.hparams["mpp.target"].string_value == "color"
-    assert start.hparams["model.width"].number_value == 64  # the model's, also where the config leaves it to the variant
-    assert start.hparams["train.global_batch_size"].number_value == 8  # images per step, though the config says null
+    # Integers as integers: as text, since HParams shows every number with four decimals (8 as 8.0000).
+    assert start.hparams["model.width"].string_value == "64"  # the model's, also where the config leaves it to the variant
+    assert start.hparams["train.global_batch_size"].string_value == "8"  # images per step, though the config says null
+    assert start.hparams["train.steps"].string_value == "4" and start.hparams["train.seed"].string_value == "0"
+    # Shown at first: the five columns a comparison's runs differ in, not the model's shape, the same in all of them.
+    # TensorBoard sorts the columns by name after those marked as differing, and shows the first five.
+    assert [h.name for h in experiment.hparam_infos if h.differs] == ["objective", "train.optimizer", "train.lr", "train.steps",
+                                                                      "train.seed"]
     assert "train.label_smoothing" not in start.hparams  # blank: it does not apply to MPP
     assert "config/text_summary" in acc.Tags()["tensors"]  # the whole config, as text
     assert hparams_content(acc, "_hparams_/session_end_info").session_end_info.status == 1  # STATUS_SUCCESS
@@ -100,8 +106,10 @@ def test_fine_tuning_bar_shows_top1_and_announces_the_final_evaluation(tmp_path,
 
 def test_hparams_keep_booleans_boolean():
     # torch's summary.hparams tests for int before bool and would log a True as the number 1.
-    experiment, start = (hparams_content_of(summary) for summary in hparams_summaries({"flag": True, "lr": 0.1}, {"flag": True}, []))
-    assert [h.type for h in experiment.experiment.hparam_infos] == [api_pb2.DATA_TYPE_BOOL, api_pb2.DATA_TYPE_FLOAT64]
+    experiment, start = (hparams_content_of(summary) for summary in hparams_summaries({"flag": True, "lr": 0.1, "steps": 6},
+                                                                                     {"flag": True}, []))
+    assert [h.type for h in experiment.experiment.hparam_infos] == [api_pb2.DATA_TYPE_BOOL, api_pb2.DATA_TYPE_FLOAT64,
+                                                                   api_pb2.DATA_TYPE_STRING]
     assert start.session_start_info.hparams["flag"].WhichOneof("kind") == "bool_value"
     assert "lr" not in start.session_start_info.hparams  # a column this run leaves blank
 

@@ -4,6 +4,7 @@ config.yaml beside them) and the Custom Scalars layout of the metrics the run de
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -18,13 +19,34 @@ from mpp.model.objectives import CLASSIFICATION_SETTINGS, OBJECTIVES
 from mpp.training.trackers import log_final
 
 
+# Set by a comparison to its output_dir while it runs its stages: their trial names in HParams are then their paths
+# under it (ft/mpp/sgd-0.03-s1), not the whole run path below TensorBoard's logdir, which the table cuts short.
+COMPARISON_DIR: ContextVar[Path | None] = ContextVar("comparison_dir", default=None)
+
+
+def trial_name(output_dir: str | Path) -> str:
+    """The run's name in HParams' table: its path under the comparison running it, else '' (TensorBoard then names
+    it by its run path, unique below any logdir; a shorter name of a run outside a comparison could be another's,
+    and HParams would merge the two rows)."""
+    root = COMPARISON_DIR.get()
+    if root is None or not Path(output_dir).resolve().is_relative_to(root.resolve()):
+        return ""
+    return Path(output_dir).resolve().relative_to(root.resolve()).as_posix()
+
+
+SHOWN_HPARAMS = 5  # the columns TensorBoard's HParams table shows before the user ticks others
+
+
 def hparam_columns() -> tuple[str, ...]:
     """HParams' columns: the few settings that tell runs apart (the whole config is under Text and in config.yaml), as
     each section declares them (`Section.hparams`), section by section after `objective`. One list for every stage,
     as TensorBoard takes the columns from one run of the logdir; a run leaves blank what does not apply to it
-    (`applies`). TensorBoard ticks the first five by name, the model's shape here."""
+    (`applies`). HParams' table shows the first five (SHOWN_HPARAMS) at first: the objective and train's first four
+    (optimizer, lr, steps, seed), what a comparison's runs differ in; the model's shape, the same in all of them, is a
+    tick away."""
     sections = [(name, field.annotation) for name, field in config_schema().model_fields.items()
                 if isinstance(field.annotation, type) and issubclass(field.annotation, Section)]
+    sections.sort(key=lambda section: section[0] != "train")  # stable: the others keep the schema's order
     return ("objective", *(f"{name}.{key}" for name, section in sections for key in section.hparams))
 
 
@@ -63,7 +85,7 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("config", f"```\n{text}\n```")
     columns, values = run_hparams(cfg, stage_objective(cfg, run_name), cfg.train.global_batch(accelerator.num_processes))
-    for summary in hparams_summaries(columns, values, [m.tag for m in metrics if m.headline]):
+    for summary in hparams_summaries(columns, values, [m.tag for m in metrics if m.headline], trial_name(cfg.output_dir)):
         writer.file_writer.add_summary(summary)
     writer.add_custom_scalars({category: {title: ["Multiline", tags] for title, tags in group.items()}
                                for category, group in layout(metrics).items()})
@@ -119,24 +141,32 @@ def applies(key: str, objective: str) -> bool:
     return not owners or objective in owners
 
 
-def hparam_kind(value: bool | int | float | str) -> tuple[str, str]:
-    """(HParams data type, field of the value) of `value`; bool is tested before int, which it subclasses."""
+def hparam_kind(value: bool | int | float | str) -> tuple[str, str, bool | float | str]:
+    """(HParams data type, field of the value, the value as stored) of `value`. bool is tested before int, which it
+    subclasses; an int is stored as text, since HParams has no integer type and shows a number with four decimals
+    (6 steps as 6.0000)."""
     if isinstance(value, bool):
-        return "DATA_TYPE_BOOL", "bool_value"
-    if isinstance(value, (int, float)):
-        return "DATA_TYPE_FLOAT64", "number_value"
-    return "DATA_TYPE_STRING", "string_value"
+        return "DATA_TYPE_BOOL", "bool_value", value
+    if isinstance(value, int):
+        return "DATA_TYPE_STRING", "string_value", str(value)
+    if isinstance(value, float):
+        return "DATA_TYPE_FLOAT64", "number_value", value
+    return "DATA_TYPE_STRING", "string_value", value
 
 
 def hparams_summaries(columns: dict[str, bool | int | float | str], values: dict[str, bool | int | float | str],
-                      metrics: list[str]) -> list[Summary]:
+                      metrics: list[str], trial: str = "") -> list[Summary]:
     """The HParams plugin's experiment summary (its columns: `columns`, typed by their values, then `metrics`) and
     session-start summary (this run's `values`). Written by hand because torch's `summary.hparams` tests for int
     before bool, which turns every boolean into a number."""
-    start = plugin_data_pb2.SessionStartInfo()
+    start = plugin_data_pb2.SessionStartInfo(group_name=trial)
     for name, value in values.items():
-        setattr(start.hparams[name], hparam_kind(value)[1], value)
-    infos = [api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(hparam_kind(value)[0])) for name, value in columns.items()]
+        _, field, stored = hparam_kind(value)
+        setattr(start.hparams[name], field, stored)
+    # TensorBoard sorts the columns by name after those marked as differing across runs, and shows the first five:
+    # hparam_columns' first five are marked so, the settings a comparison's runs differ in.
+    infos = [api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(hparam_kind(value)[0]), differs=i < SHOWN_HPARAMS)
+             for i, (name, value) in enumerate(columns.items())]
     experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m)) for m in metrics])
     return [hparams_summary("_hparams_/experiment", plugin_data_pb2.HParamsPluginData(experiment=experiment)),
             hparams_summary("_hparams_/session_start_info", plugin_data_pb2.HParamsPluginData(session_start_info=start))]

@@ -62,6 +62,7 @@ from ..comparison.plots import comparison_figure
 from ..comparison.report import PRETRAIN_CURVES, report_markdown, scalar_history
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
+from ..run.tracking import COMPARISON_DIR
 
 STAGE_DONE = "stage.json"
 # Fewer dev images of a class than this and the pick is noise: one image moves that class's accuracy by over 10
@@ -84,7 +85,11 @@ def run(cc: CompareConfig) -> dict:
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
     selection = Selection.of(cc, base, out, select=len(grid) > 1)  # first: a useless split costs no pretraining
-    arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
+    naming = COMPARISON_DIR.set(out)
+    try:
+        arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
+    finally:
+        COMPARISON_DIR.reset(naming)
     return collect(cc, base, grid, selection, arms)
 
 
