@@ -73,3 +73,12 @@ def test_imports_go_one_way():
 def test_the_library_never_imports_the_stages():
     assert [f"{module} -> {target}" for path, module in modules() if module.startswith("mpp")
             for target in imports(path, module) if target.startswith("pipelines")] == []
+
+
+def test_every_function_reads_on_one_screen():
+    # At most 70 lines, docstring included: a longer one has parts that want names of their own (issue 35).
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for folder in ("mpp", "pipelines", "benchmarks", "tests") for path in sorted((ROOT / folder).rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 70]
+    assert not long, long
