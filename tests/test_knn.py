@@ -58,14 +58,14 @@ def test_knn_runs_inside_pretraining_and_as_a_command(tmp_path, make_shards, cap
 
 
 def test_a_knn_pool_without_most_classes_is_scored_with_a_warning_giving_the_counts(tmp_path, make_shards):
-    from safetensors.torch import save_file
-
+    from mpp.model.checkpoint import save_weights
+    from mpp.model.objectives import MaskedPatchPrediction
     from mpp.model.vit import VisionTransformer
     from pipelines.evaluations import knn
 
     make_shards([40], size=32)  # 10 classes, 4 images each
     write_two_class_shards(tmp_path / "two")
-    save_file(VisionTransformer(16, 4, 64, 2, 2).state_dict(), str(tmp_path / "backbone.safetensors"))
+    save_weights(MaskedPatchPrediction(VisionTransformer(16, 4, 64, 2, 2)), tmp_path / "backbone.safetensors")
     with pytest.warns(UserWarning) as warned:
         result = knn.run(tiny(tmp_path, f"knn.shards={tmp_path / 'two'}", "knn.k=5"), ckpt=str(tmp_path / "backbone.safetensors"))
     assert [str(w.message) for w in warned if w.category is UserWarning] == [

@@ -64,8 +64,8 @@ def test_the_probe_runs_inside_pretraining_shows_in_the_results_and_runs_as_a_co
 
 def test_a_probe_pool_without_most_classes_is_scored_with_a_warning_giving_the_ceiling(tmp_path, make_shards):
     """As kNN's pool (not refused as few-shot's): a probe trained on 2 of 10 classes scored with no word before."""
-    from safetensors.torch import save_file
-
+    from mpp.model.checkpoint import save_weights
+    from mpp.model.objectives import MaskedPatchPrediction
     from mpp.model.vit import VisionTransformer
     from pipelines.evaluations import probe
 
@@ -73,7 +73,7 @@ def test_a_probe_pool_without_most_classes_is_scored_with_a_warning_giving_the_c
 
     make_shards([40], size=32)  # 10 classes, 4 images each
     write_two_class_shards(tmp_path / "two")
-    save_file(VisionTransformer(16, 4, 64, 2, 2).state_dict(), str(tmp_path / "backbone.safetensors"))
+    save_weights(MaskedPatchPrediction(VisionTransformer(16, 4, 64, 2, 2)), tmp_path / "backbone.safetensors")
     with pytest.warns(UserWarning) as warned:
         result = probe.run(tiny(tmp_path, f"probe.shards={tmp_path / 'two'}", "probe.epochs=2"),
                            ckpt=str(tmp_path / "backbone.safetensors"))
