@@ -245,21 +245,22 @@ def test_compare_over_two_processes_runs_its_stages_one_after_another_in_each(tm
 
 
 def test_a_rank_whose_data_fails_ends_the_other_rank_with_one_line_not_a_traceback(tmp_path, make_shards):
-    # Red team round 4, row 118: rank 1's stream ends in a clear error; rank 0, waiting for it in the gradient
-    # all-reduce, used to die with gloo's "Connection closed by peer" traceback below it.
-    make_shards([40], size=32)  # rank 0 streams shard 0, rank 1 shard 1, which holds no usable image
-    with wds.TarWriter(str(tmp_path / "shards" / "shard-000001.tar")) as sink:
+    # Red team round 4, row 118: one rank's stream ends in a clear error; the other, waiting for it in the gradient
+    # all-reduce, used to die with gloo's "Connection closed by peer" traceback below it. (Rank 0 fails here: a
+    # failing rank 1 waits RANK_ERROR_GRACE_S before it speaks, for rank 0 to say an error they share.)
+    make_shards([8, 40], size=32)  # rank 0 streams shard 0, which holds no usable image, rank 1 shard 1
+    with wds.TarWriter(str(tmp_path / "shards" / "shard-000000.tar")) as sink:
         for i in range(8):
-            sink.write({"__key__": f"01-{i:04d}", "jpg": b"not a jpeg", "cls": b"0"})
+            sink.write({"__key__": f"00-{i:04d}", "jpg": b"not a jpeg", "cls": b"0"})
     proc = subprocess.run([*TWO_PROCESSES, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
                            f"output_dir={tmp_path / 'run'}", *TINY, "data.num_workers=1", "data.resampled=false",
                            "train.steps=50", "train.batch_size=4"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode != 0
-    assert "error: (rank 1) dataloader worker 0 of rank 1 read a whole pass over shard(s)" in proc.stderr
-    assert "(rank 0) stopped: another process of this run has ended (Connection closed by peer)" in proc.stderr
+    assert "error: dataloader worker 0 of rank 0 read a whole pass over shard(s)" in proc.stderr
+    assert "(rank 1) stopped: another process of this run has ended (Connection closed by peer)" in proc.stderr
     # The launcher's own report of its failed children is torch's; no rank prints a traceback through mpp's code.
     assert not re.search(r'File ".*/(mpp|pipelines)/', proc.stderr), proc.stderr[-3000:]
     # mpp's warnings read as one line each, without the line of code that raised them.
-    assert re.search(r"warning: skipping samples with undecodable_image \(first: 01-\d{4}: ", proc.stderr)
+    assert re.search(r"warning: skipping samples with undecodable_image \(first: 00-\d{4}: ", proc.stderr)
     assert "UserWarning" not in proc.stderr

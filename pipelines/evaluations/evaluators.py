@@ -84,10 +84,11 @@ class TopK:
         self.predictions: dict[str, bool] = {}
         self.classified: dict[str, tuple[int, int]] = {}  # the last pass's (label, top-1 class) by sample key
         self.labels: list[int] = []  # the last pass's labels, from every process (the majority-class baseline)
-        # One chart, and its title tells the lines apart (Custom Scalars colours by run and shows no legend).
-        chart = "top-1 (the lower line) and top-5 on data.val_shards" if self.classes > 5 else "top-1 on data.val_shards"
-        self.metrics = (Metric(TOP1, EVALUATION, chart, headline=True, bar="top1", percent=True),
-                        *([Metric(TOP5, EVALUATION, chart, headline=True, percent=True)] if self.classes > 5 else []))
+        # A chart each: with a comparison's runs, top-1 and top-5 on one chart are two bands of lines of the same
+        # colours (Custom Scalars colours by run and shows no legend).
+        self.metrics = (Metric(TOP1, EVALUATION, "top-1 on data.val_shards", headline=True, bar="top1", percent=True),
+                        *([Metric(TOP5, EVALUATION, "top-5 on data.val_shards", headline=True, percent=True)]
+                          if self.classes > 5 else []))
 
     def __call__(self, classifier: nn.Module, step: int) -> dict[str, float]:
         return self.scores(classifier)
