@@ -320,16 +320,17 @@ def test_an_output_dir_name_longer_than_the_file_system_allows_is_one_line(tmp_p
     assert list(tmp_path.iterdir()) == []  # nothing created
 
 
-def test_output_dir_of_another_run_is_refused(tmp_path, make_shards):
+def test_output_dir_of_another_run_is_refused(tmp_path, make_shards, capsys):
     make_shards([20], size=32)
     common = [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2",
               "train.warmup_steps=1", "train.batch_size=4"]
-    assert launch("pretrain", *common).returncode == 0
-    again = launch("pretrain", *common)
-    assert again.returncode == 2 and ("already holds checkpoints of a run; pass --resume to continue it, --overwrite to "
-                                      "start over there, or set output_dir to a new directory") in again.stderr
-    other_model = launch("pretrain", *common, "model.depth=3", "--resume")
-    assert other_model.returncode == 2 and "holds a run with a different 'model' config" in other_model.stderr
+    assert cli.main(["pretrain", *common]) == 0
+    capsys.readouterr()
+    assert cli.main(["pretrain", *common]) == 2
+    assert ("already holds checkpoints of a run; pass --resume to continue it, --overwrite to start over there, or set "
+            "output_dir to a new directory") in capsys.readouterr().err
+    assert cli.main(["pretrain", *common, "model.depth=3", "--resume"]) == 2
+    assert "holds a run with a different 'model' config" in capsys.readouterr().err
 
 
 def test_overwrite_starts_over_removing_only_what_a_run_wrote_and_never_under_a_running_one(tmp_path, make_shards, capsys):
