@@ -5,7 +5,6 @@ from __future__ import annotations
 import statistics
 
 from accelerate import Accelerator
-from torch import nn
 from pydantic import Field, model_validator
 
 from mpp.config import Config, RESUMABLE, Pooling, Section
@@ -14,7 +13,7 @@ from mpp.evaluation.baselines import beside
 from mpp.metrics import FEWSHOT, Metric
 from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
-from .frozen import evaluate_checkpoint
+from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
 
 class FewShotConfig(Section):
@@ -37,7 +36,7 @@ class FewShotConfig(Section):
         return self
 
 
-class FewShot:
+class FewShot(FrozenFeatureEvaluator):
     """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone, and
     as an evaluator (pipelines.evaluations.evaluators) the backbone of the objective in training."""
 
@@ -48,13 +47,6 @@ class FewShot:
                              for n in self.cfg.shots)
         # Before any training: a pool that cannot give every class its shots stops a pretraining run at once.
         check_pool(self.sets.pool.all_labels(accelerator), self.sets.eval.all_labels(accelerator), cfg.fewshot.shots)
-
-    def baselines(self) -> dict[str, dict[str, float]]:
-        return {metric.tag: self.sets.baseline for metric in self.metrics}
-
-    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
-        """As an evaluator during pretraining: the objective's backbone."""
-        return self.scores(objective.backbone)
 
     def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
         """{shots: [accuracy of each draw]}, identical on every process."""

@@ -8,16 +8,37 @@ from collections.abc import Callable
 from pathlib import Path
 
 from accelerate import Accelerator
+from torch import nn
 
 from mpp.evaluation.baselines import beside, not_above
 from mpp.model.checkpoint import load_backbone
 from mpp.config import Config
+from mpp.metrics import Metric
 from mpp.model.vit import VisionTransformer
 from ..run.start import start_run
 from mpp.errors import UserError
 from mpp.model.hf import HF_CONFIG
 from mpp.rundir import CHECKPOINTS, CONFIG, RUN_MANIFEST, OutputNotWritten, is_checkpoint, staged
+from ..run.loaders import FrozenFeatureSets
 from ..run.run_policy import check_writable
+
+class FrozenFeatureEvaluator:
+    """What few-shot, kNN and the linear probe share: `sets` (a labelled pool and the evaluation images, read once),
+    `scores(backbone)` of their frozen features under `metrics`, each shown beside the pool's baselines; as an
+    evaluator during pretraining (pipelines.evaluations.evaluators), the backbone of the objective in training."""
+
+    sets: FrozenFeatureSets
+    metrics: tuple[Metric, ...]
+
+    def baselines(self) -> dict[str, dict[str, float]]:
+        return {metric.tag: self.sets.baseline for metric in self.metrics}
+
+    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
+        return self.scores(objective.backbone)
+
+    def scores(self, backbone: VisionTransformer) -> dict[str, float]:
+        raise NotImplementedError
+
 
 EVALUATED = "-eval"  # the suffix of the folder beside a checkpoint that is not a run directory
 

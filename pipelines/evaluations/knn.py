@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from accelerate import Accelerator
-from torch import nn
 from pydantic import Field
 
 from mpp.config import Config, Pooling, Section
@@ -12,7 +11,7 @@ from mpp.evaluation.neighbours import knn_accuracy
 from mpp.metrics import KNN, KNN_TOP1, Metric
 from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
-from .frozen import evaluate_checkpoint
+from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
 
 class KnnConfig(Section):
@@ -27,7 +26,7 @@ class KnnConfig(Section):
     batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
 
 
-class Knn:
+class Knn(FrozenFeatureEvaluator):
     """The labelled neighbour pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone, and
     as an evaluator (pipelines.evaluations.evaluators) the backbone of the objective in training.
 
@@ -40,13 +39,6 @@ class Knn:
         self.metrics = (Metric(KNN_TOP1, KNN, "kNN top-1 of frozen features", headline=True, percent=True),)
 
         self.sets.warn_of_missing_classes("kNN neighbour pool")
-
-    def baselines(self) -> dict[str, dict[str, float]]:
-        return {KNN_TOP1: self.sets.baseline}
-
-    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
-        """As an evaluator during pretraining: the objective's backbone."""
-        return self.scores(objective.backbone)
 
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:
         c = self.cfg

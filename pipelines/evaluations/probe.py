@@ -4,7 +4,6 @@ from __future__ import annotations
 
 
 from accelerate import Accelerator
-from torch import nn
 from pydantic import Field
 
 from mpp.config import RESUMABLE, Config, Pooling, Section
@@ -13,7 +12,7 @@ from mpp.metrics import PROBE, PROBE_TOP1, Metric
 from mpp.model.vit import VisionTransformer
 from mpp.evaluation.linear_probe import linear_probe_accuracy
 from ..run.loaders import FrozenFeatureSets
-from .frozen import evaluate_checkpoint
+from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
 
 class ProbeConfig(Section):
@@ -29,7 +28,7 @@ class ProbeConfig(Section):
     seed: int = Field(0, description="Seed of the probe's initialisation and feature order (a private generator, independent of the training run's RNG).", json_schema_extra=RESUMABLE)
 
 
-class LinearProbe:
+class LinearProbe(FrozenFeatureEvaluator):
     """The labelled training images and the evaluation images, read once; `scores(backbone)` extracts their
     features once and trains a probe on them, and as an evaluator (pipelines.evaluations.evaluators) scores the backbone of the
     objective in training.
@@ -45,13 +44,6 @@ class LinearProbe:
         # Warned of, as kNN's pool is, not refused as few-shot's is: the probe's pool is a sample of a training set
         # (MAE probes on all of ImageNet's), which may miss a few of many classes and still measure the features.
         self.sets.warn_of_missing_classes("linear probe training pool")
-
-    def baselines(self) -> dict[str, dict[str, float]]:
-        return {PROBE_TOP1: self.sets.baseline}
-
-    def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
-        """As an evaluator during pretraining: the objective's backbone."""
-        return self.scores(objective.backbone)
 
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:
         c = self.cfg
