@@ -20,7 +20,7 @@ import pytest
 
 from mpp.config import DataConfig
 from mpp.data.stream import DataError, EvalTransform, make_loader
-from mpp.data.tars import shard_samples, LossEstimate
+from mpp.data.tars import CommandOutput, LossEstimate, shard_samples
 from mpp.training.preemption import EXIT_STATUS
 
 from conftest import ROOT, TINY
@@ -281,6 +281,18 @@ def processes_with(token):
         except OSError:
             pass  # gone meanwhile
     return found
+
+
+def test_a_command_read_to_its_end_is_not_signalled_when_its_stream_ends(monkeypatch):
+    # Its process group's id may be another's by then: a stream dropped after its last sample and ended by the
+    # garbage collector later could kill a later stream's command (the likely cause of one failure of
+    # test_closing_a_stream_ends_its_pipe_command in a full suite run: its command was gone at once).
+    command = CommandOutput("printf abc")
+    assert command.read() == b"abc" and command.read(1) == b""  # the end: the shell is reaped
+    sent = []
+    monkeypatch.setattr(os, "killpg", lambda group, signum: sent.append((group, signum)))
+    command.end()
+    assert sent == []
 
 
 def test_closing_a_stream_ends_its_pipe_command(tmp_path, make_shards):

@@ -262,7 +262,12 @@ class CommandOutput:
         return data
 
     def signal(self, signum: int) -> None:
-        """Send `signum` to the command's process group: the shell and whatever it started."""
+        """Send `signum` to the command's process group: the shell and whatever it started. Not once its output was
+        read to the end and its shell reaped: nothing of it writes any more, and the group's id may already be
+        another's (pids wrap at 32768 on many machines), so a stream dropped after its last sample and ended by the
+        garbage collector long after could kill the `pipe:` command of a stream started since."""
+        if self.process.returncode is not None:
+            return
         with contextlib.suppress(ProcessLookupError):  # every process of the group has exited already
             os.killpg(self.process.pid, signum)
 
