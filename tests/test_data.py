@@ -93,6 +93,20 @@ def test_uneven_shards_never_run_dry(make_shards, resampled):
     assert counts == [30, 30] and [p.exitcode for p in procs] == [0, 0]
 
 
+@pytest.mark.parametrize("resampled", [True, False])
+def test_stream_restarts_exactly_where_it_stopped(make_shards, resampled):
+    urls = make_shards([9, 8, 7, 10])
+    data = DataConfig(num_workers=2, resampled=resampled, shuffle_buffer=6)
+    full = [b.images for b in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3), 15)]
+    state = StreamState()
+    for batch in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3), 7):
+        state.advance(batch)
+    restored = StreamState()
+    restored.load_state_dict(state.state_dict())
+    rest = [b.images for b in itertools.islice(make_loader(urls, data, TrainTransform(8), 4, seed=3, state=restored), 8)]
+    assert all(torch.equal(a, b) for a, b in zip(full[7:], rest))
+
+
 def test_a_stream_begun_afresh_at_a_step_is_another_draw_and_restarts_exactly(make_shards):
     # A resume on another process count begins every rank's stream at the resumed step (StreamState.drawn_from): not
     # the run's own draw, and a checkpoint of it (its state through JSON, as a rank writes it) restarts it exactly.

@@ -17,7 +17,7 @@ from mpp.data.readers import READERS, reader_for
 from mpp.data.synthetic import synthetic_image
 from pipelines.stages import pretrain
 
-from conftest import TINY, write_test_shards
+from conftest import TINY
 
 NAMES = ("circle", "square", "stripes")
 
@@ -56,9 +56,6 @@ def parquet_files(root, counts: list[int], struct: bool = True) -> str:
 
 
 def data_set(kind: str, tmp_path, total: int = 43) -> str:
-    if kind == "tar":
-        write_test_shards(tmp_path / "tar", [9, 8, 7, 10])
-        return str(tmp_path / "tar")
     return image_folder(tmp_path / "folder", total) if kind == "folder" else parquet_files(tmp_path / "pq", [9, 8, 7, 10, 9])
 
 
@@ -88,8 +85,7 @@ def test_each_sample_once_per_pass_across_ranks_and_workers_with_labels(kind, tm
         assert label_space(tuple(urls)).count == 3 and batch.labels.tolist() == expected
 
 
-@pytest.mark.parametrize("kind", ["tar", "folder", "parquet"])
-@pytest.mark.parametrize("resampled", [True, False])
+@pytest.mark.parametrize("kind,resampled", [("folder", True), ("folder", False), ("parquet", True), ("parquet", False)])
 def test_stream_restarts_exactly_where_it_stopped(kind, resampled, tmp_path):
     urls = expand_shards(data_set(kind, tmp_path))
     data = DataConfig(num_workers=2, resampled=resampled, shuffle_buffer=6)
