@@ -27,6 +27,11 @@ TINY = ["model.name=vit_ti", "model.width=64", "model.depth=2", "model.heads=2",
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
 GPU = torch.cuda.is_available()
 
+# `accelerate launch` as this interpreter's module, on a free port: the suite's files run in two test processes
+# (pyproject's addopts), whose two-process runs would otherwise both take Accelerate's default port 29500.
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0"]
+TWO_PROCESSES = [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2"]
+
 
 def cpu_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
     """The environment for a child process of a CPU test: CPU_ONLY, `threads` OpenMP threads (None: as inherited)."""

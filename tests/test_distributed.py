@@ -19,11 +19,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mpp.training.preemption import EXIT_STATUS
 from mpp.rundir import complete_checkpoints
 
-from conftest import ROOT, TINY, cpu_env, write_test_shards
+from conftest import ROOT, TINY, TWO_PROCESSES, cpu_env, write_test_shards
 from test_compare import TINY_RUNS
 
 ENV = cpu_env()
-TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
 
 
 def run(cmd, timeout=240):

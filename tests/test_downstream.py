@@ -24,7 +24,7 @@ from pipelines.stages import finetune, pretrain
 from mpp.model.vit import build_backbone
 from pipelines.run.invocation import resume_command
 
-from conftest import ROOT, TINY, cpu_env, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, TWO_PROCESSES, cpu_env, reset_accelerator, write_test_shards
 
 
 def pretrain_config(tmp_path, *overrides):
@@ -271,7 +271,7 @@ def test_results_json_reports_exact_top1_and_top5(tmp_path, labelled_data):
 
 def test_evaluation_is_exact_over_two_processes_with_uneven_shards(tmp_path, labelled_data):
     # 3 evaluation shards of 7, 5 and 3 images: rank 0 reads 10 of them, rank 1 reads 5.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
+    cmd = [*TWO_PROCESSES, "launch.py",
            "finetune", f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}",
            f"output_dir={tmp_path / 'ft'}", *TINY, "model.num_classes=10", "train.steps=2", "train.warmup_steps=1",
            "train.global_batch_size=8", "finetune.eval_every=2"]

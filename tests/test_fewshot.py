@@ -1,7 +1,6 @@
 import io
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from mpp.data.synthetic import synthetic_image
 import launch
 from pipelines.stages import pretrain
 
-from conftest import ROOT, TINY, cpu_env, reset_accelerator
+from conftest import ROOT, TINY, TWO_PROCESSES, cpu_env, reset_accelerator
 
 
 def separable_problem(per_class: int, classes: int = 4, dim: int = 16, noise_seed: int = 0):
@@ -137,7 +136,7 @@ def test_fewshot_refuses_unlabelled_shards(tmp_path, make_shards):
 def test_fewshot_command_with_two_processes_gathers_every_image(tmp_path, make_shards):
     make_shards([25, 15, 20], size=32)  # uneven: rank 0 reads shards 0 and 2, rank 1 shard 1
     pretrain.run(tiny(tmp_path))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py", "fewshot",
+    cmd = [*TWO_PROCESSES, "launch.py", "fewshot",
            "--ckpt", str(tmp_path / "run"), f"output_dir={tmp_path / 'eval'}", "fewshot.train_images=50", "fewshot.eval_images=60"]
     env = cpu_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -19,8 +19,8 @@ from mpp.model.targets import quantize_color_sums
 from pipelines import cli
 from pipelines.run.start import checkpoint_config
 
-from conftest import TINY
-from test_distributed import TWO_PROCESSES, run
+from conftest import TINY, TWO_PROCESSES
+from test_distributed import run
 
 # A CPU-sized hybrid: one stage of one unit after the root, stride 4 (TINY's patch size), 8 root channels.
 HYBRID = ["model.stem=resnet", "model.stem_layers=[1]", "model.stem_width=8"]

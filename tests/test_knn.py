@@ -3,7 +3,6 @@
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from mpp.model.objectives import MaskedPatchPrediction
 from mpp.evaluation.pretext import PretextValidation
 from pipelines.stages import pretrain
 
-from conftest import ROOT, cpu_env, reset_accelerator
+from conftest import ROOT, TWO_PROCESSES, cpu_env, reset_accelerator
 from test_fewshot import tiny, write_two_class_shards
 
 
@@ -83,7 +82,7 @@ def test_knn_command_over_two_processes_equals_one(tmp_path, make_shards):
     # Every image in both sets: with a limit, the first N in rank order are other images than one process's first N.
     args = ["knn", "--ckpt", str(tmp_path / "run"), "knn.train_images=60", "knn.eval_images=60", "knn.k=7"]
     assert launch.main([*args, f"output_dir={tmp_path / 'one'}"]) == 0
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
+    cmd = [*TWO_PROCESSES, "launch.py",
            *args, f"output_dir={tmp_path / 'two'}"]
     env = cpu_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -2,7 +2,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from mpp.training.runtime import Device, resolve_precision
 from mpp.rundir import complete_checkpoints
 from pipelines.stages import pretrain
 
-from conftest import ROOT, TINY, cpu_env, exported_card, reset_accelerator, where_metrics_show
+from conftest import ACCELERATE_LAUNCH, ROOT, TINY, TWO_PROCESSES, cpu_env, exported_card, reset_accelerator, where_metrics_show
 
 
 def config(tmp_path, shards, *overrides):
@@ -122,7 +121,7 @@ def test_resume_continues_to_the_same_weights(tmp_path, make_shards):
 
 def test_two_processes_on_cpu_with_accelerate_launch(tmp_path, make_shards):
     make_shards([20] * 3, size=32)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    cmd = [*TWO_PROCESSES,
            "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}",
            *TINY, "train.steps=4", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=4"]
     env = cpu_env()
@@ -137,7 +136,7 @@ def test_two_processes_on_cpu_with_accelerate_launch(tmp_path, make_shards):
 def test_accelerate_launch_on_cpu_trains_on_every_core(tmp_path, make_shards):
     # accelerate launch sets OMP_NUM_THREADS=1 for its process; left at that, the README's main job used one core.
     make_shards([20], size=32)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
+    cmd = [*ACCELERATE_LAUNCH, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}",
            f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=2", "train.warmup_steps=1", "train.batch_size=4"]
     env = {k: v for k, v in cpu_env(threads=None).items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

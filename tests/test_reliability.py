@@ -36,7 +36,7 @@ from mpp.model.vit import build_backbone
 from pipelines.run.loaders import train_loader
 from pipelines.run.tracking import start_tracking
 
-from conftest import ROOT, TINY, cpu_env
+from conftest import ROOT, TINY, TWO_PROCESSES, cpu_env
 
 
 def launch(*args, timeout=300):
@@ -427,7 +427,7 @@ def test_out_of_memory_while_training_names_what_sets_the_forward_batch(tmp_path
 
 
 def test_a_user_error_under_two_processes_is_printed_once(tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "launch.py",
+    cmd = [*TWO_PROCESSES, "launch.py",
            "pretrain", "train.stpes=3", f"output_dir={tmp_path / 'run'}"]
     env = cpu_env()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

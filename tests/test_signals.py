@@ -21,11 +21,10 @@ from mpp.training.preemption import EXIT_STATUS
 from mpp.rundir import complete_checkpoints
 from pipelines import cli
 
-from conftest import ROOT, TINY, write_test_shards
+from conftest import ACCELERATE_LAUNCH, ROOT, TINY, TWO_PROCESSES, write_test_shards
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-LAUNCHER = {1: [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1"],
-            2: [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]}
+LAUNCHER = {1: [*ACCELERATE_LAUNCH, "--num_processes", "1"], 2: TWO_PROCESSES}
 STEPS = 60
 
 
@@ -112,7 +111,7 @@ def resumed_weights(command: str, cwd=ROOT):
     """Run a printed resume command (`accelerate launch ...` as the module of this interpreter) to its end."""
     words = shlex.split(command)
     assert words[:2] == ["accelerate", "launch"], command
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *words[2:]], cwd=cwd, env=ENV,
+    proc = subprocess.run([*ACCELERATE_LAUNCH, *words[2:]], cwd=cwd, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
