@@ -355,7 +355,7 @@ def part_e2e(args) -> dict:
     return {"images": count, "image_size": list(size), "shards": len(jobs), "generate_s": generated, "workers": args.workers,
             "wall_s": wall, "images_per_s_median": statistics.median(rates) if rates else final.get("train/perf/images_per_sec"),
             "data_wait_median": statistics.median(waits) if waits else final.get("train/perf/data_wait_fraction"),
-            "images_per_s_with_start": results.get("timing", {}).get("images_per_sec"), "final_loss": final.get("train/loss"),
+            "images_per_s_with_start": results.get("timing", {}).get("images_per_sec"), "final_loss": final.get("train/pretext_loss"),
             "command": " ".join(cmd)}
 
 

@@ -53,7 +53,7 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     frozen = [line for line in text.split("## Frozen features")[1].split("##")[0].splitlines() if line.startswith("| ")]
     assert frozen[0] == "| arm | kNN cls | kNN mean | 1-shot cls | 1-shot mean | 2-shot cls | 2-shot mean |"
     assert [r.split(" | ")[0] for r in frozen[1:]] == ["| mpp", "| supervised", "| scratch"]
-    assert "**mpp**" in text.split("## Pretraining")[1] and "| val/loss |" in text  # the pretraining curves
+    assert "**mpp**" in text.split("## Pretraining")[1] and "| val/pretext_loss |" in text  # the pretraining curves
     grid_rows = [line for line in text.split("## The whole grid")[1].splitlines() if line.startswith(("| sgd-0.03", "| mim"))]
     assert len(grid_rows) == 2 and sum(row.count("**") for row in grid_rows) == 2 * 3  # every arm's pick in bold
     assert "`mim`: train.optimizer=adamw, train.lr=0.001, train.weight_decay=0.05, train.layer_decay=0.75, finetune.pool=mean" in text

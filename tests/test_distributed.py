@@ -110,10 +110,10 @@ def test_a_run_sized_by_its_global_batch_resumes_on_two_then_one_then_two_proces
     # step's lr is the uninterrupted run's, every loss finite, and results.json ends the same curve.
     curves = events()
     assert [(e.step, e.value) for e in curves.Scalars("train/lr")] == uninterrupted_lrs
-    losses = [(e.step, e.value) for e in curves.Scalars("train/loss")]
+    losses = [(e.step, e.value) for e in curves.Scalars("train/pretext_loss")]
     assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for _, v in losses), losses
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["steps"] == 6 and results["images_seen"] == 6 * 8 and results["final"]["train/loss"] == losses[-1][1]
+    assert results["steps"] == 6 and results["images_seen"] == 6 * 8 and results["final"]["train/pretext_loss"] == losses[-1][1]
 
 
 def test_two_processes_compiled_with_accumulation_panels_and_evaluations_match_eager(tmp_path, make_shards):

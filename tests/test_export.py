@@ -154,7 +154,7 @@ def test_pretrained_backbone_export_has_a_model_card_and_loads_silently(tmp_path
     assert complaints == []
     card = (tmp_path / "hf" / "README.md").read_text()
     for fact in ("masked patch prediction", "64 wide, 2 blocks, 2 heads, patch 4, 16 px",
-                 "**Steps**: 2 of 2", "**Final metrics**: train/loss ", "train/color_acc ", "train/color_acc_prior ",
+                 "**Steps**: 2 of 2", "**Final metrics**: train/pretext_loss ", "train/color_acc ", "train/color_acc_prior ",
                  "**Produced by**: `python launch.py pretrain train.steps=2`", "randomly initialised 2-class head"):
         assert fact in card, fact
 

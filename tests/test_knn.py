@@ -108,19 +108,19 @@ def test_pretext_validation_is_deterministic_and_leaves_the_training_rng_alone(t
     assert objective.training  # put back as it was
     second = validation.scores(objective)
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert first == second and set(first) == {"val/loss", "val/color_acc", "val/color_acc_prior"}
+    assert first == second and set(first) == {"val/pretext_loss", "val/color_acc", "val/color_acc_prior"}
     with torch.no_grad():
         objective.head.weight.mul_(2.0)
-    assert validation.scores(objective)["val/loss"] != first["val/loss"]  # other weights, other numbers
+    assert validation.scores(objective)["val/pretext_loss"] != first["val/pretext_loss"]  # other weights, other numbers
 
 
 def test_pretext_validation_is_logged_during_pretraining(tmp_path, make_shards):
     make_shards([40] * 2, size=32, labels=False)  # pretext validation needs no labels
     results = pretrain.run(tiny(tmp_path, "eval.every=3", "eval.images=24", "eval.batch_size=16"))
-    assert results["final"]["val/loss"] > 0 and 0 <= results["final"]["val/color_acc"] <= 1
+    assert results["final"]["val/pretext_loss"] > 0 and 0 <= results["final"]["val/color_acc"] <= 1
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     acc = EventAccumulator(str(events.parent)).Reload()
-    assert [e.step for e in acc.Scalars("val/loss")] == [3, 6] and [e.step for e in acc.Scalars("val/color_acc")] == [3, 6]
+    assert [e.step for e in acc.Scalars("val/pretext_loss")] == [3, 6] and [e.step for e in acc.Scalars("val/color_acc")] == [3, 6]
 
 
 def test_knn_needs_evaluation_shards_and_labels(tmp_path, make_shards):

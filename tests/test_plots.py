@@ -21,7 +21,7 @@ def assert_png_and_svg(written, stem):
 def test_the_comparison_figure_of_five_arms_writes_png_and_svg_with_every_panel(tmp_path):
     finetune = {arm: {seed: [[step, 0.5 + 0.05 * i + 0.001 * step + 0.01 * seed] for step in (0, 50, 100)]
                       for seed in (0, 1, 2)} for i, arm in enumerate(ARMS)}
-    pretraining = {arm: {"val/loss": [[0, 6.0], [100, 4.0], [200, 3.5]], "knn/top1": [[0, 0.2], [200, 0.4]]}
+    pretraining = {arm: {"val/pretext_loss": [[0, 6.0], [100, 4.0], [200, 3.5]], "knn/top1": [[0, 0.2], [200, 0.4]]}
                    for arm in ARMS[:3]}
     pretraining["supervised"] = {"val/loss": [[0, 2.3], [200, 0.9]]}  # no kNN curve logged: its panel is skipped
     gaps = [{"arms": [a, b], "gap": 0.01 * i, "low": 0.01 * i - 0.02, "high": 0.01 * i + 0.02, "confidence": 0.95}
@@ -30,7 +30,7 @@ def test_the_comparison_figure_of_five_arms_writes_png_and_svg_with_every_panel(
     assert_png_and_svg(comparison_figure(finetune, pretraining, gaps, stem), stem)
     svg = stem.with_suffix(".svg").read_text()  # matplotlib's SVG draws text as glyphs and keeps it in a comment
     for label in ["(a) fine-tuning", "(b) pretraining", "(c) test top-1 gaps", "mpp-15pct: kNN top-1 (%)",
-                  "supervised: pretext val/loss", "mpp − scratch", "supervised − scratch"]:
+                  "mpp: val/pretext_loss", "supervised: validation val/loss", "mpp − scratch", "supervised − scratch"]:
         assert label in svg, label
     assert "supervised: kNN top-1" not in svg
 

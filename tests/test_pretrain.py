@@ -33,7 +33,7 @@ def test_short_pretrain_learns_and_beats_the_colour_prior(tmp_path, make_shards)
     events = list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     assert events, "no TensorBoard events written"
     acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0}).Reload()
-    losses = [e.value for e in acc.Scalars("train/loss")]
+    losses = [e.value for e in acc.Scalars("train/pretext_loss")]
     assert losses[-1] < losses[0] - 0.5, losses  # the first value already averages 10 steps of learning
     final = results["final"]
     assert final["train/color_acc"] > 2 * final["train/color_acc_prior"], results

@@ -45,7 +45,7 @@ def launch(*args, timeout=300):
 
 def losses_by_step(run_dir):
     acc = EventAccumulator(str(next((run_dir / "tensorboard").glob("pretrain")))).Reload()
-    return {e.step: e.value for e in acc.Scalars("train/loss")}
+    return {e.step: e.value for e in acc.Scalars("train/pretext_loss")}
 
 
 # ---------------------------------------------------------------- preemption and exact resume

@@ -468,7 +468,7 @@ def test_a_finished_pretraining_resumed_exits_0_saying_so_and_keeps_its_final_me
     # Scripts that always pass --resume: the rerun trains nothing and logs no training metric, and it used to rewrite
     # results.json with "final": {}, so a later export's card said the metrics were "not recorded".
     first = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert {"train/loss", "train/color_acc"} <= first["final"].keys()
+    assert {"train/pretext_loss", "train/color_acc"} <= first["final"].keys()
     (tmp_path / "defaults.yaml").write_text("")  # the fixture's run used the defaults, not configs/pretrain/default.yaml
     result = launch("pretrain", "--resume", "--config", str(tmp_path / "defaults.yaml"), *pretrain_args(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -477,7 +477,7 @@ def test_a_finished_pretraining_resumed_exits_0_saying_so_and_keeps_its_final_me
     assert again["final"] == first["final"] and again["final_shown"] == first["final_shown"]
     assert again["wall_time_s"] == first["wall_time_s"] and again["images_per_sec"] == first["images_per_sec"]
     card = exported_card(tmp_path / "run", tmp_path / "hf")
-    assert f"- **Final metrics**: train/loss {first['final_shown']['train/loss']}, train/color_acc " in card
+    assert f"- **Final metrics**: train/pretext_loss {first['final_shown']['train/pretext_loss']}, train/color_acc " in card
 
 
 def pretrain_args(tmp_path):

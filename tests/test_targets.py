@@ -6,7 +6,7 @@ from einops import rearrange
 from pydantic import Field
 
 from mpp.config import ConfigError, Section, config_reference, load_config
-from mpp.metrics import split_metric
+from mpp.metrics import PRETEXT_LOSS, split_metric
 from mpp.model.vit import normalize
 from mpp.model.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
 from pipelines.stages import pretrain
@@ -109,7 +109,7 @@ class MeanGray(Target):
         return F.mse_loss(predictions, targets), {"gray_error": (predictions - targets).abs().mean()}
 
     def metrics(self, split):
-        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
+        return [split_metric(split, PRETEXT_LOSS, "pretext loss", headline=True, bar="loss"),
                 split_metric(split, "gray_error", "mean absolute grey error", headline=True, bar="gray")]
 
     def decode(self, predictions):
@@ -152,8 +152,8 @@ def test_a_registered_target_shows_everywhere(tmp_path, make_shards, monkeypatch
     assert "mpp.gray_gamma" in shows["columns"] and shows["values"]["mpp.gray_gamma"] == 0.5
     assert load_config(tmp_path / "run" / "config.yaml").mpp.gray_gamma == 0.5
     assert "mpp.target" in [key for key, _, meaning in config_reference() if "gray, its mean grey level" in meaning]
-    assert shows["charts"]["training"] == ["train/loss", "train/gray_error"]
-    assert {"train/loss", "train/gray_error"} <= set(shows["hparams"]) and "train/gray_error" in shows["results"]["final"]
+    assert shows["charts"]["training"] == ["train/pretext_loss", "train/gray_error"]
+    assert {"train/pretext_loss", "train/gray_error"} <= set(shows["hparams"]) and "train/gray_error" in shows["results"]["final"]
     assert "gray=" in capsys.readouterr().err  # the progress bar
     card = exported_card(tmp_path / "run", tmp_path / "hf")
     assert MeanGray.description in card and "train/gray_error " in card
@@ -166,7 +166,7 @@ def test_a_registered_target_shows_everywhere(tmp_path, make_shards, monkeypatch
 def test_each_target_keeps_its_head_size_and_metrics():
     for name, outputs, metrics in (("color", 512, {"color_acc", "color_acc_prior"}),
                                    ("color4x4", 16 * 512, {"color_acc", "color_acc_prior"}),
-                                   ("pixels", 3 * 4 * 4, {"loss_prior"})):
+                                   ("pixels", 3 * 4 * 4, {"pretext_loss_prior"})):
         objective = pretrain.build_objective(load_config(None, [*TINY, f"mpp.target={name}"]), None)
         assert objective.head.out_features == outputs
         assert set(objective(torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)).metrics) == metrics, name

@@ -49,8 +49,8 @@ def test_pretraining_run_reads_at_a_glance(tmp_path, make_shards, capsys):
 
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "pretrain"), size_guidance={"images": 0}).Reload()
     experiment = hparams_content(acc, "_hparams_/experiment").experiment
-    assert [m.name.tag for m in experiment.metric_infos] == ["train/loss", "train/color_acc"]  # the run's headline metrics
-    assert {"train/loss", "train/color_acc"} <= set(acc.Tags()["scalars"])  # the metrics' values, logged by the run
+    assert [m.name.tag for m in experiment.metric_infos] == ["train/pretext_loss", "train/color_acc"]  # the run's headline metrics
+    assert {"train/pretext_loss", "train/color_acc"} <= set(acc.Tags()["scalars"])  # the metrics' values, logged by the run
     # The few settings that tell runs apart, not the whole config (that is under Text); the same columns for every stage.
     assert [h.name for h in experiment.hparam_infos] == list(hparam_columns()) and len(hparam_columns()) <= 20
     start = hparams_content(acc, "_hparams_/session_start_info").session_start_info
@@ -72,7 +72,7 @@ def test_pretraining_run_reads_at_a_glance(tmp_path, make_shards, capsys):
     assert [c.title for c in layout.category][0] == "training" and layout.category[-1].title == "data"
     charts = {chart.title: list(chart.multiline.tag) for chart in layout.category[0].chart}
     # Accuracy and its prior on one chart, whose title says which line is which (Custom Scalars draws no legend).
-    assert list(charts.values()) == [["^train/loss$"], ["^train/color_acc$", "^train/color_acc_prior$"]]
+    assert list(charts.values()) == [["^train/pretext_loss$"], ["^train/color_acc$", "^train/color_acc_prior$"]]
     assert "lower line, its prior's" in list(charts)[1]
     # Nothing was skipped: no flat-zero skip charts ahead of the loss in Time Series' first screen.
     assert not [tag for tag in acc.Tags()["scalars"] if tag.startswith("data/skipped_")]

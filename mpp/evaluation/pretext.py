@@ -16,7 +16,7 @@ from mpp.model.objectives import Objective
 
 
 class PretextValidation:
-    """`scores(objective)` -> {'val/loss': ..., 'val/<metric>': ...}, image-weighted means over every process."""
+    """`scores(objective)` -> {'val/<loss name>': ..., 'val/<metric>': ...}, image-weighted means over every process."""
 
     def __init__(self, accelerator: Accelerator, images: LabelledImages, batch_size: int, seed: int):
         self.accelerator, self.images, self.batch_size, self.seed = accelerator, images, batch_size, seed
@@ -46,7 +46,7 @@ class PretextValidation:
             labels = self.images.labels[start : start + self.batch_size].to(device)
             with self.accelerator.autocast():
                 out = objective(images, labels, **fixed)
-            for name, value in {"loss": out.loss, **out.metrics}.items():
+            for name, value in {out.loss_name: out.loss, **out.metrics}.items():
                 sums[name] = sums.get(name, 0) + value.detach().float() * images.shape[0]
         objective.train(was_training)
         names = sorted(sums)

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, Field, create_model, field_validator, model
 from torch import nn
 
 from mpp.config import SECTION_SOURCES, Section, listed, one_of, section_field
-from mpp.metrics import Metric, split_metric
+from mpp.metrics import PRETEXT_LOSS, Metric, split_metric
 from mpp.model.mixup import Mixing
 from mpp.model.vit import VisionTransformer, init_weights, normalize, patchify, pool, trunc_normal, unpatchify
 from mpp.model.targets import TARGETS, MeanColor, Target
@@ -32,6 +32,7 @@ MASK, RANDOM, KEEP = 0, 1, 2
 class StepOutput:
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    loss_name: str = "loss"  # logged as train/<loss_name> (val/<loss_name>): a classification loss, or MPP's pretext loss
 
 
 class Objective(nn.Module, ABC):
@@ -40,7 +41,7 @@ class Objective(nn.Module, ABC):
     An implementer provides:
     - `backbone`: the VisionTransformer it trains (the evaluators score it, checkpoints name it `backbone.*`);
     - `forward(images, labels) -> StepOutput`: images (B, 3, H, W) uint8, labels (B,) or None on unlabelled
-      shards -> the loss and the metrics logged as train/<name>;
+      shards -> the loss (logged as train/<its loss_name>) and the metrics logged as train/<name>;
     - `metrics(split)`: the Metric of the loss and of every metric forward returns, on split "train" (train/<name>)
       or "val" (the pretext validation's val/<name>): see mpp.metrics.split_metric;
     - `description`: what it trains the backbone to do, one line for the model card and results.json;
@@ -255,7 +256,7 @@ class MaskedPatchPrediction(Objective):
     def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None, corruption: Corruption | None = None) -> StepOutput:
         predictions, corruption = self.predict(images, corruption)
         targets = gather_positions(self.targets(images), corruption.positions)
-        return StepOutput(*self.target.loss(predictions.float(), targets))
+        return StepOutput(*self.target.loss(predictions.float(), targets), loss_name=PRETEXT_LOSS)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """What model.safetensors holds after pretraining: the backbone alone."""
@@ -330,7 +331,7 @@ class Classification(Objective):
 
     def metrics(self, split: str) -> list[Metric]:
         batches = "the training batches" + (" (mixed: against the dominant label)" if self.mixing else "")
-        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
+        return [split_metric(split, "loss", "classification loss (cross-entropy on the labels)", headline=True, bar="loss"),
                 split_metric(split, "accuracy", f"accuracy on {batches}" if split == "train" else "accuracy",
                              headline=True, bar="acc", percent=True)]
 

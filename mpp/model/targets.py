@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from mpp.config import Section
-from mpp.metrics import Metric, split_metric
+from mpp.metrics import PRETEXT_LOSS, Metric, split_metric
 from mpp.model.vit import PIXEL_MEAN, PIXEL_STD, normalize, patchify, unpatchify
 
 
@@ -63,9 +63,10 @@ class Target(ABC):
     - `outputs`: the head's outputs per patch;
     - `__call__(images)`: (B, 3, H, W) uint8 -> the targets of every patch, (B, N, ...);
     - `loss(predictions, targets)`: fp32 head outputs (B, K, outputs) at the K corrupted positions and their
-      targets (B, K, ...) -> (loss, {name: value}); each is logged as train/<name> (val/<name> in the pretext
-      validation) and must be declared by `metrics`;
-    - `metrics(split)`: the Metric of the loss and of each named value (split "train" or "val", see split_metric);
+      targets (B, K, ...) -> (loss, {name: value}); the loss is logged as train/pretext_loss (PRETEXT_LOSS), each
+      value as train/<name> (val/... in the pretext validation), and each must be declared by `metrics`;
+    - `metrics(split)`: the Metric of the loss (named PRETEXT_LOSS) and of each value (split "train" or "val", see
+      split_metric);
     - `decode(predictions)`: head outputs (B, K, outputs) -> the targets they predict (B, K, ...);
     - `render(targets)`: targets (B, K, ...) -> uint8 patches (B, K, P*P*3) in patchify's layout, for the panel;
     - `description`: what a corrupted patch predicts, for the model card ("its 3-bit mean colour (512 classes)");
@@ -142,7 +143,7 @@ class ColorClasses(Target):
         # run, not by tag, and shows no legend: the title says which line is which.
         accuracy = ("colour accuracy on the corrupted patches, and the lower line, its prior's (always the batch's most "
                     "frequent colour): what it must beat")
-        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
+        return [split_metric(split, PRETEXT_LOSS, "pretext loss", headline=True, bar="loss"),
                 split_metric(split, "color_acc", accuracy, headline=True, bar="color_acc", percent=True),
                 split_metric(split, "color_acc_prior", accuracy, percent=True)]
 
@@ -204,15 +205,15 @@ class Pixels(Target):
     def loss(self, predictions: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = F.mse_loss(predictions, targets)
         prior = F.mse_loss(targets.mean(dim=(0, 1)).expand_as(targets), targets)
-        return loss, {"loss_prior": prior}
+        return loss, {f"{PRETEXT_LOSS}_prior": prior}
 
     def decode(self, predictions: torch.Tensor) -> torch.Tensor:
         return predictions
 
     def metrics(self, split: str) -> list[Metric]:
         # A chart each: Custom Scalars colours lines by run, not by tag, and shows no legend.
-        return [split_metric(split, "loss", "loss", headline=True, bar="loss"),
-                split_metric(split, "loss_prior", "the prior's loss (always predicting the batch's mean pixels): what "
+        return [split_metric(split, PRETEXT_LOSS, "pretext loss", headline=True, bar="loss"),
+                split_metric(split, f"{PRETEXT_LOSS}_prior", "the prior's loss (always predicting the batch's mean pixels): what "
                              "the loss must beat")]
 
     def render(self, targets: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from mpp.training.runtime import available_cpus
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 GRAD_NORM, NONFINITE_STEPS = "train/grad_norm", "train/nonfinite_steps"
 # Under train/, after its other tags: TensorBoard's Time Series sorts tags by name, groups them by their first part
-# and opens the first two groups, so a clean pretraining run opens on train/color_acc and train/loss.
+# and opens the first two groups, so a clean pretraining run opens on train/color_acc and train/pretext_loss.
 IMAGES_PER_SEC, DATA_WAIT = "train/perf/images_per_sec", "train/perf/data_wait_fraction"
 
 LOOP_METRICS = (
@@ -105,7 +105,7 @@ class LogWindow:
         self.pace.add(now - self.last_step)
         self.last_step = now
         for out in result.outputs:
-            self.meter.add({"loss": out.loss, **out.metrics}, keep=result.stepped)
+            self.meter.add({out.loss_name: out.loss, **out.metrics}, keep=result.stepped)
         self.meter.add({"grad_norm": result.grad_norm}, keep=result.stepped)
         self.nonfinite["total"] += result.nonfinite
         self.nonfinite["run"] = torch.where(result.nonfinite, self.nonfinite["run"] + 1, 0)

@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 
 Curve = Sequence[Sequence[float]]  # [[step, value], ...]
 # The pretraining curves drawn, in order: tag -> (panel title, scale of the logged value).
-PRETRAIN_PANELS = {"val/loss": ("pretext val/loss", 1), "knn/top1": ("kNN top-1 (%)", 100)}
+PRETRAIN_PANELS = {"val/pretext_loss": ("val/pretext_loss", 1), "val/loss": ("validation val/loss", 1),
+                   "knn/top1": ("kNN top-1 (%)", 100)}
 
 
 def arm_colours(arms: Sequence[str]) -> dict[str, tuple]:

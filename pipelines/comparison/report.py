@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import Config
-from mpp.metrics import KNN_TOP1, LR, VAL_LOSS
+from mpp.metrics import KNN_TOP1, LR, VAL_LOSS, VAL_PRETEXT_LOSS
 from .plan import CompareConfig
 
 PRIOR = "_prior"  # a metric's baseline that knows nothing (the batch's most frequent colour, its mean pixels)
@@ -30,7 +30,9 @@ def training_time(run_dir: Path) -> float:
     return total
 
 
-PRETRAIN_CURVES = (VAL_LOSS, KNN_TOP1)  # what the report shows of each pretraining run, step by step
+# What the report shows of each pretraining run, step by step: its validation loss (MPP's pretext loss, or supervised
+# pretraining's classification loss) and kNN top-1.
+PRETRAIN_CURVES = (VAL_PRETEXT_LOSS, VAL_LOSS, KNN_TOP1)
 
 
 def scalar_history(run_dir: Path, tags: tuple[str, ...]) -> dict[str, list[list[float]]]:
@@ -68,7 +70,7 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 def never_learned(pretrain: dict | None) -> list[str]:
     """The pretext metrics a pretraining ended no better at than their prior (train/color_acc at or below
-    train/color_acc_prior, train/loss at or above train/loss_prior): such an arm says nothing about its objective."""
+    train/color_acc_prior, train/pretext_loss at or above train/pretext_loss_prior): such an arm says nothing about its objective."""
     final = (pretrain or {}).get("final", {})
     flagged = []
     for prior_tag, prior in final.items():
@@ -244,7 +246,8 @@ def curve_lines(arms: dict) -> list[str]:
     if not curves:
         return []
     lines = ["## Pretraining", "",
-             "Pretext validation loss (`val/loss`, on data.val_shards of the pretraining) and kNN top-1 of the "
+             "Validation loss (MPP's `val/pretext_loss`, supervised pretraining's `val/loss`, on data.val_shards of "
+             "the pretraining) and kNN top-1 of the "
              "downstream classes as pretraining went; `change` is over the last quarter of the steps (a flat curve "
              "changes little).", ""]
     for arm, curve in curves.items():
@@ -289,12 +292,13 @@ def ablation_lines(arms: dict, seeds_note: str) -> list[str]:
 def checkpoint_lines(arm: str, e: dict, shots: list[int], seeds_note: str) -> list[str]:
     """The pick of `arm` fine-tuned from earlier checkpoints of its pretraining."""
     pre, most = e["pretrain"], max(shots)
-    loss = dict((int(step), value) for step, value in e.get("pretrain_curves", {}).get(VAL_LOSS, []))
+    curves = e.get("pretrain_curves", {})
+    loss = dict((int(step), value) for step, value in curves.get(VAL_PRETEXT_LOSS) or curves.get(VAL_LOSS, []))
     points = {**{int(step): c for step, c in e["checkpoints"].items()}, pre["steps"]: {"test": e["test"], "frozen": e["frozen"]}}
     lines = [f"## Pretraining length ({arm})", "",
              f"The pick ({e['recipe']}) fine-tuned from earlier checkpoints of the same pretraining (their learning "
              f"rate not yet annealed), {seeds_note}; kNN and {most}-shot accuracy of the frozen backbone there.", ""]
-    lines += table(["pretraining steps", "images seen", "val/loss", "kNN cls", "kNN mean", f"{most}-shot cls",
+    lines += table(["pretraining steps", "images seen", "validation loss", "kNN cls", "kNN mean", f"{most}-shot cls",
                     f"{most}-shot mean", "test top-1"],
                    [[str(step), f"{step * pre['images_seen'] // pre['steps']:,}", f"{loss[step]:.4f}" if step in loss else "",
                      *[f"{100 * point['frozen'][pool]['knn']:.2f}%" for pool in ("cls", "mean")],

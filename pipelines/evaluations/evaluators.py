@@ -37,7 +37,7 @@ from .probe import LinearProbe, ProbeConfig
 
 
 class EvalConfig(Section):
-    every: int = Field(500, ge=0, description="Pretext validation: when data.val_shards is set, pretraining computes its loss and metrics (MPP: val/loss, val/color_acc) on held-out images every N steps and at the end (0 = off).")
+    every: int = Field(500, ge=0, description="Pretext validation: when data.val_shards is set, pretraining computes its loss and metrics (MPP: val/pretext_loss, val/color_acc) on held-out images every N steps and at the end (0 = off).")
     images: int = Field(512, gt=0, description="Images read from the front of data.val_shards for the pretext validation; the same images and corrupted positions at every evaluation.")
     batch_size: int = Field(128, gt=0, description="Images per forward pass of the pretext validation.")
     seed: int = Field(0, description="Seed of the pretext validation's fixed corruption (a private generator, independent of the training run's RNG).")
@@ -130,7 +130,7 @@ class TopK:
 
 
 class Pretext:
-    """val/loss and the objective's metrics on the first eval.images of data.val_shards, with a fixed corruption."""
+    """The objective's loss (MPP: val/pretext_loss) and metrics on the first eval.images of data.val_shards, with a fixed corruption."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
         batches = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.eval.batch_size, labels=stage.classes is not None)
