@@ -417,8 +417,14 @@ class _RangeWorkers:
                      for i in range(self.workers)]
         done: dict[int, _Range] = {}
         try:
-            for process in processes:
-                process.start()
+            # Ctrl-C held while the workers start: one raised inside start() can leave a forked worker this process
+            # has no pid of, which the cleanup below cannot end and which writes on, holding the terminal's output.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                for process in processes:
+                    process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C that came meanwhile is raised here
             while len(done) < ranges:
                 try:
                     outcome = results.get(timeout=self.POLL_S)
