@@ -150,6 +150,12 @@ def test_an_error_in_one_worker_ends_them_all_with_one_line(tmp_path, capsys):
     assert not multiprocessing.active_children() and not (tmp_path / "out").exists()
 
 
+def as_a_terminal_starts_it() -> None:
+    """Ctrl-C at its default in the child, as in a command typed at a terminal: a suite started in the background
+    (`pytest &` in a script, or under nohup) ignores SIGINT, and a child inherits that and ignores its Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_and_a_second_prepare_leave_out_as_it_was(tmp_path):
     out = tmp_path / "out"
     prepare.run("synthetic", str(out), count=4, size=16, samples_per_shard=2, workers=1)
@@ -157,7 +163,7 @@ def test_ctrl_c_and_a_second_prepare_leave_out_as_it_was(tmp_path):
     writer = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "prepare", "synthetic", "--out", str(out),
                                "--overwrite", "--count", "100000", "--size", "64", "--samples-per-shard", "200",
                                "--workers", "2"], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, preexec_fn=as_a_terminal_starts_it)
     try:
         deadline = time.monotonic() + 120
         while not list(out.glob(".partial-shards-*/inputs-*.part")):  # the workers are writing
