@@ -429,3 +429,17 @@ def test_the_dev_split_reads_labels_as_training_does(tmp_path):
     assert split["dev_images_per_class"] == {"0": 10, "1": 10} and split["train_images"] == 40
     summary = json.loads((tmp_path / "split" / "dev" / "summary.json").read_text())
     assert summary["class_names"] == ["cat", "dog"] and summary["samples"] == 20
+
+
+def test_a_plan_of_one_recipe_names_that_recipe_in_its_report():
+    # The leak plan's report said "one recipe (sgd, lr 0.03)", the finetune section's, while every arm ran its one
+    # grid recipe (AdamW).
+    from pipelines.comparison.report import selection_text
+
+    cc = load_compare_config(ROOT / "configs" / "compare" / "hybrid_leak.yaml")
+    base = stage_config(cc, "finetune")
+    text = selection_text({"recipes": recipes(cc), "selection": {}, "select_on_dev": False}, cc, base)
+    assert text.startswith("one recipe (`mim-nodp`, its keys below) for every arm") and "sgd" not in text
+    plain = load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[]", "lrs=[]"])
+    text = selection_text({"recipes": recipes(plain), "selection": {}, "select_on_dev": False}, plain, stage_config(plain, "finetune"))
+    assert re.match(r"one recipe \(\w+, lr [0-9.e-]+\) for every arm", text), text

@@ -85,8 +85,9 @@ def never_learned(pretrain: dict | None) -> list[str]:
 def selection_text(report: dict, cc: CompareConfig, base: Config) -> str:
     grid, info = report["recipes"], report["selection"]
     if not report["select_on_dev"]:
-        return (f"one recipe ({base.train.optimizer}, lr {base.train.lr:g}) for every arm (no dev split: set `grid` "
-                f"or `lrs` for per-arm selection).")
+        (name, keys), = grid.items()  # a plan without a choice: one grid recipe, or the finetune section's own
+        recipe = f"`{name}`, its keys below" if keys else f"{base.train.optimizer}, lr {base.train.lr:g}"
+        return f"one recipe ({recipe}) for every arm (no dev split: give `grid` or `lrs` several for per-arm selection)."
     if report["dev_folds"]:
         auto = info.get("auto_folds")
         why = (f" (`dev_folds: auto` chose k-fold: the set holds under {auto['below']} labelled images, too few for one "
