@@ -211,6 +211,7 @@ def test_an_arms_model_keys_hold_for_its_pretraining_and_every_fine_tuning():
     assert stage_config(arm_plan(cc, arms["mpp-nopos"]), "finetune").model.pos_embed == "none"
     assert stage_config(arm_plan(cc, arms["scratch"]), "finetune").model.stem == "patch"
     assert "model.stem=resnet" in arms["mpp-hybrid"].summary
-    leaky = arms["mpp-hybrid-leak"]  # the same network, corrupted after the stem: its pretraining alone says so
-    assert pretrain_config(arm_plan(cc, leaky), leaky).mpp.corrupt_in == "embeddings"
+    leak_plan = load_compare_config(ROOT / "configs" / "compare" / "hybrid_leak.yaml")
+    leaky = next(arm for arm in leak_plan.arms if arm.name == "mpp-hybrid-leak")  # corrupted after the stem: its pretraining alone says so
+    assert pretrain_config(arm_plan(leak_plan, leaky), leaky).mpp.corrupt_in == "embeddings"
     assert pretrain_config(hybrid, arms["mpp-hybrid"]).mpp.corrupt_in == "auto"  # pixels, for a hybrid
