@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpp.config import load_config  # noqa: E402
 from mpp.model.vit import build_backbone  # noqa: E402
-from mpp.model.objectives import MASK, OBJECTIVES, gather_positions  # noqa: E402
+from mpp.model.objectives import MASK, gather_positions  # noqa: E402
+from mpp.model.registry import OBJECTIVES  # noqa: E402
 from mpp.rundir import complete_checkpoints  # noqa: E402
 from mpp.data.synthetic import synthetic_image  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for run in args.runs:
         cfg = load_config(run / "config.yaml")
-        objective = OBJECTIVES["mpp"].build(build_backbone(cfg.model), cfg, None)
+        objective = OBJECTIVES["mpp"].objective(build_backbone(cfg.model), cfg, None)
         state = load_file(complete_checkpoints(run)[-1] / "model.safetensors")
         objective.load_state_dict(state)
         objective.eval()

@@ -109,8 +109,10 @@ def run_config(args: argparse.Namespace) -> Config:
 
 
 def with_every_part() -> None:
-    """Import every registry, so the run config has every part's section (pipelines/parts.py). Here, not at the top:
-    the parts load torch, which `mpp --help`, `--list-configs` and a mistyped stage need not wait for."""
+    """Import every registry, so the run config has every part's section (pipelines/parts.py). The registries load
+    no torch (the parts they name load it when a run builds them), so a stage's --help, --print-config and every
+    error about the command line answer in well under a second; here, not at the top, as `mpp --help` and
+    `--list-configs` need no config at all."""
     from . import parts  # noqa: F401
 
 
@@ -324,18 +326,26 @@ def with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str]) ->
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = plain_warning  # data loader workers, forked, inherit it
-    # Here, after parsing: they load torch, which --help, --list-configs and a mistyped command need not wait for.
+    cfg = None  # a run config, for the stages that take one
+    if args.stage == "predict":  # its images and its overrides share the positional arguments
+        args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
+        args.inputs = [item for item in args.inputs if not OVERRIDE.match(item)]
+    if args.stage in RUN_CONFIG_STAGES and not (args.stage in ("pretrain", "finetune") and args.resume):
+        try:  # without torch (a resumed run's config is checked against its checkpoint's, below)
+            cfg = run_config(args)
+        except UserError as err:
+            return fail(one_line(err))
+        if args.print_config:
+            print(printed_config(args.stage, cfg), end="")
+            return 0
+    # Here, once the command line and its config hold: they load torch.
     from mpp.training.loop import Preempted
     from mpp.training.preemption import EXIT_STATUS as STOPPED
     from .run.start import RanksDisagree
     from .run.tracking import end_process
 
-    cfg = None  # a run config, for the stages that take one
-    if args.stage == "predict":  # its images and its overrides share the positional arguments
-        args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
-        args.inputs = [item for item in args.inputs if not OVERRIDE.match(item)]
     try:
-        if args.stage in RUN_CONFIG_STAGES:
+        if args.stage in RUN_CONFIG_STAGES and cfg is None:
             cfg = run_config(args)
             if args.print_config:
                 print(printed_config(args.stage, cfg), end="")
@@ -402,7 +412,7 @@ def run_stage(args: argparse.Namespace, cfg: Config | None) -> None:
 
 def explained_failure(err: Exception, args: argparse.Namespace, cfg: Config | None) -> int:
     """A failure a user can fix without a traceback (compile, memory) said in one line; anything else raised on."""
-    from mpp.model.objectives import OBJECTIVES  # here: they load torch, as the parts do
+    from mpp.model.registry import OBJECTIVES
     from mpp.training.runtime import compile_failure, model_too_big, out_of_memory
 
     if compile_failure(err):

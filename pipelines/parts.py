@@ -5,5 +5,5 @@ Whatever reads or shows a run config imports this first: the command line (--hel
 through it, and the tests (conftest). A registry of new parts is one more import here.
 """
 
-import mpp.model.objectives  # noqa: F401  (objective=, the mpp section and the targets' settings)
-from .evaluations import evaluators  # noqa: F401  (the evaluators' sections: fewshot, knn, probe, eval, inspect)
+import mpp.model.registry  # noqa: F401  (objective=, the mpp section and the targets' settings)
+from .evaluations import registry  # noqa: F401  (the evaluators' sections: fewshot, knn, probe, eval, inspect)

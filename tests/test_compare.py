@@ -392,7 +392,7 @@ def test_arms_are_checked_when_the_plan_is_loaded(tmp_path):
 
 
 def test_a_registered_objective_is_an_arm(tmp_path, monkeypatch):
-    from mpp.model.objectives import OBJECTIVES, ObjectiveKind
+    from mpp.model.registry import OBJECTIVES, ObjectiveKind
     from test_pretrain import MeanBrightness
 
     monkeypatch.setitem(OBJECTIVES, "brightness", ObjectiveKind(lambda backbone, cfg, classes: MeanBrightness(backbone),

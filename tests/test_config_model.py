@@ -9,8 +9,7 @@ import yaml
 
 from mpp.config import ConfigError, TrainConfig, config_reference, load_config, settings, validate_config
 from mpp.model.vit import VIT_SIZES, build_vit
-from mpp.model.objectives import OBJECTIVES
-from mpp.model.targets import TARGETS
+from mpp.model.registry import OBJECTIVES, TARGETS
 from pipelines import cli
 
 ROOT = Path(__file__).parents[1]
@@ -238,10 +237,13 @@ def test_a_flag_named_like_a_config_key_says_the_override_it_means(capsys):
     assert "unrecognized arguments: --epochs; config keys are set as key=value, not as flags: train.epochs=1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--list-configs"], ["nosuchstage"]])
+@pytest.mark.parametrize("argv", [["--help"], ["--list-configs"], ["nosuchstage"], ["pretrain", "--help"],
+                                  ["finetune", "--help"], ["pretrain", "--print-config"], ["finetune", "--print-config"],
+                                  ["pretrain", "--epochs", "1"], ["pretrain", "train.stepz=3"], ["pretrain", "mpp.target=grey"],
+                                  ["pretrain", "model.patch_size=5"], ["finetune", "--config", "nosuch.yaml"]])
 def test_help_and_command_line_errors_do_not_load_torch(argv):
-    """What makes `mpp --help` take seconds is loading torch; these answers need none of it. (A stage's --help and
-    the hint for a `--name value` list config keys, whose sections are declared beside parts that load torch.)"""
+    """What makes `mpp --help` take seconds is loading torch; these answers need none of it: the registries declare
+    every part's settings without it (mpp.model.registry, pipelines.evaluations.registry)."""
     import subprocess
     import sys
 

@@ -3,7 +3,7 @@ import torch
 from mpp.model.vit import build_vit
 from mpp.model.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, normalize, num_corrupted,
                                   random_rectangles, apply_corruption, draw_corruption)
-from mpp.model.targets import TARGETS
+from mpp.model.targets import Color4x4, MeanColor, Pixels
 
 
 def corrupt_patches(tokens, mask_embedding, rate, mask_prob, random_prob, masking="random"):
@@ -63,7 +63,7 @@ def test_random_sources_cover_other_images():
 
 
 def tiny_objective(target="color"):
-    return MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), target=TARGETS[target](4))
+    return MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), target={"color": MeanColor, "color4x4": Color4x4, "pixels": Pixels}[target](4))
 
 
 def test_mask_embedding_is_learned():

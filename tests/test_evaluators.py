@@ -8,7 +8,8 @@ from mpp.config import ConfigError, Section, config_reference, load_config
 from mpp.metrics import EVALUATION, Metric
 from pipelines.evaluations import evaluators
 from pipelines.stages import pretrain
-from pipelines.evaluations.evaluators import EVALUATORS, Registration, Stage, build_evaluators
+from pipelines.evaluations.evaluators import Stage, build_evaluators
+from pipelines.evaluations.registry import EVALUATORS, Registration
 
 from conftest import exported_card, where_metrics_show
 from test_fewshot import tiny

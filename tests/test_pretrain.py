@@ -13,7 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mpp.config import ConfigError, Section, config_reference, load_config
 from mpp.metrics import split_metric
 from mpp.model.vit import normalize
-from mpp.model.objectives import OBJECTIVES, Objective, ObjectiveKind, StepOutput
+from mpp.model.objectives import Objective, StepOutput
+from mpp.model.registry import OBJECTIVES, ObjectiveKind
 from mpp.training.runtime import Device, resolve_precision
 from mpp.rundir import complete_checkpoints
 from pipelines.stages import pretrain

@@ -8,7 +8,8 @@ from pydantic import Field
 from mpp.config import ConfigError, Section, config_reference, load_config
 from mpp.metrics import PRETEXT_LOSS, split_metric
 from mpp.model.vit import normalize
-from mpp.model.targets import TARGETS, Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
+from mpp.model.registry import TARGETS, TargetEntry
+from mpp.model.targets import Target, color4x4_targets, color_class_to_rgb, mean_color_targets, pixel_targets
 from pipelines.stages import pretrain
 
 from conftest import TINY, exported_card, where_metrics_show
@@ -90,8 +91,6 @@ class MeanGray(Target):
     """A test-local target: each patch's mean grey level, raised to mpp.gray_gamma and mapped to [-1, 1], regressed."""
 
     description = "its mean grey level (L1-scored regression)"
-    meaning = "its mean grey level (regressed)"
-    settings = GraySettings
 
     def __init__(self, patch_size, gamma=1.0):
         super().__init__(patch_size)
@@ -120,8 +119,11 @@ class MeanGray(Target):
         return grey.expand(-1, -1, 3 * self.patch_size ** 2)
 
 
+GRAY = TargetEntry(MeanGray, "its mean grey level (regressed)", lambda patch_size, mpp: 1, GraySettings)
+
+
 def test_a_registered_target_is_chosen_by_the_config_and_brings_its_head_loss_metrics_and_panel(monkeypatch):
-    monkeypatch.setitem(TARGETS, "gray", MeanGray)
+    monkeypatch.setitem(TARGETS, "gray", GRAY)
     with pytest.raises(ConfigError, match="Input should be 'color', 'color4x4', 'pixels' or 'gray' \\(got 'grey'\\)"):
         load_config(None, [*TINY, "mpp.target=grey"])
     objective = pretrain.build_objective(load_config(None, [*TINY, "mpp.target=gray", "mpp.gray_gamma=2"]), None)
@@ -139,9 +141,9 @@ def test_a_registered_target_is_chosen_by_the_config_and_brings_its_head_loss_me
 
 
 def test_a_registered_target_shows_everywhere(tmp_path, make_shards, monkeypatch, capsys):
-    # One class and one TARGETS line: its metrics charted, HParams columns, in the progress bar and results.json, its
+    # One class and one TARGETS entry: its metrics charted, HParams columns, in the progress bar and results.json, its
     # description on the model card.
-    monkeypatch.setitem(TARGETS, "gray", MeanGray)
+    monkeypatch.setitem(TARGETS, "gray", GRAY)
     make_shards([40], size=32)
     pretrain.run(load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
                                     "mpp.target=gray", "mpp.gray_gamma=0.5", "train.steps=4", "train.warmup_steps=1",
@@ -170,3 +172,19 @@ def test_each_target_keeps_its_head_size_and_metrics():
         objective = pretrain.build_objective(load_config(None, [*TINY, f"mpp.target={name}"]), None)
         assert objective.head.out_features == outputs
         assert set(objective(torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)).metrics) == metrics, name
+
+
+def test_each_registry_entry_names_a_part_that_agrees_with_it():
+    # The registries describe the parts without loading torch (the config checks a head's size from the entry); the
+    # part the entry names is imported when a run builds it, and must be what the entry says.
+    from mpp.model.registry import OBJECTIVES, implementation
+    from pipelines.evaluations.registry import EVALUATORS
+
+    for name, entry in TARGETS.items():
+        for patch_size, bits in [(4, 3), (8, 2), (16, 1)]:
+            settings = load_config(None, [f"mpp.target={name}", f"mpp.color_bits={bits}"]).mpp
+            assert entry.build(patch_size, settings).outputs == entry.outputs(patch_size, settings), (name, patch_size, bits)
+    with pytest.raises(ValueError, match="model.patch_size must be divisible by 4, got 6"):
+        TARGETS["color4x4"].outputs(6, None)
+    assert all(callable(implementation(kind.build)) for kind in OBJECTIVES.values())
+    assert all(callable(implementation(registration.build)) for registration in EVALUATORS.values())

@@ -1,29 +1,25 @@
 """Training objectives over a ViT backbone. Each maps a uint8 batch to a loss and metrics; the loop is shared.
 
-The loop knows an objective only through `Objective`; OBJECTIVES maps the config's `objective` name to its kind
-(its builder from the run's config, whether it reads labels, a short summary, its config section). The objectives
-and their sections reach the run config through mpp.config.SECTION_SOURCES (`objective_fields`).
+The loop knows an objective only through `Objective`; mpp.model.registry.OBJECTIVES maps the config's `objective`
+name to its kind (its builder here, whether it reads labels, a short summary, its config section), and the kinds and
+their sections reach the run config from there without loading torch.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import AfterValidator, Field, create_model, field_validator, model_validator
 from torch import nn
 
-from mpp.config import SECTION_SOURCES, Section, listed, one_of, section_field
 from mpp.metrics import PRETEXT_LOSS, Metric, split_metric
 from mpp.model.mixup import Mixing
 from mpp.model.vit import VisionTransformer, init_weights, normalize, patchify, pool, trunc_normal, unpatchify
-from mpp.model.targets import TARGETS, MeanColor, Target
+from mpp.model.registry import TARGETS
+from mpp.model.targets import MeanColor, Target
 
 MASK, RANDOM, KEEP = 0, 1, 2
 
@@ -52,7 +48,7 @@ class Objective(nn.Module, ABC):
     - `panel(images)`: images for TensorBoard's panel (none by default);
     - `fixed_randomness(batch_size, generator, device)`: forward's random choices, fixed for the pretext validation
       (none by default: a deterministic forward).
-    Register it in OBJECTIVES (its builder, whether it reads labels, a summary) to make it selectable with
+    Register it in mpp.model.registry.OBJECTIVES (its builder, whether it reads labels, a summary) to make it selectable with
     `objective=<name>`; its metrics then reach TensorBoard, the progress bar, results.json and the model card.
     """
 
@@ -352,65 +348,11 @@ class Classification(Objective):
         return weights
 
 
-# ---------------------------------------------------------------- the registry
-
-MAX_HEAD_BYTES = 10**9  # a larger MPP head (e.g. color4x4 at 8 bits: 268M outputs) only exhausts memory
-
-
-class MPPConfig(Section):
-    """The `mpp` section: masked patch prediction's settings; each target's own (`Target.settings`) join it."""
-
-    hparams = ("target", "masking", "corrupt_rate", "corrupt_in")
-
-    target: str = Field("color", description="What a corrupted patch predicts (the targets register the choices).")
-    corrupt_rate: float = Field(0.5, gt=0, lt=1, description="Fraction of patch positions corrupted per image (paper: 0.5; 0.15 also tried).")
-    mask_prob: float = Field(0.8, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by the learnable [mask] embedding.")
-    random_prob: float = Field(0.1, ge=0, le=1, description="Of the corrupted patches, the fraction replaced by a random other patch's embedding (the rest keep their own).")
-    masking: Literal["random", "block"] = Field("random", description="Which positions are corrupted: random, uniformly at random (the paper), or block, in rectangles of patches (BEiT's blockwise masking); the count per image is the same.")
-    corrupt_in: Literal["auto", "embeddings", "pixels"] = Field("auto", description="Where a corrupted patch is replaced: embeddings, its token after the patch embedding (the paper); pixels, its pixels before the stem (a learnable mask patch, another patch's pixels, or its own), as SimMIM does for convolutional stems; auto: embeddings for model.stem=patch, pixels for model.stem=resnet. A hybrid corrupted in embeddings leaks: its convolutions show a masked patch's pixels to its neighbours' tokens (kept to measure that).")
-
-    @field_validator("target")
-    @classmethod
-    def _known_target(cls, target: str) -> str:
-        return one_of("mpp.target", target, TARGETS)
-
-    @model_validator(mode="after")
-    def _check(self) -> MPPConfig:
-        if self.mask_prob + self.random_prob > 1:
-            raise ValueError(f"mpp.mask_prob + mpp.random_prob must be at most 1, got {self.mask_prob} + {self.random_prob}")
-        return self
-
-    def check(self, cfg) -> None:
-        """The target fits the model: a patch size it can use (from_settings raises), a head of at most 1 GB."""
-        if OBJECTIVES[cfg.objective].section is not OBJECTIVES["mpp"].section:
-            return
-        target = TARGETS[self.target]
-        outputs = target.from_settings(cfg.model.patch_size, self).outputs
-        width = cfg.model.variant.width
-        head_bytes = 4 * (width + 1) * outputs  # fp32 weights and biases
-        if head_bytes > MAX_HEAD_BYTES:
-            own = [f"mpp.{key}" for key in (target.settings.model_fields if target.settings else ())]
-            values = "".join(f" with {key}={getattr(self, key.removeprefix('mpp.'))}" for key in own)
-            raise ValueError(f"mpp.target={self.target}{values} needs a {outputs:,}-way prediction head of "
-                             f"{head_bytes / 1e9:.1f} GB (width {width}); heads over {MAX_HEAD_BYTES / 1e9:.1f} GB are refused, "
-                             f"{f'lower {listed(own)} or ' if own else ''}pick a target with fewer outputs per patch")
-
-
-@functools.lru_cache(maxsize=32)
-def mpp_section(targets: tuple[tuple[str, type[Target]], ...]) -> type[MPPConfig]:
-    """The `mpp` section with `targets`' own settings as fields and the choices of mpp.target described."""
-    choices = [f"{name}, {target.meaning}" for name, target in targets]
-    meanings = "; ".join(choices[:-1]) + f"; or {choices[-1]}" if len(choices) > 1 else choices[0]
-    described = Field("color", description=f"What a corrupted patch predicts: {meanings}.")
-    own = tuple(dict.fromkeys(target.settings for _, target in targets if target.settings))
-    section = create_model("MPPConfig", __base__=(*own, MPPConfig), target=(str, described))  # MPPConfig's fields first
-    section.hparams = (*MPPConfig.hparams, *(key for settings in own for key in settings.hparams))
-    return section
-
+# ---------------------------------------------------------------- the builders (mpp.model.registry names them)
 
 def masked_patch_prediction(backbone: VisionTransformer, cfg, classes: int | None) -> MaskedPatchPrediction:
     m = cfg.mpp
-    return MaskedPatchPrediction(backbone, target=TARGETS[m.target].from_settings(backbone.patch_size, m),
+    return MaskedPatchPrediction(backbone, target=TARGETS[m.target].build(backbone.patch_size, m),
                                  corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob, random_prob=m.random_prob,
                                  masking=m.masking, corrupt_in=m.corrupt_in)
 
@@ -425,48 +367,3 @@ def batch_mixing(train, classes: int) -> Mixing | None:
 def supervised(backbone: VisionTransformer, cfg, classes: int | None) -> Classification:
     return Classification(backbone, pretraining_head(backbone.width, classes), export_head=False,
                           label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes))
-
-
-@dataclass(frozen=True)
-class ObjectiveKind:
-    """What a stage needs to know of an objective before it exists."""
-
-    build: Callable[..., Objective]  # (fresh backbone, the run's Config, classes) -> the objective
-    reads_labels: bool  # the stage reads the shards' labels and passes their class count to `build` (else None)
-    summary: str  # a few words for tables (compare's report)
-    meaning: str = ""  # what `objective=<name>` trains, for the config reference (default: the summary)
-    section: Callable[[], tuple[str, type[Section]]] | None = None  # its own config section: () -> (key, Section)
-    reads: tuple[str, ...] = ()  # settings of other sections that only objectives declaring them read (HParams)
-
-    def settings(self) -> tuple[str, ...]:
-        """The config keys (a section as its prefix, "mpp.") that apply to this objective alone."""
-        return (*((f"{self.section()[0]}.",) if self.section else ()), *self.reads)
-
-
-CLASSIFICATION_SETTINGS = ("train.label_smoothing",)  # what supervised pretraining and fine-tuning read alone
-
-# The config's `objective` -> its kind.
-OBJECTIVES: dict[str, ObjectiveKind] = {
-    "mpp": ObjectiveKind(masked_patch_prediction, reads_labels=False, summary="masked patch prediction",
-                         section=lambda: ("mpp", mpp_section(tuple(TARGETS.items())))),
-    "supervised": ObjectiveKind(supervised, reads_labels=True, summary="supervised (upstream labels)",
-                                meaning="classification of the shards' cls labels", reads=CLASSIFICATION_SETTINGS),
-}
-
-
-def objective_fields() -> dict[str, tuple]:
-    """The run config's `objective` (its choices and their meanings from OBJECTIVES) and the objectives' sections."""
-    sections = dict(kind.section() for kind in OBJECTIVES.values() if kind.section)
-    return _objective_fields(tuple((name, kind.meaning or kind.summary) for name, kind in OBJECTIVES.items()),
-                             tuple(sections.items()))
-
-
-@functools.lru_cache(maxsize=32)
-def _objective_fields(meanings: tuple[tuple[str, str], ...], sections: tuple) -> dict[str, tuple]:
-    known = Annotated[str, AfterValidator(lambda name: one_of("objective", name, OBJECTIVES))]
-    described = listed([f"{name} ({meaning})" for name, meaning in meanings])
-    return {"objective": (known, Field("mpp", description=f"Pretraining objective: {described}.")),
-            **{key: section_field(section) for key, section in sections}}
-
-
-SECTION_SOURCES.append(objective_fields)

@@ -2,10 +2,10 @@
 
 A target owns everything that depends on what is predicted: the per-patch targets computed from the raw uint8
 pixels, the head's output size, the loss and the metrics it declares, how targets look in the TensorBoard panel,
-and how the model card describes it, and the settings of its own (fields of the `mpp` config section). To add one,
-write a `Target` subclass and give it a name in TARGETS; `mpp.target=<name>` then selects it, its settings join the
-config (with their defaults and meanings, in --help and README's reference), and its metrics reach TensorBoard, the
-progress bar and results.json.
+and how the model card describes it. To add one, write a `Target` subclass and give it an entry in
+mpp.model.registry.TARGETS (its meaning, head size and settings, read without torch); `mpp.target=<name>` then selects
+it, its settings join the `mpp` config section (with their defaults and meanings, in --help and README's reference),
+and its metrics reach TensorBoard, the progress bar and results.json.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
-
-from mpp.config import Section
 from mpp.metrics import PRETEXT_LOSS, Metric, split_metric
+from mpp.model.registry import cells_4x4, color_classes
 from mpp.model.vit import PIXEL_MEAN, PIXEL_STD, normalize, patchify, unpatchify
 
 
@@ -60,7 +58,7 @@ def color_class_to_rgb(classes: torch.Tensor, bits: int = 3) -> torch.Tensor:
 class Target(ABC):
     """The contract of a target. An implementer provides, for patches of `patch_size` pixels:
 
-    - `outputs`: the head's outputs per patch;
+    - `outputs`: the head's outputs per patch (its registry entry's `outputs` for the same settings);
     - `__call__(images)`: (B, 3, H, W) uint8 -> the targets of every patch, (B, N, ...);
     - `loss(predictions, targets)`: fp32 head outputs (B, K, outputs) at the K corrupted positions and their
       targets (B, K, ...) -> (loss, {name: value}); the loss is logged as train/pretext_loss (PRETEXT_LOSS), each
@@ -69,10 +67,7 @@ class Target(ABC):
       split_metric);
     - `decode(predictions)`: head outputs (B, K, outputs) -> the targets they predict (B, K, ...);
     - `render(targets)`: targets (B, K, ...) -> uint8 patches (B, K, P*P*3) in patchify's layout, for the panel;
-    - `description`: what a corrupted patch predicts, for the model card ("its 3-bit mean colour (512 classes)");
-    - `meaning`: the same in general, for the config reference of `mpp.target` ("its mean colour at ...");
-    - `settings`: the Section of its own hyperparameters, if it has any: its fields join the `mpp` config section
-      (mpp.color_bits), and those it names in `hparams` are HParams columns.
+    - `description`: what a corrupted patch predicts, for the model card ("its 3-bit mean colour (512 classes)").
 
     A run builds it with `from_settings(patch_size, settings)`, `settings` being the run's `mpp` config section, of
     which it reads the keys it uses. It raises ValueError, naming the config keys, for a patch size it cannot use.
@@ -80,8 +75,6 @@ class Target(ABC):
 
     outputs: int
     description: str
-    meaning: str
-    settings: type[Section] | None = None
 
     def __init__(self, patch_size: int):
         self.patch_size = patch_size
@@ -106,20 +99,12 @@ class Target(ABC):
     def metrics(self, split: str) -> list[Metric]: ...
 
 
-class ColorBits(Section):
-    """The settings of the colour targets, in the `mpp` section."""
-
-    color_bits: int = Field(3, ge=1, le=8, description="Bits per RGB channel of the colour targets (3 gives 512 classes).")
-
-
 class ColorClasses(Target):
     """Targets that are colour classes, `mpp.color_bits` per channel: cross-entropy, scored against the batch's prior."""
 
-    settings = ColorBits
-
     def __init__(self, patch_size: int, bits: int = 3):
         super().__init__(patch_size)
-        self.bits, self.num_colors = bits, 1 << (3 * bits)
+        self.bits, self.num_colors = bits, color_classes(bits)
 
     @classmethod
     def from_settings(cls, patch_size: int, settings) -> ColorClasses:
@@ -151,8 +136,6 @@ class ColorClasses(Target):
 class MeanColor(ColorClasses):
     """The paper's target: each patch's mean colour, one of 512 classes at 3 bits."""
 
-    meaning = "its mean colour at mpp.color_bits per channel (512 classes at 3 bits, the paper)"
-
     def __init__(self, patch_size: int, bits: int = 3):
         super().__init__(patch_size, bits)
         self.outputs = self.num_colors
@@ -169,14 +152,9 @@ class MeanColor(ColorClasses):
 class Color4x4(ColorClasses):
     """The paper's variant: each patch downsized to 4 x 4, a colour class per cell (16 predictions per patch)."""
 
-    meaning = "the colours of its 4x4 downsizing (16 x 512)"
-
     def __init__(self, patch_size: int, bits: int = 3):
-        if patch_size % 4:
-            raise ValueError(f"mpp.target=color4x4 predicts a 4x4 downsized patch, so model.patch_size must be divisible by 4, "
-                             f"got {patch_size}; pick such a patch size or mpp.target=color")
         super().__init__(patch_size, bits)
-        self.outputs = 16 * self.num_colors
+        self.outputs = cells_4x4(patch_size) * self.num_colors
         self.description = f"its 4x4-downsized {self.bits}-bit colours (16 x {self.num_colors} classes)"
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:  # (B, N, 16)
@@ -193,7 +171,6 @@ class Pixels(Target):
     """The normalised pixels of each patch, regressed with an L2 loss and scored against the batch's mean patch."""
 
     description = "its normalised pixels (L2 regression)"
-    meaning = "its pixel values (L2 loss)"
 
     def __init__(self, patch_size: int):
         super().__init__(patch_size)
@@ -219,6 +196,3 @@ class Pixels(Target):
     def render(self, targets: torch.Tensor) -> torch.Tensor:
         return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)
 
-
-# mpp.target -> its class (built by from_settings).
-TARGETS: dict[str, type[Target]] = {"color": MeanColor, "color4x4": Color4x4, "pixels": Pixels}

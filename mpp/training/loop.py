@@ -44,7 +44,7 @@ class Evaluator:
 
     An implementer returns the same tags on every process, leaves the training RNG and data stream alone (a
     private generator, its own loader: the run's weights do not change with it), and may leave the module in eval
-    mode (the loop sets train mode again). Stages build theirs from config: pipelines/evaluators.py.
+    mode (the loop sets train mode again). Stages build theirs from config: pipelines/evaluations/evaluators.py.
     """
 
     every: int

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
 from mpp.config import Config, ConfigError, Section, dotted, read_layers, validate_config
-from mpp.model.objectives import OBJECTIVES
+from mpp.model.registry import OBJECTIVES
 from mpp.training.runtime import Device, precision_label, resolve_precision
 
 SCRATCH = "scratch"

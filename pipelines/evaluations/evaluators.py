@@ -1,17 +1,15 @@
-"""Evaluators from config: which ones a training stage runs, how often, and what each of them scores.
+"""Evaluators from config: which ones a training stage runs, and the builders that pipelines.evaluations.registry's
+EVALUATORS names.
 
-EVALUATORS names every evaluator once: the stages it runs in, how often, read from its own config section (0 turns
-it off), and its builder. A builder is called once, before training, as build(cfg, accelerator, stage) and returns
-what the loop calls as evaluate(objective, step) -> {tag: value} (the contract: mpp.training.loop.Evaluator), with the
-Metric of every tag it returns in `evaluate.metrics`: they reach TensorBoard's charts, HParams, the progress bar,
-results.json and the model card from there. Evaluators read their images through pipelines.run.loaders.eval_batches;
-one that scores a fixed set reads it in its builder, so a bad evaluation set stops the run before its first step.
-Adding an evaluator is one class (its builder) and one line in EVALUATORS.
+A builder is called once, before training, as build(cfg, accelerator, stage) and returns what the loop calls as
+evaluate(objective, step) -> {tag: value} (the contract: mpp.training.loop.Evaluator), with the Metric of every tag it
+returns in `evaluate.metrics`: they reach TensorBoard's charts, HParams, the progress bar, results.json and the model
+card from there. Evaluators read their images through pipelines.run.loaders.eval_batches; one that scores a fixed
+set reads it in its builder, so a bad evaluation set stops the run before its first step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,9 +17,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch import nn
-from pydantic import Field
 
-from mpp.config import Config, SECTION_SOURCES, Section, section_field
+from mpp.config import Config
 from mpp.data.stream import DataError
 from mpp.evaluation.ridge import LabelledImages
 from mpp.evaluation.baselines import class_baselines
@@ -29,18 +26,14 @@ from mpp.metrics import EVALUATION, TOP1, TOP5, Metric
 from mpp.model.objectives import Objective
 from mpp.training.loop import Evaluator
 from mpp.evaluation.pretext import PretextValidation
-from .fewshot import FewShot, FewShotConfig
-from .inspection import Inspect, InspectConfig
-from .knn import Knn, KnnConfig
+from mpp.model.registry import implementation
+from .fewshot import FewShot
+from .inspection import Inspect
+from .knn import Knn
 from ..run.loaders import eval_batches, labelled
-from .probe import LinearProbe, ProbeConfig
+from .probe import LinearProbe
+from .registry import EVALUATORS
 
-
-class EvalConfig(Section):
-    every: int = Field(500, ge=0, description="Pretext validation: when data.val_shards is set, pretraining computes its loss and metrics (MPP: val/pretext_loss, val/color_acc) on held-out images every N steps and at the end (0 = off).")
-    images: int = Field(512, gt=0, description="Images read from the front of data.val_shards for the pretext validation; the same images and corrupted positions at every evaluation.")
-    batch_size: int = Field(128, gt=0, description="Images per forward pass of the pretext validation.")
-    seed: int = Field(0, description="Seed of the pretext validation's fixed corruption (a private generator, independent of the training run's RNG).")
 
 
 class Evaluate(Protocol):
@@ -60,16 +53,6 @@ class Stage:
     objective: Objective | None = None  # what it trains (the pretext validation scores its loss)
     class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
 
-
-@dataclass(frozen=True)
-class Registration:
-    """One evaluator: the stages it runs in, its period in steps from its config section (0: off), its builder, and
-    its config section as (key, Section class), which the run config then holds (None: it reads others')."""
-
-    stages: tuple[str, ...]
-    every: Callable[[Config], int]
-    build: Callable[[Config, Accelerator, Stage], Evaluate]
-    section: tuple[str, type[Section]] | None = None
 
 
 class TopK:
@@ -145,25 +128,28 @@ class Pretext:
         return self.validation.scores(objective)
 
 
-EVALUATORS: dict[str, Registration] = {
-    "top1": Registration(("finetune",), lambda cfg: cfg.finetune.eval_every, TopK),
-    "fewshot": Registration(("pretrain",), lambda cfg: cfg.fewshot.every, lambda cfg, accelerator, stage: FewShot(cfg, accelerator),
-                            ("fewshot", FewShotConfig)),
-    "knn": Registration(("pretrain",), lambda cfg: cfg.knn.every, lambda cfg, accelerator, stage: Knn(cfg, accelerator),
-                        ("knn", KnnConfig)),
-    "probe": Registration(("pretrain",), lambda cfg: cfg.probe.every, lambda cfg, accelerator, stage: LinearProbe(cfg, accelerator),
-                          ("probe", ProbeConfig)),
-    "pretext": Registration(("pretrain",), lambda cfg: cfg.eval.every if cfg.data.val_shards else 0, Pretext, ("eval", EvalConfig)),
-    "inspect": Registration(("pretrain", "finetune"), lambda cfg: cfg.inspect.every, lambda cfg, accelerator, stage: Inspect(cfg, accelerator),
-                            ("inspect", InspectConfig)),
-}
-SECTION_SOURCES.append(lambda: {key: section_field(section) for key, section in
-                                (r.section for r in EVALUATORS.values() if r.section)})
+
+# The builders of the evaluators that score the backbone alone, whatever the stage trains.
+
+def fewshot(cfg: Config, accelerator: Accelerator, stage: Stage) -> FewShot:
+    return FewShot(cfg, accelerator)
+
+
+def knn(cfg: Config, accelerator: Accelerator, stage: Stage) -> Knn:
+    return Knn(cfg, accelerator)
+
+
+def probe(cfg: Config, accelerator: Accelerator, stage: Stage) -> LinearProbe:
+    return LinearProbe(cfg, accelerator)
+
+
+def inspect(cfg: Config, accelerator: Accelerator, stage: Stage) -> Inspect:
+    return Inspect(cfg, accelerator)
 
 
 def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tuple[Evaluator, ...]:
     """The evaluators of `stage` that `cfg` turns on, in EVALUATORS' order, each built (its images read) now."""
-    built = [(every, registration.build(cfg, accelerator, stage)) for registration in EVALUATORS.values()
+    built = [(every, implementation(registration.build)(cfg, accelerator, stage)) for registration in EVALUATORS.values()
              if stage.name in registration.stages and (every := registration.every(cfg))]
     return tuple(Evaluator(every, evaluate, tuple(evaluate.metrics), getattr(evaluate, "baselines", dict)) for every, evaluate in built)
 

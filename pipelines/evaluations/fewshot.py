@@ -5,9 +5,8 @@ from __future__ import annotations
 import statistics
 
 from accelerate import Accelerator
-from pydantic import Field, model_validator
 
-from mpp.config import Config, RESUMABLE, Pooling, Section
+from mpp.config import Config
 from mpp.evaluation.ridge import check_pool, few_shot_accuracy
 from mpp.evaluation.baselines import beside
 from mpp.metrics import FEWSHOT, Metric
@@ -15,25 +14,6 @@ from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
-
-class FewShotConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining, run the few-shot evaluation every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
-    shots: list[int] = Field([1, 5, 10, 25], min_length=1, description="Labelled examples per class given to the linear classifier; one accuracy per entry.", json_schema_extra=RESUMABLE)
-    draws: int = Field(5, gt=0, description="Random draws of the examples per shot count; the accuracy is their mean.", json_schema_extra=RESUMABLE)
-    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).", json_schema_extra=RESUMABLE)
-    l2: float = Field(1.0, gt=0, description="Ridge penalty of the closed-form least squares (on standardised features).", json_schema_extra=RESUMABLE)
-    shards: str | None = Field(None, description="Labelled shards the examples are drawn from; defaults to data.shards.", json_schema_extra=RESUMABLE)
-    val_shards: str | None = Field(None, description="Labelled shards the classifiers are scored on; defaults to data.val_shards.", json_schema_extra=RESUMABLE)
-    train_images: int = Field(2000, gt=0, description="Images read from the front of the labelled shards to draw the examples from.", json_schema_extra=RESUMABLE)
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of fewshot.val_shards to score the classifiers on.", json_schema_extra=RESUMABLE)
-    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.", json_schema_extra=RESUMABLE)
-    seed: int = Field(0, description="Seed of the example draws (independent of train.seed and of the training run's RNG).", json_schema_extra=RESUMABLE)
-
-    @model_validator(mode="after")
-    def _check(self) -> FewShotConfig:
-        if any(n <= 0 for n in self.shots):
-            raise ValueError(f"fewshot.shots must be positive counts, got {self.shots}")
-        return self
 
 
 class FewShot(FrozenFeatureEvaluator):

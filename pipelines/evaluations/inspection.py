@@ -12,9 +12,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch import nn
-from pydantic import Field, model_validator
 
-from mpp.config import RESUMABLE, Config, Section
+from mpp.config import Config
 from mpp.evaluation.ridge import LabelledImages
 from mpp.evaluation.views import (attention_distance, attention_rollout, patch_distances, patch_filters,
                             position_similarity, rollout_to_patches)
@@ -28,21 +27,6 @@ DISTANCE_FIRST, DISTANCE_LAST = "inspect/attention_distance_first", "inspect/att
 POOLINGS = {"cls": "[class] token", "mean": "mean of patches"}  # the outputs the rollout is drawn to
 FOLDER = "inspect"  # what `mpp inspect` writes in output_dir
 
-
-class InspectConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining and fine-tuning, draw the inspection views (patch-embedding filters, position-embedding similarity, mean attention distance, attention rollout) in TensorBoard every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
-    shards: str | None = Field(None, description="Shards whose images the attention views are computed on; defaults to data.val_shards, else data.shards.", json_schema_extra=RESUMABLE)
-    images: int = Field(64, gt=0, description="Images read from the front of inspect.shards; the mean attention distance averages over all of them.", json_schema_extra=RESUMABLE)
-    rollout_images: int = Field(4, gt=0, description="How many of them the attention-rollout figure overlays.", json_schema_extra=RESUMABLE)
-    filters: int = Field(28, gt=0, description="Principal components of the patch embedding's filters shown (the paper's Figure 7 shows 28).", json_schema_extra=RESUMABLE)
-    batch_size: int = Field(64, gt=0, description="Images per forward pass of the explicit-attention path.", json_schema_extra=RESUMABLE)
-
-    @model_validator(mode="after")
-    def _rollout_among_images(self) -> InspectConfig:
-        if self.rollout_images > self.images:
-            raise ValueError(f"inspect.rollout_images={self.rollout_images} is more than the inspect.images={self.images} "
-                             f"read; lower it or raise inspect.images")
-        return self
 
 
 @dataclass(frozen=True)

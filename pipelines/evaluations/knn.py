@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from accelerate import Accelerator
-from pydantic import Field
 
-from mpp.config import Config, Pooling, Section
+from mpp.config import Config
 from mpp.evaluation.baselines import beside
 from mpp.evaluation.neighbours import knn_accuracy
 from mpp.metrics import KNN, KNN_TOP1, Metric
@@ -13,17 +12,6 @@ from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
-
-class KnnConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining, run the kNN evaluation every N steps and at the end (0 = off).")
-    k: int = Field(20, gt=0, description="Neighbours that vote (DINO's k=20).")
-    temperature: float = Field(0.07, gt=0, description="Votes are weighted by exp(cosine similarity / temperature) (DINO's 0.07).")
-    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).")
-    shards: str | None = Field(None, description="Labelled shards the neighbours come from; defaults to data.shards.")
-    val_shards: str | None = Field(None, description="Labelled shards whose images are classified; defaults to data.val_shards (set it when pretraining validates on other classes than kNN scores).")
-    train_images: int = Field(5000, gt=0, description="Images read from the front of the labelled shards as the neighbour pool.")
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of knn.val_shards to classify.")
-    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
 
 
 class Knn(FrozenFeatureEvaluator):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 
 from accelerate import Accelerator
-from pydantic import Field
 
-from mpp.config import RESUMABLE, Config, Pooling, Section
+from mpp.config import Config
 from mpp.evaluation.baselines import beside
 from mpp.metrics import PROBE, PROBE_TOP1, Metric
 from mpp.model.vit import VisionTransformer
@@ -14,18 +13,6 @@ from mpp.evaluation.linear_probe import linear_probe_accuracy
 from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
-
-class ProbeConfig(Section):
-    every: int = Field(0, ge=0, description="During pretraining, run the linear probe every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
-    epochs: int = Field(90, gt=0, description="Passes of SGD over the cached frozen features (MAE's linear probe: 90).", json_schema_extra=RESUMABLE)
-    lr: float = Field(0.1, gt=0, description="Peak learning rate of the probe's SGD (momentum 0.9, no weight decay, cosine decay to 0 over its steps).", json_schema_extra=RESUMABLE)
-    features: Pooling = Field("cls", description="Frozen features: the [class] token's output (cls) or the mean of the patch outputs (mean).", json_schema_extra=RESUMABLE)
-    shards: str | None = Field(None, description="Labelled shards the probe is trained on; defaults to data.shards.", json_schema_extra=RESUMABLE)
-    val_shards: str | None = Field(None, description="Labelled shards the probe is scored on; defaults to data.val_shards.", json_schema_extra=RESUMABLE)
-    train_images: int = Field(5000, gt=0, description="Images read from the front of the labelled shards to train the probe on.", json_schema_extra=RESUMABLE)
-    eval_images: int = Field(2000, gt=0, description="Images read from the front of probe.val_shards to score the probe on.", json_schema_extra=RESUMABLE)
-    batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features, and features per SGD step of the probe.", json_schema_extra=RESUMABLE)
-    seed: int = Field(0, description="Seed of the probe's initialisation and feature order (a private generator, independent of the training run's RNG).", json_schema_extra=RESUMABLE)
 
 
 class LinearProbe(FrozenFeatureEvaluator):

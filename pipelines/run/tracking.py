@@ -15,7 +15,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 from mpp.config import Config, Section, config_schema, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
 from mpp.rundir import CONFIG, checkpoint_step
-from mpp.model.objectives import CLASSIFICATION_SETTINGS, OBJECTIVES
+from mpp.model.registry import CLASSIFICATION_SETTINGS, OBJECTIVES
 from mpp.training.trackers import log_final
 
 

@@ -14,7 +14,7 @@ from mpp.data.readers import expand_shards
 from mpp.data.shardformat import ShardSummary, shard_summary
 from mpp.model.hf import ExportError, export_hf
 from mpp.model.vit import VisionTransformer
-from mpp.model.objectives import OBJECTIVES
+from mpp.model.registry import OBJECTIVES
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long, OutputNotWritten, staged
 from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES, is_synthetic
 from ..run.invocation import command_line

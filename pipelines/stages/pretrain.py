@@ -6,7 +6,8 @@ from typing import Literal
 
 from mpp.config import Config
 from mpp.model.vit import build_backbone
-from mpp.model.objectives import OBJECTIVES, Objective
+from mpp.model.objectives import Objective
+from mpp.model.registry import OBJECTIVES
 from ..run.loaders import labelled, num_classes, resolve_shards, train_loader
 from ..evaluations.evaluators import stage_evaluators
 from ..run.stage import TrainingStage, run_training
@@ -15,7 +16,7 @@ from mpp.data.shardformat import shard_summary
 
 
 def build_objective(cfg: Config, classes: int | None) -> Objective:
-    return OBJECTIVES[cfg.objective].build(build_backbone(cfg.model), cfg, classes)
+    return OBJECTIVES[cfg.objective].objective(build_backbone(cfg.model), cfg, classes)
 
 
 def run(cfg: Config, *, resume: bool | Literal["auto"] = False, overwrite: bool = False) -> dict:
