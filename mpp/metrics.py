@@ -44,13 +44,13 @@ class Metric:
         return f"{value:.1%}" if self.percent else f"{value:.3f}"
 
 
-def split_metric(split: str, name: str, chart: str, **options) -> Metric:
+def split_metric(split: str, name: str, chart: str, held_out: str = "held-out images", **options) -> Metric:
     """The metric `name` of an objective's loss on the `split` it is computed on: train (the training batches, as
-    train/<name> in the training category) or val (the pretext validation, val/<name>, never in the bar)."""
+    train/<name> in the training category) or val (the pretext validation, val/<name>, never in the bar, its chart
+    titled with `held_out`: what the validation holds fixed)."""
     if split == "train":
         return Metric(f"train/{name}", TRAINING, chart, **options)
-    return Metric(f"val/{name}", VALIDATION, f"{chart} (held-out images, fixed corruption)",
-                  **{**options, "bar": None})
+    return Metric(f"val/{name}", VALIDATION, f"{chart} ({held_out})", **{**options, "bar": None})
 
 
 def layout(metrics: Iterable[Metric]) -> dict[str, dict[str, list[str]]]:

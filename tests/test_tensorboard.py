@@ -139,3 +139,17 @@ def test_panel_is_a_column_per_view_under_its_name_legible_in_time_series():
         for r in range(PANEL_IMAGES):
             top = header + r * (128 + PANEL_GAP)
             assert torch.equal(grid[:, top:top + 128, left:left + 128], images[r]), (name, r)  # row r: image r in every view
+
+
+def test_validation_charts_say_what_the_validation_holds_fixed():
+    # MPP's pretext validation fixes its corruption; supervised pretraining corrupts nothing, and its charts say so.
+    from mpp.model.registry import OBJECTIVES
+    from mpp.model.vit import build_backbone
+
+    def val_charts(objective):
+        cfg = load_config(None, [*TINY, f"objective={objective}"])
+        built = OBJECTIVES[objective].objective(build_backbone(cfg.model), cfg, 3)
+        return {metric.chart for metric in built.metrics("val")}
+
+    assert all(chart.endswith("(held-out images, fixed corruption)") for chart in val_charts("mpp"))
+    assert all(chart.endswith("(held-out images)") for chart in val_charts("supervised"))

@@ -18,6 +18,8 @@ from mpp.metrics import PRETEXT_LOSS, Metric, split_metric
 from mpp.model.registry import cells_4x4, color_classes
 from mpp.model.vit import PIXEL_MEAN, PIXEL_STD, normalize, patchify, unpatchify
 
+FIXED_CORRUPTION = "held-out images, fixed corruption"  # what the pretext validation holds fixed for MPP
+
 
 def quantize_color_sums(sums: torch.Tensor, pixels: int, bits: int) -> torch.Tensor:
     """Per-channel pixel sums (B, 3, ...) of `pixels` pixels -> colour class ids (B, ...).
@@ -128,9 +130,9 @@ class ColorClasses(Target):
         # run, not by tag, and shows no legend: the title says which line is which.
         accuracy = ("colour accuracy on the corrupted patches, and the lower line, its prior's (always the batch's most "
                     "frequent colour): what it must beat")
-        return [split_metric(split, PRETEXT_LOSS, "pretext loss", headline=True, bar="loss"),
-                split_metric(split, "color_acc", accuracy, headline=True, bar="color_acc", percent=True),
-                split_metric(split, "color_acc_prior", accuracy, percent=True)]
+        return [split_metric(split, PRETEXT_LOSS, "pretext loss", held_out=FIXED_CORRUPTION, headline=True, bar="loss"),
+                split_metric(split, "color_acc", accuracy, held_out=FIXED_CORRUPTION, headline=True, bar="color_acc", percent=True),
+                split_metric(split, "color_acc_prior", accuracy, held_out=FIXED_CORRUPTION, percent=True)]
 
 
 class MeanColor(ColorClasses):
@@ -189,9 +191,9 @@ class Pixels(Target):
 
     def metrics(self, split: str) -> list[Metric]:
         # A chart each: Custom Scalars colours lines by run, not by tag, and shows no legend.
-        return [split_metric(split, PRETEXT_LOSS, "pretext loss", headline=True, bar="loss"),
+        return [split_metric(split, PRETEXT_LOSS, "pretext loss", held_out=FIXED_CORRUPTION, headline=True, bar="loss"),
                 split_metric(split, f"{PRETEXT_LOSS}_prior", "the prior's loss (always predicting the batch's mean pixels): what "
-                             "the loss must beat")]
+                             "the loss must beat", held_out=FIXED_CORRUPTION)]
 
     def render(self, targets: torch.Tensor) -> torch.Tensor:
         return ((targets * PIXEL_STD + PIXEL_MEAN) * 255).clamp(0, 255).to(torch.uint8)
