@@ -106,6 +106,18 @@ def test_every_installed_module_imports(installed):
     assert import_failures(installed) == {}
 
 
+def test_the_installed_registries_name_parts_that_import(installed):
+    # The registries name each part's implementation as "module:name", imported when a run builds it: installed, the
+    # checkout's pipelines/ is mpp.pipelines, and the names must follow.
+    script = ("from mpp.model.registry import OBJECTIVES, TARGETS, implementation\n"
+              "from mpp.pipelines.evaluations.registry import EVALUATORS\n"
+              "parts = [*(k.build for k in OBJECTIVES.values()), *(t.implementation for t in TARGETS.values()),\n"
+              "         *(r.build for r in EVALUATORS.values())]\n"
+              "print(sum(callable(implementation(part)) for part in parts), len(parts))\n")
+    resolved, parts = installed.run(installed.python, "-c", script).stdout.split()
+    assert resolved == parts == "11"
+
+
 def import_failures(installed) -> dict[str, str]:
     """{module: error} of the installed mpp's modules that fail to import, each in turn in one interpreter."""
     if not hasattr(installed, "import_failures"):

@@ -98,7 +98,7 @@ class Registration:
     section: tuple[str, type[Section]] | None = None
 
 
-BUILDERS = "pipelines.evaluations.evaluators"
+BUILDERS = f"{__package__}.evaluators"  # pipelines.evaluations, or mpp.pipelines.evaluations installed
 
 EVALUATORS: dict[str, Registration] = {
     "top1": Registration(("finetune",), lambda cfg: cfg.finetune.eval_every, f"{BUILDERS}:TopK"),
