@@ -43,8 +43,9 @@ def listed(items: list[str]) -> str:
 class Section(BaseModel):
     """A config section: its fields (each with a default and a one-line description) and their validation.
 
-    A part with settings of its own (an objective, a target, an evaluator, a reader) declares its section beside its
-    code and registers it (`SECTION_SOURCES`); `check` is where a section validates itself against the rest of the
+    A part with settings of its own (an objective, a target, an evaluator) declares its section in its registry
+    module, which loads no torch (mpp/model/registry.py, pipelines/evaluations/registry.py), and registers it there
+    (`SECTION_SOURCES`); `check` is where a section validates itself against the rest of the
     run's config; `hparams` names its fields that are HParams columns (the few settings that tell runs apart)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -290,8 +291,8 @@ class Config(Section):
         return self
 
 
-# Where the config's other fields come from: each registry of parts with settings (objectives, targets, evaluators,
-# readers) adds a function returning its fields, {name: (type, Field)}: a part's section ({"knn": (KnnConfig,
+# Where the config's other fields come from: each registry of parts with settings (objectives, targets, evaluators)
+# adds a function returning its fields, {name: (type, Field)}: a part's section ({"knn": (KnnConfig,
 # Field(default_factory=KnnConfig))}) or a field naming a part (`objective`, with the registry as its choices). They
 # are called at each validation, so a part registered since counts; config imports none of them (each registry
 # module appends its function when it is imported; pipelines.parts imports them all).
