@@ -219,6 +219,9 @@ def test_an_equal_dev_score_fine_tunes_longer_and_keeps_the_longer_length(tmp_pa
     # scores go to the longer training
     assert entry["recipe"].endswith("-x4") and entry["length"] == "4"
     assert entry["length_pick"]["tie"] and set(entry["length_pick"]["tied"]) == {f"{entry['grid_pick']}-x{m}" for m in (2, 4, 8)}
+    # A plan without the sensitivity runs says that a verdict may rest on those ties, not that it was checked.
+    picks = (tmp_path / "cmp" / "report.md").read_text().split("## The dev split and the picks")[1]
+    assert "this plan does not test those (sensitivity: false)" in picks and "are tested too" not in picks
 
 
 def test_picks_follow_the_dev_scores_when_one_arm_improves_with_length_and_the_other_does_not(tmp_path, monkeypatch):

@@ -159,12 +159,16 @@ def pick_lines(report: dict) -> list[str]:
                 f"arm to score the grid (k per recipe), more for each longer length tried.")
     else:
         size = f"A dev split of {resolution['images']} images ({', '.join(f'{n} of class {c}' for c, n in info['dev_images_per_class'].items())})."
+    tested = ("those are tested too, and each gap below says whether its verdict would change with them"
+              if report["config"]["sensitivity"] else
+              "this plan does not test those (sensitivity: false), so where a pick below is a tie, a gap's verdict may "
+              "depend on it")
     lines = ["## The dev split and the picks", "",
              f"{size} One image is worth {100 * resolution['one_image']:.2f} points of top-1, and top-1's standard error "
              f"is up to ±{100 * resolution['standard_error']:.2f} points (at 50%). Each arm keeps the candidate with the "
              f"best dev top-1 (exactly equal scores go to the longer training, then the earlier in the grid). A candidate "
-             f"is near-best when McNemar's exact test on the dev images cannot tell it from the pick (p >= 0.05); those "
-             f"are tested too, and each gap below says whether its verdict would change with them.", ""]
+             f"is near-best when McNemar's exact test on the dev images cannot tell it from the pick (p >= 0.05); "
+             f"{tested}.", ""]
     for arm, e in arms.items():
         for what, choice in (("recipe", e["pick"]), ("length", e["length_pick"] if e["lengths"] else {"p_value": {}})):
             if len(choice["p_value"]) < 2:
