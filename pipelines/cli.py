@@ -43,6 +43,8 @@ RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect
 # the stages that score --ckpt and write beside it, with their modules in pipelines/evaluations
 EVALUATION_STAGES = {"fewshot": "fewshot", "knn": "knn", "probe": "probe", "inspect": "inspection"}
 RANK_ERROR_GRACE_S = 20
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+AFTER_CTRL_C = {"compare": "; the stages it finished are kept, and the same command goes on from them"}  # what a stage keeps
 OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+=")  # a dotted key=value, not a file name holding '='
 
 
@@ -356,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, RanksDisagree):  # every rank raised it at one point, after the same gather: close the process
             end_process()  # group here, not in the interpreter's exit, where gloo aborted once
         return fail(one_line(err), said_by_rank_0=isinstance(err, RanksDisagree))
+    except KeyboardInterrupt:  # outside a training loop, which stops at a step with a checkpoint (Preempted)
+        print(f"stopped by Ctrl-C{AFTER_CTRL_C.get(args.stage, '')}", file=sys.stderr)
+        return INTERRUPTED
     except Preempted as stop:
         # Saved, and on its way out. A launcher that sees another rank exit first signals this one, which must not
         # die of it before it has said how to continue and exited with its own status.

@@ -88,17 +88,18 @@ def selection_text(report: dict, cc: CompareConfig, base: Config) -> str:
         (name, keys), = grid.items()  # a plan without a choice: one grid recipe, or the finetune section's own
         recipe = f"`{name}`, its keys below" if keys else f"{base.train.optimizer}, lr {base.train.lr:g}"
         return f"one recipe ({recipe}) for every arm (no dev split: give `grid` or `lrs` several for per-arm selection)."
+    # One recipe is picked nothing of: its length is (the plan's `lengths`).
+    picked = (f"each arm's recipe picked from the {len(grid)} of the grid below" if len(grid) > 1 else
+              f"each arm's fine-tuning length picked for the one recipe (`{next(iter(grid))}`, its keys below)")
     if report["dev_folds"]:
         auto = info.get("auto_folds")
         why = (f" (`dev_folds: auto` chose k-fold: the set holds under {auto['below']} labelled images, too few for one "
-               f"dev split to rank the grid)" if auto else "")
-        return (f"each arm's recipe picked from the {len(grid)} of the grid below by {report['dev_folds']}-fold "
-                f"cross-validation over the {info['images']} labelled images of {base.data.shards}{why} (every image "
-                f"scored once, by a run that did not train on it), then fine-tuned on all of them, so no arm is held to "
-                f"a recipe that suits another.")
-    return (f"each arm's recipe picked from the {len(grid)} of the grid below by top-1 on a dev split "
-            f"({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning), so no arm is held to a recipe "
-            f"that suits another.")
+               f"dev split to rank the candidates)" if auto else "")
+        return (f"{picked} by {report['dev_folds']}-fold cross-validation over the {info['images']} labelled images of "
+                f"{base.data.shards}{why} (every image scored once, by a run that did not train on it), then fine-tuned "
+                f"on all of them, so no arm is held to a choice that suits another.")
+    return (f"{picked} by top-1 on a dev split ({cc.dev_fraction:.0%} of {base.data.shards}, held out of fine-tuning), so "
+            f"no arm is held to a choice that suits another.")
 
 
 def gap_lines(report: dict, seeds: list[int]) -> list[str]:

@@ -84,7 +84,8 @@ def run(cc: CompareConfig) -> dict:
     out = Path(cc.output_dir)
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
-    selection = Selection.of(cc, base, out, select=len(grid) > 1)  # first: a useless split costs no pretraining
+    # First, so a useless split costs no pretraining; useless only where nothing is picked: one recipe at one length.
+    selection = Selection.of(cc, base, out, select=len(grid) > 1 or len(cc.lengths) > 1)
     naming = COMPARISON_DIR.set(out)
     try:
         arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
