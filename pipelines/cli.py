@@ -332,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "predict":  # its images and its overrides share the positional arguments
         args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
         args.inputs = [item for item in args.inputs if not OVERRIDE.match(item)]
-    if args.stage in RUN_CONFIG_STAGES and not (args.stage in ("pretrain", "finetune") and args.resume):
-        try:  # without torch (a resumed run's config is checked against its checkpoint's, below)
+    if args.stage in RUN_CONFIG_STAGES:
+        try:  # without torch, but where it reads a checkpoint (--resume, --ckpt)
             cfg = run_config(args)
         except UserError as err:
             return fail(one_line(err))
@@ -347,11 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     from .run.tracking import end_process
 
     try:
-        if args.stage in RUN_CONFIG_STAGES and cfg is None:
-            cfg = run_config(args)
-            if args.print_config:
-                print(printed_config(args.stage, cfg), end="")
-                return 0
         run_stage(args, cfg)
         end_process()
     except UserError as err:
