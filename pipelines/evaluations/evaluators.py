@@ -35,7 +35,6 @@ from .probe import LinearProbe
 from .registry import EVALUATORS
 
 
-
 class Evaluate(Protocol):
     """What a builder returns: evaluate(objective, step) -> {tag: value}, each tag declared in `metrics`."""
 
@@ -52,7 +51,6 @@ class Stage:
     classes: int | None = None  # the classes the objective is trained on; None: trained without labels
     objective: Objective | None = None  # what it trains (the pretext validation scores its loss)
     class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
-
 
 
 class TopK:
@@ -126,7 +124,6 @@ class Pretext:
 
     def __call__(self, objective: nn.Module, step: int) -> dict[str, float]:
         return self.validation.scores(objective)
-
 
 
 # The builders of the evaluators that score the backbone alone, whatever the stage trains.

@@ -15,7 +15,6 @@ from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
 
-
 class FewShot(FrozenFeatureEvaluator):
     """The labelled example pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone, and
     as an evaluator (pipelines.evaluations.evaluators) the backbone of the objective in training."""

@@ -28,7 +28,6 @@ POOLINGS = {"cls": "[class] token", "mean": "mean of patches"}  # the outputs th
 FOLDER = "inspect"  # what `mpp inspect` writes in output_dir
 
 
-
 @dataclass(frozen=True)
 class Views:
     """The four views of one backbone, as numbers on the CPU."""

@@ -13,7 +13,6 @@ from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
 
-
 class Knn(FrozenFeatureEvaluator):
     """The labelled neighbour pool and the evaluation images, read once; `scores(backbone)` evaluates a backbone, and
     as an evaluator (pipelines.evaluations.evaluators) the backbone of the objective in training.

@@ -14,7 +14,6 @@ from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
 
 
-
 class LinearProbe(FrozenFeatureEvaluator):
     """The labelled training images and the evaluation images, read once; `scores(backbone)` extracts their
     features once and trains a probe on them, and as an evaluator (pipelines.evaluations.evaluators) scores the backbone of the
