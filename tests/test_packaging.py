@@ -78,7 +78,7 @@ def test_non_editable_install_ships_the_mpp_command_and_its_default_configs(inst
 
 def test_the_installed_package_runs_as_a_module_and_its_shipped_configs_go_by_name(installed, tmp_path):
     listed = installed.run(installed.python, "-m", "mpp.pipelines", "--list-configs").stdout  # accelerate launch -m's form
-    assert re.search(r"compare: emoji, emoji_pretext, fashion_mnist, fashion_mnist_pretext, hybrid, hybrid_leak, tiny  \(in \S+/mpp/pipelines/configs/compare\)", listed), listed
+    assert re.search(r"compare: emoji, emoji_pretext, fashion_mnist, fashion_mnist_mpp_scratch, fashion_mnist_pretext, hybrid, hybrid_leak, tiny  \(in \S+/mpp/pipelines/configs/compare\)", listed), listed
     assert "pretrain: default, supervised, vit_b16_paper" in listed
 
     run = installed.run(installed.python, "-m", "mpp.pipelines", "pretrain", "--config", "supervised",
@@ -98,7 +98,7 @@ def test_installed_errors_name_the_installed_command_and_configs(installed, tmp_
     plan = installed.run(installed.mpp, "compare", "--config", "configs/compare/tiny.yaml", check=False)
     assert plan.returncode == 2
     assert plan.stderr.strip() == ("error: config file configs/compare/tiny.yaml does not exist; pass a YAML file or the "
-                                   "name of a shipped compare config (emoji, emoji_pretext, fashion_mnist, fashion_mnist_pretext, hybrid, hybrid_leak, tiny; `mpp --list-configs` shows "
+                                   "name of a shipped compare config (emoji, emoji_pretext, fashion_mnist, fashion_mnist_mpp_scratch, fashion_mnist_pretext, hybrid, hybrid_leak, tiny; `mpp --list-configs` shows "
                                    "where they are)")
 
 
