@@ -147,7 +147,6 @@ def test_an_interrupted_stage_is_rerun_and_the_others_are_not(tmp_path, capsys):
     assert "scratch frozen features (kNN, few-shot): running" in log and log.count("finished before, skipped") == 1
 
 
-
 def test_ctrl_c_outside_training_is_one_line_and_the_same_command_goes_on(tmp_path, monkeypatch, capsys):
     # Training stops on Ctrl-C at a step with a checkpoint; compare also spends its time outside training (frozen
     # features, test passes), where a Ctrl-C printed a traceback of wherever it landed.
@@ -170,6 +169,7 @@ def test_ctrl_c_outside_training_is_one_line_and_the_same_command_goes_on(tmp_pa
     assert cli.main(["compare", "--config", str(plan)]) == 0
     log = capsys.readouterr().out
     assert re.search(r"scratch fine-tuning \S+: finished before, skipped", log) and "frozen features (kNN, few-shot): running" in log
+
 
 def test_an_ablated_arms_pick_is_fine_tuned_from_earlier_pretraining_checkpoints(tmp_path):
     plan = ["arms=[mpp]", "ablate=[mpp]", "grid=[{name: sgd, train: {optimizer: sgd, lr: 0.03}}]", "pretrain.train.steps=4",
@@ -234,7 +234,6 @@ def scripted_dev(monkeypatch, dev_top1):
     monkeypatch.setattr(compare, "finetune_stage", scripted)
 
 
-
 def test_one_recipe_with_several_lengths_searches_the_length_on_the_dev_split(tmp_path, monkeypatch):
     # The shipped pretext ablation has one recipe and lengths [1, 2]: with nothing but lengths to pick, compare once
     # skipped the dev split and with it the length search, fine-tuning every arm at the first length alone.
@@ -244,6 +243,7 @@ def test_one_recipe_with_several_lengths_searches_the_length_on_the_dev_split(tm
     assert report["select_on_dev"] and entry["lengths"] == {"1": 0.5, "2": 0.7} and entry["recipe"] == "sgd-x2"
     assert "each arm's fine-tuning length picked for the one recipe (`sgd`, its keys below) by top-1 on a dev split" in \
         (tmp_path / "cmp" / "report.md").read_text()
+
 
 def test_an_equal_dev_score_fine_tunes_longer_and_keeps_the_longer_length(tmp_path, monkeypatch):
     dev_top1 = {4: 0.5, 8: 0.6, 16: 0.6, 32: 0.55}  # by train.steps: x2 rises, x4 equals it, x8 falls

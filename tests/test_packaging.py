@@ -14,6 +14,7 @@ import yaml
 
 from conftest import ROOT, write_test_shards
 
+SHIPPED_PLANS = ", ".join(sorted(p.stem for p in (ROOT / "configs" / "compare").glob("*.yaml")))  # as the CLI lists them
 SOURCES = ("pyproject.toml", "README.md", "launch.py", "mpp", "pipelines", "configs")
 TINY_RUN = ["data.num_workers=0", "model.width=32", "model.depth=1", "model.heads=2", "model.image_size=16",
             "train.steps=2", "train.warmup_steps=1", "train.batch_size=8", "log.images_every=100"]
@@ -78,7 +79,7 @@ def test_non_editable_install_ships_the_mpp_command_and_its_default_configs(inst
 
 def test_the_installed_package_runs_as_a_module_and_its_shipped_configs_go_by_name(installed, tmp_path):
     listed = installed.run(installed.python, "-m", "mpp.pipelines", "--list-configs").stdout  # accelerate launch -m's form
-    assert re.search(r"compare: emoji, emoji_pretext, fashion_mnist, fashion_mnist_mpp_scratch, fashion_mnist_pretext, hybrid, hybrid_leak, tiny  \(in \S+/mpp/pipelines/configs/compare\)", listed), listed
+    assert re.search(rf"compare: {SHIPPED_PLANS}  \(in \S+/mpp/pipelines/configs/compare\)", listed), listed
     assert "pretrain: default, supervised, vit_b16_paper" in listed
 
     run = installed.run(installed.python, "-m", "mpp.pipelines", "pretrain", "--config", "supervised",
@@ -98,7 +99,7 @@ def test_installed_errors_name_the_installed_command_and_configs(installed, tmp_
     plan = installed.run(installed.mpp, "compare", "--config", "configs/compare/tiny.yaml", check=False)
     assert plan.returncode == 2
     assert plan.stderr.strip() == ("error: config file configs/compare/tiny.yaml does not exist; pass a YAML file or the "
-                                   "name of a shipped compare config (emoji, emoji_pretext, fashion_mnist, fashion_mnist_mpp_scratch, fashion_mnist_pretext, hybrid, hybrid_leak, tiny; `mpp --list-configs` shows "
+                                   f"name of a shipped compare config ({SHIPPED_PLANS}; `mpp --list-configs` shows "
                                    "where they are)")
 
 
