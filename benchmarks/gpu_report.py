@@ -1,10 +1,13 @@
 """What this project does on one GPU, in one command: environment, GEMM ceiling, step speed, kernels, data, tests.
 
-    python benchmarks/gpu_report.py --out DIR              # on a GPU machine: about 6 to 7 minutes on one H100/H200
+    python benchmarks/gpu_report.py --out DIR              # on a GPU machine: 7 minutes at most (--budget-s 420)
     python benchmarks/gpu_report.py --out DIR --smoke      # every part at a tiny size on the CPU (CI runs this)
 
 Each part runs in its own process under its own time limit, so a crash or a hang in one leaves the others' results;
-a part's output goes to DIR/<part>.log as it runs and its numbers to DIR/<part>.json. The whole test suite runs
+a part's output goes to DIR/<part>.log as it runs and its numbers to DIR/<part>.json. The report as a whole keeps to
+its budget: the parts run in the order of what they decide, each under its own limit or what is left of the budget,
+whichever is less, and a part the budget no longer has room for is named as not run. DIR/gpu_report.md and .json are
+rewritten after every part, so a report killed from outside still holds what finished. The whole test suite runs
 beside the GPU-timing parts (its tests train on the CPU, on the cores the GPU parts leave), after the end-to-end data
 measurement, which needs every core; each test's outcome is in DIR/suite.log the moment it finishes, and every
 failure is named in the report. At the end: DIR/gpu_report.md, DIR/gpu_report.json and the summary table on stdout.
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,51 +58,47 @@ def missing_imports() -> list[str]:
 
 
 def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[dict], dict]:
-    """The parts that run one after another, in order (name, command, time limit in seconds), and the suite, which
-    runs beside them from the step benchmarks on."""
+    """The parts that run one after another, and the suite, which runs beside them from the step benchmarks on. Each
+    part: its command, its time limit, and the seconds it needs to say anything at all (a budget with less left does
+    not start it). The order is what a budget that runs out should cut last: the machine, the main step (with the
+    peer) and where its time goes, then whether the promises hold on the GPU (the gpu tests), then the lever that
+    could change a default (max-autotune), then the other sizes."""
     me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
     mode = ["--smoke"] if smoke else []
-    peak_args = ["--peak-tflops", str(peak)] if peak else []
-    if smoke:
+    part = lambda name, cmd, limit, needs, **extra: {"name": name, "cmd": cmd, "limit": limit, "needs": 3 if smoke else needs, **extra}
+    if smoke:  # one step benchmark, the one with the peer: the others are the same code at other sizes
         tiny = ["--device", "cpu", "--model", "vit_ti", "--width", "32", "--depth", "1", "--heads", "2", "--patch-size",
                 "4", "--image-size", "16", "--rounds", "1", "--steps", "1", "--warmup", "1"]
-        step = lambda name, batch, *extra: [sys.executable, str(STEP), *tiny, "--batch-size", str(batch), *extra]
-        steps = [("step_b16", step("b16", 8), 60), ("step_s16", step("s16", 8, "--no-peer"), 60),
-                 ("step_l16", step("l16", 8, "--no-peer"), 60), ("step_b16_b128", step("b128", 4, "--no-peer"), 60),
-                 ("step_b16_b512", step("b512", 16, "--no-peer"), 60),
-                 ("step_b16_autotune", step("autotune", 8, "--no-peer", "--compile", "on", "--compare-compile-mode",
-                                            "max-autotune-no-cudagraphs"), 120)]
-        steps = steps[:1]  # smoke: the run with the peer (the other runs are the same code at other sizes)
+        main_step, other_steps = part("step_b16", [sys.executable, str(STEP), *tiny, "--batch-size", "8"], 60, 3, json=True), []
         suite = [sys.executable, "-m", "pytest", "tests/test_config_model.py", "-k", "mixed_precision_no", "-m", "not gpu"]
     else:
-        full = ["--device", "cuda", "--image-size", "224", "--rounds", "3", "--steps", "5", *peak_args]
-        step = lambda model, batch, *extra: [sys.executable, str(STEP), *full, "--model", model, "--batch-size", str(batch), *extra]
-        steps = [("step_b16", step("vit_b16", 256), 150), ("step_s16", step("vit_s16", 256, "--no-peer"), 75),
-                 ("step_l16", step("vit_l16", 128, "--no-peer"), 100),
-                 ("step_b16_b128", step("vit_b16", 128, "--no-peer"), 75),
-                 ("step_b16_b512", step("vit_b16", 512, "--no-peer"), 90),
-                 ("step_b16_autotune", step("vit_b16", 256, "--no-peer", "--compare-compile-mode",
-                                                 "max-autotune-no-cudagraphs"), 240)]
+        full = ["--device", "cuda", "--image-size", "224", "--rounds", "3", "--steps", "5", *(["--peak-tflops", str(peak)] if peak else [])]
+        step = lambda name, model, batch, limit, needs, *extra: part(
+            name, [sys.executable, str(STEP), *full, "--model", model, "--batch-size", str(batch), *extra], limit, needs, json=True)
+        main_step = step("step_b16", "vit_b16", 256, 150, 90)
+        other_steps = [step("step_b16_autotune", "vit_b16", 256, 240, 150, "--no-peer", "--compare-compile-mode", "max-autotune-no-cudagraphs"),
+                       step("step_s16", "vit_s16", 256, 75, 45, "--no-peer"), step("step_l16", "vit_l16", 128, 100, 60, "--no-peer"),
+                       step("step_b16_b128", "vit_b16", 128, 75, 45, "--no-peer"), step("step_b16_b512", "vit_b16", 512, 90, 60, "--no-peer")]
         suite = [sys.executable, "-m", "pytest", "-m", "not gpu", *(["-n", str(max(1, cores - 4))] if has("xdist") else []),
                  *(["--timeout", "300"] if has("pytest_timeout") else [])]
-    parts = [
-        {"name": "env", "cmd": [*me, "--part", "env", *mode], "limit": 60},
-        {"name": "gemm", "cmd": [*me, "--part", "gemm", *mode], "limit": 60},
-        {"name": "e2e", "cmd": [*me, "--part", "e2e", *mode, "--workers", str(max(1, cores - 2))], "limit": 60 if smoke else 150},
-        *({"name": name, "cmd": cmd, "limit": limit, "json": True} for name, cmd, limit in steps),
-        {"name": "profile", "cmd": [*me, "--part", "profile", *mode], "limit": 60 if smoke else 90},
-        {"name": "gpu_tests", "cmd": [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-o", "addopts=", "-v", "-rA",
-                                      "-p", "no:cacheprovider"], "limit": 60 if smoke else 420},
-    ]
     # Each test trains on all the cores it may use, beside the other xdist workers: threads that sleep while they
     # wait, not spin (docs/benchmarks.md, OpenMP's wait policy), or they starve one another.
     report_log = lambda name: ["--report-log", str(out / f"{name}.jsonl")] if has("pytest_reportlog") else []
-    parts[-1]["cmd"] += report_log("gpu_tests")
-    suite_part = {"name": "suite", "cmd": [*suite, "-o", "addopts=", "-v", "-rA", "-p", "no:cacheprovider", *report_log("suite")],
-                  "limit": 60 if smoke else 420, "env": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    parts = [
+        part("env", [*me, "--part", "env", *mode], 60, 10),
+        part("gemm", [*me, "--part", "gemm", *mode], 60, 15),
+        part("e2e", [*me, "--part", "e2e", *mode, "--workers", str(max(1, cores - 2))], 60 if smoke else 150, 90),
+        main_step,
+        part("profile", [*me, "--part", "profile", *mode], 60 if smoke else 90, 45),
+        part("gpu_tests", [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-o", "addopts=", "-v", "-rA",
+                           "-p", "no:cacheprovider", *report_log("gpu_tests")], 60 if smoke else 420, 60),
+        *other_steps,
+    ]
+    suite_part = part("suite", [*suite, "-o", "addopts=", "-v", "-rA", "-p", "no:cacheprovider", *report_log("suite")],
+                      60 if smoke else 420, 60, env={"OMP_WAIT_POLICY": "PASSIVE"})
     if smoke:  # on the CPU even where a GPU is visible
-        for part in (*parts, suite_part):
-            part["env"] = {**part.get("env", {}), "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
+        for each in (*parts, suite_part):
+            each["env"] = {**each.get("env", {}), "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
     return parts, suite_part
 
 
@@ -109,7 +109,25 @@ def has(module: str) -> bool:
 # ----------------------------------------------------------------------------------------------- running parts
 
 
-def start(part: dict, out: Path, cpus: list[int] | None = None) -> subprocess.Popen:
+class Budget:
+    """The whole report's time: a part gets its own limit or what is left, whichever is less, and does not start when
+    what is left is shorter than it needs to say anything (a step benchmark on a GPU spends half a minute compiling)."""
+
+    REPORT_S = 5  # kept back for writing the report
+
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def limit(self, part: dict) -> float | None:
+        left = self.end - time.perf_counter() - self.REPORT_S
+        return min(part["limit"], left) if left >= part["needs"] else None
+
+
+NOT_RUN = "not run: the report's time budget was spent"
+RUNNING: set[subprocess.Popen] = set()  # parts started and not yet collected: stopped with the report
+
+
+def start(part: dict, out: Path, limit: float, cpus: list[int] | None = None) -> subprocess.Popen:
     cmd = list(part["cmd"])
     if part.get("json"):
         cmd += ["--json", str(out / f"{part['name']}.json")]
@@ -120,21 +138,31 @@ def start(part: dict, out: Path, cpus: list[int] | None = None) -> subprocess.Po
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec,
                             start_new_session=True)
-    proc.part, proc.log, proc.started = part, log, time.perf_counter()
+    proc.part, proc.log, proc.started, proc.limit = part, log, time.perf_counter(), limit
+    RUNNING.add(proc)
     return proc
 
 
-def finish(proc: subprocess.Popen, out: Path, wait: bool = True) -> dict:
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def finish(proc: subprocess.Popen, out: Path) -> dict:
     """Wait for a part (up to its limit), stop its whole process group if it overran, and collect what it left."""
     part = proc.part
-    remaining = part["limit"] - (time.perf_counter() - proc.started)
+    remaining = proc.limit - (time.perf_counter() - proc.started)
     try:
         rc = proc.wait(timeout=max(remaining, 0.1))
         status = "ok" if rc == 0 else f"failed (exit {rc})"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        status = f"timed out after {part['limit']} s"
+        stop(proc)
+        status = (f"timed out after {part['limit']} s" if proc.limit >= part["limit"]
+                  else f"stopped after {proc.limit:.0f} s, at the end of the report's time budget")
+    RUNNING.discard(proc)
     proc.log.close()
     seconds = time.perf_counter() - proc.started
     result = {"status": status, "seconds": round(seconds, 1), "log": f"{part['name']}.log"}
@@ -390,10 +418,11 @@ PARTS = {"env": part_env, "gemm": part_gemm, "profile": part_profile, "e2e": par
 
 def summary_rows(results: dict) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
-    env = results.get("env", {}).get("data", {})
-    rows.append(("device", f"{env.get('gpu') or 'CPU: ' + str(env.get('cpu'))}, {env.get('cpus')} CPUs; driver "
-                           f"{env.get('driver')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
-                           f"triton {env.get('triton')}"))
+    env = results.get("env", {}).get("data")
+    if env:
+        rows.append(("device", f"{env.get('gpu') or 'CPU: ' + str(env.get('cpu'))}, {env.get('cpus')} CPUs; driver "
+                               f"{env.get('driver')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+                               f"cuDNN {env.get('cudnn')}, triton {env.get('triton')}"))
     for name, shape in results.get("gemm", {}).get("data", {}).get("shapes", {}).items():
         rows.append((f"bf16 GEMM {name}", f"{shape['tflops']:.3g} TFLOP/s"))
     for part, result in results.items():
@@ -421,27 +450,34 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
         rows.append((f"pretraining from {e2e['image_size'][0]}x{e2e['image_size'][1]} JPEG shards, {e2e['workers']} workers",
                      f"{e2e['images_per_s_median']:,.0f} img/s, data wait {e2e['data_wait_median']:.1%}"))
     for part in ("gpu_tests", "suite"):
-        if part in results:
+        if part in results and results[part]["status"] == NOT_RUN:
+            rows.append((part.replace("_", " "), NOT_RUN))
+        elif part in results:
             tests = results[part].get("tests", {})
             counts = ", ".join(f"{n} {o.lower()}" for o, n in sorted(tests.get("counts", {}).items())) or "no test finished"
             failed = tests.get("failed", [])
             rows.append((part.replace("_", " "), f"{results[part]['status']}; {counts}" + (f"; failed: {', '.join(failed)}" if failed else "")))
     for part, result in results.items():
         if result["status"] != "ok" and part not in ("gpu_tests", "suite") and not part.startswith("step_"):
-            rows.append((part, f"{result['status']} (see {result['log']})"))
+            rows.append((part, result["status"] + (f" (see {result['log']})" if result["log"] else "")))
     return rows
 
 
-def write_report(out: Path, results: dict, started: float, command: str) -> str:
+def write_report(out: Path, results: dict, started: float, command: str, state: str) -> str:
+    """state: running (written after each part), finished, or stopped (from outside, before the end)."""
     rows = summary_rows(results)
-    width = max(len(k) for k, _ in rows)
+    width = max((len(k) for k, _ in rows), default=0)
     table = "\n".join(f"{k:<{width}s}  {v}" for k, v in rows)
-    md = ["# GPU report", "", f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, "
-          f"{time.time() - started:.0f} s in all.", "", "| measurement | result |", "|---|---|",
+    seconds = f"{time.time() - started:.0f} s"
+    elapsed = {"running": f"{seconds} so far, still running.", "finished": f"{seconds} in all.",
+               "stopped": f"stopped from outside after {seconds}."}[state]
+    md = ["# GPU report", "", f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {elapsed}",
+          "", "| measurement | result |", "|---|---|",
           *(f"| {k} | {v} |" for k, v in rows), "", "## Parts", "", "| part | status | seconds | log |", "|---|---|---|---|",
-          *(f"| {p} | {r['status']} | {r['seconds']} | {r['log']} |" for p, r in results.items())]
+          *(f"| {p} | {r['status']} | {r['seconds']} | {r['log'] or '-'} |" for p, r in results.items())]
     (out / "gpu_report.md").write_text("\n".join(md) + "\n")
-    (out / "gpu_report.json").write_text(json.dumps({"command": command, "started": started, "parts": results}, indent=1))
+    (out / "gpu_report.json").write_text(json.dumps({"command": command, "started": started, "state": state,
+                                                     "parts": results}, indent=1))
     return table
 
 
@@ -450,9 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for the report, the parts' logs and their numbers")
     parser.add_argument("--smoke", action="store_true", help="every part at a tiny size on the CPU (seconds, for CI)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak for MFU (H100/H200 SXM: 989)")
+    parser.add_argument("--budget-s", type=float, default=420,
+                        help="the whole report's time in seconds (default 420, 7 minutes): parts that no longer fit are "
+                             "named as not run, and the suite beside them is stopped when it is spent")
     parser.add_argument("--skip", nargs="*", default=[], metavar="PART",
-                        help="parts to leave out: env gemm e2e step_b16 step_s16 step_l16 step_b16_b128 step_b16_b512 "
-                             "step_b16_autotune profile gpu_tests (the suite always runs)")
+                        help="parts to leave out: env gemm e2e step_b16 profile gpu_tests step_b16_autotune step_s16 "
+                             "step_l16 step_b16_b128 step_b16_b512 (the suite runs beside them while the budget lasts)")
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -482,18 +521,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not installed (the parts that use them say so): {'; '.join(absent)}", flush=True)
     gpu_parts, suite = plan(args.smoke, len(cpus), args.peak_tflops, out)
     gpu_parts = [part for part in gpu_parts if part["name"] not in args.skip]
+    budget = Budget(args.budget_s)
     results: dict[str, dict] = {}
-    suite_proc = None
-    for part in gpu_parts:
-        if part["name"] == "step_b16" and suite_proc is None:
-            # After the end-to-end part, which wants every core: the suite's CPU tests on all cores but 4.
-            suite_cpus = cpus[4:] if len(cpus) > 6 else None
-            suite_proc = start(suite, out, suite_cpus)
-        results[part["name"]] = finish(start(part, out, cpus[:4] if suite_proc and len(cpus) > 6 else None), out)
-    if suite_proc is None:
-        suite_proc = start(suite, out)
-    results["suite"] = finish(suite_proc, out)
-    table = write_report(out, results, started, command)
+    suite_proc, completed = None, False
+
+    def stopped(signum, frame):  # a scheduler's or a person's stop: the parts' process groups go with the report
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+    try:
+        for part in gpu_parts:
+            if part["name"] == "step_b16" and suite_proc is None and (limit := budget.limit(suite)):
+                # After the end-to-end part, which wants every core: the suite's CPU tests on all cores but 4.
+                suite_proc = start(suite, out, limit, cpus[4:] if len(cpus) > 6 else None)
+            limit = budget.limit(part)
+            if limit is None:
+                results[part["name"]] = {"status": NOT_RUN, "seconds": 0, "log": None}
+                continue
+            results[part["name"]] = finish(start(part, out, limit, cpus[:4] if suite_proc and len(cpus) > 6 else None), out)
+            write_report(out, results, started, command, "running")
+        if suite_proc is None and (limit := budget.limit(suite)):
+            suite_proc = start(suite, out, limit)
+        results["suite"] = finish(suite_proc, out) if suite_proc else {"status": NOT_RUN, "seconds": 0, "log": None}
+        completed = True
+    finally:
+        for proc in list(RUNNING):
+            stop(proc)
+        table = write_report(out, results, started, command, "finished" if completed else "stopped")
     print(f"\n{table}\n\nwritten: {out / 'gpu_report.md'}, {out / 'gpu_report.json'}")
     return 0
 

@@ -2,8 +2,10 @@
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 
 from conftest import ROOT, cpu_env
 
@@ -37,3 +39,37 @@ def test_a_missing_package_is_named_in_one_line_before_anything_runs(tmp_path, m
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: missing Python packages: no-such-package (")
     assert not (tmp_path / "report").exists()
+
+
+def test_a_spent_budget_leaves_the_later_parts_named_as_not_run_and_the_report_in_time(tmp_path):
+    out, budget = tmp_path / "report", 14
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(REPORT), "--out", str(out), "--smoke", "--budget-s", str(budget)], cwd=ROOT,
+                          env=cpu_env(threads=None), capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_report.json").read_text())
+    statuses = {name: part["status"] for name, part in report["parts"].items()}
+    assert report["state"] == "finished" and set(statuses) == {"env", "gemm", "e2e", "step_b16", "profile", "gpu_tests", "suite"}
+    assert statuses["env"] == "ok" and statuses["gpu_tests"] == statuses["suite"] == "not run: the report's time budget was spent"
+    assert all(s == "ok" or s.startswith(("not run: ", "stopped after ")) for s in statuses.values()), statuses
+    assert elapsed < budget + 8  # the budget, the interpreter's start and a part's stop
+    assert "| gpu tests | not run: the report's time budget was spent |" in (out / "gpu_report.md").read_text()
+
+
+def test_a_report_stopped_from_outside_stops_its_parts_and_keeps_what_finished(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, str(REPORT), "--out", str(out), "--smoke"], cwd=ROOT, env=cpu_env(threads=None),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    report = out / "gpu_report.json"
+    deadline = time.monotonic() + 120
+    while not (report.is_file() and "gemm" in json.loads(report.read_text() or "{}").get("parts", {})):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "timed out"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # as a scheduler stops a job; the parts run in their own sessions
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    parts = json.loads(report.read_text())
+    assert parts["state"] == "stopped" and parts["parts"]["env"]["status"] == parts["parts"]["gemm"]["status"] == "ok"
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert left == [], "parts still running after the report stopped"
+    assert "stopped from outside after" in (out / "gpu_report.md").read_text()
