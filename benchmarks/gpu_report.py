@@ -345,13 +345,7 @@ def part_e2e(args) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     shards = out / "shards"
     shards.mkdir(parents=True)
-    if args.smoke:
-        count, size, per_shard, model = 96, (100, 75), 48, ["model.name=vit_ti", "model.width=32", "model.depth=1",
-                                                          "model.heads=2", "model.image_size=16", "model.patch_size=4"]
-        train = ["train.steps=6", "train.batch_size=8", "log.every=2"]
-    else:
-        count, size, per_shard, model = 4096, (500, 375), 256, ["model.name=vit_b16", "model.image_size=224"]
-        train = ["train.steps=100", "train.batch_size=256", "log.every=10"]
+    count, size, per_shard = (96, (100, 75), 48) if args.smoke else (4096, (500, 375), 256)
     started = time.perf_counter()
     from concurrent.futures import ProcessPoolExecutor
 
@@ -361,9 +355,7 @@ def part_e2e(args) -> dict:
         list(pool.map(write_photo_shard, *zip(*jobs)))
     generated = time.perf_counter() - started
     run = out / "run"
-    cmd = [sys.executable, str(ROOT / "launch.py"), "pretrain", f"data.shards={shards}", f"output_dir={run}", *model, *train,
-           f"data.num_workers={args.workers}", "train.warmup_steps=2", "train.checkpoint_every=100000",
-           "log.images_every=100000", "data.shuffle_buffer=500"]
+    cmd = [sys.executable, str(ROOT / "launch.py"), "pretrain", *e2e_overrides(args.smoke, shards, run, args.workers)]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -385,6 +377,18 @@ def part_e2e(args) -> dict:
             "data_wait_median": statistics.median(waits) if waits else final.get("train/perf/data_wait_fraction"),
             "images_per_s_with_start": results.get("timing", {}).get("images_per_sec"), "final_loss": final.get("train/pretext_loss"),
             "command": " ".join(cmd)}
+
+
+def e2e_overrides(smoke: bool, shards: Path, run: Path, workers: int) -> list[str]:
+    """The end-to-end part's pretraining settings: ViT-B/16 at 224 px and batch 256 for 100 steps (smoke: a tiny ViT)."""
+    if smoke:
+        model = ["model.name=vit_ti", "model.width=32", "model.depth=1", "model.heads=2", "model.image_size=16", "model.patch_size=4"]
+        train = ["train.steps=6", "train.batch_size=8", "log.every=2"]
+    else:
+        model = ["model.name=vit_b16", "model.image_size=224"]
+        train = ["train.steps=100", "train.batch_size=256", "log.every=10"]
+    return [f"data.shards={shards}", f"output_dir={run}", *model, *train, f"data.num_workers={workers}", "train.warmup_steps=2",
+            "train.checkpoint_every=100000", "log.images_every=100000", "data.shuffle_buffer=500"]
 
 
 def write_photo_shard(path: Path, keys: range, size: tuple[int, int]) -> None:
@@ -481,7 +485,7 @@ def write_report(out: Path, results: dict, started: float, command: str, state: 
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for the report, the parts' logs and their numbers")
     parser.add_argument("--smoke", action="store_true", help="every part at a tiny size on the CPU (seconds, for CI)")
@@ -494,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
                              "step_l16 step_b16_b128 step_b16_b512 (the suite runs beside them while the budget lasts)")
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
     args = parser.parse_args(argv)
 
     missing = missing_imports()

@@ -6,8 +6,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from conftest import ROOT, cpu_env
+from mpp.config import load_config
 
 REPORT = ROOT / "benchmarks" / "gpu_report.py"
 
@@ -30,10 +32,37 @@ def test_the_smoke_report_runs_every_part_and_writes_the_summary_last(tmp_path):
     assert "| pretraining from 100x75 JPEG shards" in (out / "gpu_report.md").read_text()
 
 
+def load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_sized_plan_holds_only_commands_and_settings_that_parse(tmp_path):
+    """What --smoke cannot run: the GPU sizes' arguments, checked here so that a typo does not cost a GPU session."""
+    report, step = load(REPORT, "gpu_report"), load(ROOT / "benchmarks" / "step.py", "step_benchmark")
+    parts, suite = report.plan(False, 16, 989.0, tmp_path)
+    names = [p["name"] for p in parts]
+    assert names == ["env", "gemm", "e2e", "step_b16", "profile", "gpu_tests", "step_b16_autotune", "step_s16", "step_l16",
+                     "step_b16_b128", "step_b16_b512"]
+    assert all(0 < p["needs"] <= p["limit"] for p in (*parts, suite))
+    for part in parts:
+        script = Path(part["cmd"][1]).name
+        if script == "step.py":
+            args = step.argument_parser().parse_args([*part["cmd"][2:], "--json", str(tmp_path / "x.json")])
+            assert args.device == "cuda" and args.image_size == 224 and args.peak_tflops == 989.0
+        elif script == "gpu_report.py":
+            assert report.argument_parser().parse_args(part["cmd"][2:]).part == part["name"]
+        else:
+            assert part["cmd"][1:3] == ["-m", "pytest"] and (ROOT / part["cmd"][3]).is_file()
+    assert "-m" in suite["cmd"] and "not gpu" in suite["cmd"]
+    cfg = load_config(None, report.e2e_overrides(False, tmp_path / "shards", tmp_path / "run", 14))
+    assert (cfg.model.name, cfg.model.image_size, cfg.train.batch_size, cfg.data.num_workers) == ("vit_b16", 224, 256, 14)
+
+
 def test_a_missing_package_is_named_in_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("gpu_report", REPORT)
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load(REPORT, "gpu_report")
     monkeypatch.setitem(report.REQUIRED, "no_such_module_here", "no-such-package")
     assert report.main(["--out", str(tmp_path / "report"), "--smoke"]) == 2
     err = capsys.readouterr().err
