@@ -280,7 +280,7 @@ def tiny_run(tmp_path, make_shards, objective_calls, steps, max_nonfinite=3):
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, make_shards):
     objective, run = tiny_run(tmp_path, make_shards, {3}, steps=5)
-    results = run()
+    results = run().scores
     assert results["train/nonfinite_steps"] == 1
     assert all(torch.isfinite(p).all() for p in objective.parameters())
 

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,33 @@ def test_resume_auto_starts_a_run_where_there_is_none_and_continues_it_where_the
     assert cli.main([*command, "train.seed=3"]) == 2  # another run's config: refused as --resume refuses it
     refusal = capsys.readouterr().err
     assert "holds a run with a different 'train' config (train.seed: 0 in " in refusal and ", 3 now)" in refusal
+
+
+def test_an_interrupted_runs_wall_time_counts_its_training_before_the_checkpoint_it_resumed_from(tmp_path, make_shards, monkeypatch):
+    # Killed after step 2's checkpoint, before it ever wrote results.json: the resume's wall_time_s used to hold the
+    # resume's own seconds alone.
+    from mpp.training import loop
+
+    make_shards([40], size=32)
+    quick_step, slow_seconds, calls = loop.train_step, 1.5, []
+
+    def first_two_steps_slow(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:
+            time.sleep(slow_seconds)
+        return quick_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", first_two_steps_slow)
+    pretrain.run(pretrain_config(tmp_path))
+    shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])
+    for written_after_the_checkpoint in ("results.json", "model.safetensors"):
+        (tmp_path / "run" / written_after_the_checkpoint).unlink()
+    reset_accelerator()
+    started = time.perf_counter()
+    pretrain.run(pretrain_config(tmp_path), resume=True)
+    resume_seconds = time.perf_counter() - started
+    wall = json.loads((tmp_path / "run" / "results.json").read_text())["wall_time_s"]
+    assert wall >= 2 * slow_seconds and wall > resume_seconds, (wall, resume_seconds)
 
 
 def fill_the_disk_at(monkeypatch, tmp_path, written_file, directory=".partial-step_00000004"):

@@ -57,8 +57,9 @@ class Evaluator:
 
 @dataclass
 class Progress:
-    """Checkpointed with the model by the main process: the step counter, the last step whose evaluations ran, and
-    the scalars logged up to the checkpoint's step.
+    """Checkpointed with the model by the main process: the step counter, the last step whose evaluations ran, the
+    scalars logged up to the checkpoint's step, and the seconds spent training up to it over every invocation (the
+    steps an interrupted invocation trained after its last checkpoint are trained again, so their time is not).
 
     A step's checkpoint is written before its evaluations, so a resume from it runs them first. A finished run resumed
     trains nothing and logs nothing: it reports the scalars its last checkpoint kept. Each rank's data stream position
@@ -68,13 +69,25 @@ class Progress:
     step: int = 0
     evaluated: int = 0
     logged: dict[str, float] = field(default_factory=dict)
+    seconds: float | None = 0.0  # None: not known (a checkpoint of an earlier mpp)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged}
+        return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged, "seconds": self.seconds}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.evaluated = state["step"], state["evaluated"]
         self.logged = dict(state.get("logged", {}))  # absent from the checkpoints of an earlier mpp
+        self.seconds = state.get("seconds")  # absent from the checkpoints of an earlier mpp
+
+
+@dataclass
+class Trained:
+    """What `train` leaves besides its files: the last logged scalars and evaluator results, and the seconds the
+    earlier invocations of the run spent training up to the checkpoint this one resumed from (0 for a run that
+    started here, None where that checkpoint did not record them)."""
+
+    scores: dict[str, float]
+    earlier_seconds: float | None
 
 
 @dataclass
@@ -123,19 +136,20 @@ def train_step(accelerator: Accelerator, model: nn.Module, forward: Callable[...
 def train(accelerator: Accelerator, objective: Objective, make_batches: Callable[[StreamState], Iterable[Batch]],
           cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume_from: Path | None = None,
           evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0, data_workers: int = 0,
-          resume_hint: str = "the same command with --resume") -> dict[str, float]:
+          resume_hint: str = "the same command with --resume") -> Trained:
     """Train `objective` (see the Objective contract) for cfg.steps optimiser steps.
 
     `resume_from` (see mpp.training.resume.resumable_checkpoint) continues a run under this `cfg`: a changed train.lr, warmup,
     steps, weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
     its last checkpoint precedes.
 
-    Returns the last logged scalars and evaluator results. Writes checkpoints, TensorBoard events and
+    Returns the last logged scalars and evaluator results, and the earlier invocations' training time. Writes checkpoints, TensorBoard events and
     `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
     a checkpoint when signalled, TrainingDiverged after cfg.max_nonfinite_steps bad steps in a row, and
     DataError when more than `max_skip_fraction` of the samples read could not be used. Says once, on stderr, when
     the steps have slowed down many times over, with the `data_workers` per process among what to lower.
     """
+    started = time.perf_counter()
     output_dir = Path(output_dir)
     model, forward, optimizer, scheduler, ema = prepare_to_train(accelerator, objective, cfg)
     scored = ema.module if ema else objective  # what the evaluators score and model.safetensors holds
@@ -148,6 +162,12 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
         restore(accelerator, resume_from, stream, progress, optimizer, scheduler, cfg)
         results.update(progress.logged)
         results.update(evaluations.pending())
+    earlier_seconds = progress.seconds
+
+    def record_progress() -> None:  # what a checkpoint of this step keeps beside the weights
+        progress.logged = dict(results)
+        if earlier_seconds is not None:
+            progress.seconds = earlier_seconds + time.perf_counter() - started
 
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
     window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers)
@@ -160,6 +180,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                 result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
+                record_progress()
                 raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
             if ema:
                 ema.update(objective)
@@ -177,7 +198,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or last or stopping:
-                progress.logged = dict(results)
+                record_progress()
                 saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)
             if stopping and not last:
                 accelerator.end_training()
@@ -187,7 +208,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.update(results)
 
     save_final_weights(accelerator, scored, output_dir, resume_hint)
-    return results
+    return Trained(results, earlier_seconds)
 
 
 def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):

@@ -25,7 +25,7 @@ from mpp.metrics import Metric, model_metrics, unique
 from mpp.model.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
 from mpp.training.runtime import explained_out_of_memory, data_workers
-from mpp.training.loop import Evaluator, train
+from mpp.training.loop import Evaluator, Trained, train
 from mpp.data.shardformat import ShardSummary
 from .invocation import command_line, resume_command
 from .loaders import counted_training_samples, with_run_length
@@ -89,13 +89,13 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
             accelerator.register_for_checkpointing(state)
         training_started = time.perf_counter()
         with explained_out_of_memory(cfg.train):
-            scores = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, cfg.output_dir,
-                           resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
-                           data_workers=data_workers(cfg.data.num_workers), resume_hint=resume_command())
+            trained = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, cfg.output_dir,
+                            resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
+                            data_workers=data_workers(cfg.data.num_workers), resume_hint=resume_command())
         trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
         timing = {"wall_time_s": time.perf_counter() - started,
                   "images_per_sec": trained_images / (time.perf_counter() - training_started)} if trained_images else {}
-        results = stage_results(cfg, stage, metrics, scores, run.global_batch, resume_from is not None, timing)
+        results = stage_results(cfg, stage, metrics, trained, run.global_batch, resume_from is not None, timing)
         results["baselines"] = with_priors(results["final"], {tag: b for e in evaluators for tag, b in e.baselines().items()})
         declared = {m.tag: m for m in metrics}
         worse = {tag: beside(declared[tag].show(value), results["baselines"][tag], declared[tag].show)
@@ -137,12 +137,13 @@ def resolution(image_size: int, data: ShardSummary | None) -> str:
             f"{sides['median']}; model.image_size sets it)")
 
 
-def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scores: dict[str, float], global_batch: int,
+def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], trained: Trained, global_batch: int,
                   resumed: bool, timing: dict[str, float]) -> dict:
     """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
     skipped, how long it took (`timing`: wall_time_s and images_per_sec of this invocation, empty if it trained
-    nothing), the stage's own entries, and the command that started the run (`resumed_with`: the resumes that
-    trained more steps).
+    nothing; wall_time_s then adds the earlier invocations' training up to the checkpoint this one resumed from),
+    the stage's own entries, and the command that started the run (`resumed_with`: the resumes that trained more
+    steps).
 
     A resumed run keeps what the earlier invocations measured and it did not measure again: a finished run resumed
     trains nothing and logs no training metric, and its results must not lose them, nor the command that trained it.
@@ -151,12 +152,14 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], scor
     saved = Path(cfg.output_dir) / RESULTS
     if resumed and saved.is_file():
         earlier = json.loads(saved.read_text())
+    scores = trained.scores
     final = {**earlier.get("final", {}), **model_metrics(metrics, scores)}
     declared = {m.tag: m for m in metrics}
     shown = {tag: declared[tag].show(value) for tag, value in final.items() if tag in declared}
     skipped = {reason: scores[f"data/skipped_{reason}"] for reason in SKIP_REASONS if scores.get(f"data/skipped_{reason}")}
-    if timing and "wall_time_s" in earlier:
-        timing = {**timing, "wall_time_s": earlier["wall_time_s"] + timing["wall_time_s"]}  # over every invocation
+    if timing:  # over every invocation; a checkpoint of an earlier mpp kept no time: the last finished invocation's then
+        before = trained.earlier_seconds if trained.earlier_seconds is not None else earlier.get("wall_time_s", 0.0)
+        timing = {**timing, "wall_time_s": before + timing["wall_time_s"]}
     now = command_line()
     started_by = (read_run_manifest(cfg.output_dir) or {}).get("command") or earlier.get("command") or now
     resumed_with = [*earlier.get("resumed_with", []), *([now] if resumed and timing else [])]
