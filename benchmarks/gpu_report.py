@@ -66,10 +66,12 @@ def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[d
     me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
     mode = ["--smoke"] if smoke else []
     part = lambda name, cmd, limit, needs, **extra: {"name": name, "cmd": cmd, "limit": limit, "needs": 3 if smoke else needs, **extra}
-    if smoke:  # one step benchmark, the one with the peer: the others are the same code at other sizes
-        tiny = ["--device", "cpu", "--model", "vit_ti", "--width", "32", "--depth", "1", "--heads", "2", "--patch-size",
-                "4", "--image-size", "16", "--rounds", "1", "--steps", "1", "--warmup", "1"]
-        main_step, other_steps = part("step_b16", [sys.executable, str(STEP), *tiny, "--batch-size", "8"], 60, 3, json=True), []
+    if smoke:  # the step with the peer, and the compile modes side by side: the other sizes are the first's code
+        tiny = [sys.executable, str(STEP), "--device", "cpu", "--model", "vit_ti", "--width", "32", "--depth", "1", "--heads", "2",
+                "--patch-size", "4", "--image-size", "16", "--rounds", "1", "--steps", "1", "--warmup", "1", "--batch-size", "8"]
+        main_step = part("step_b16", tiny, 60, 3, json=True)
+        other_steps = [part("step_b16_autotune", [*tiny, "--no-peer", "--compile", "on", "--compare-compile-mode",
+                                                  "max-autotune-no-cudagraphs"], 120, 3, json=True)]
         suite = [sys.executable, "-m", "pytest", "tests/test_config_model.py", "-k", "mixed_precision_no", "-m", "not gpu"]
     else:
         full = ["--device", "cuda", "--image-size", "224", "--rounds", "3", "--steps", "5", *(["--peak-tflops", str(peak)] if peak else [])]
@@ -443,7 +445,8 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
         text = f"{ours['images_per_s']:,.0f} img/s{mfu}, warm-up {ours['warmup_s']:.0f} s{mode}"
         for peer in peers:
             text += f"; {peer} {data['rows'][peer]['images_per_s']:,.0f} ({ours['images_per_s'] / data['rows'][peer]['images_per_s']:.2f}x)"
-        rows.append((f"step {data['model']} b{data['batch_size']} {data['image_size']} px", text))
+        modes = ", compile modes side by side" if any("max-autotune" in name for name in data["rows"]) else ""
+        rows.append((f"step {data['model']} b{data['batch_size']} {data['image_size']} px{modes}", text))
     profile = results.get("profile", {}).get("data")
     if profile:
         total = profile["kernel_ms"]

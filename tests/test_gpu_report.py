@@ -20,11 +20,12 @@ def test_the_smoke_report_runs_every_part_and_writes_the_summary_last(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = json.loads((out / "gpu_report.json").read_text())["parts"]
-    assert set(parts) == {"env", "gemm", "e2e", "step_b16", "profile", "gpu_tests", "suite"}
+    assert set(parts) == {"env", "gemm", "e2e", "step_b16", "profile", "gpu_tests", "step_b16_autotune", "suite"}
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(parts, "ok")
     assert parts["suite"]["tests"]["counts"] == {"PASSED": 1}
     assert parts["gpu_tests"]["tests"]["counts"]["SKIPPED"] >= 9  # collected, and skipped without CUDA
     assert parts["step_b16"]["data"]["rows"] and parts["profile"]["data"]["kernel_ms"] > 0
+    assert [row for row in parts["step_b16_autotune"]["data"]["rows"] if "max-autotune-no-cudagraphs" in row]
     assert parts["e2e"]["data"]["images_per_s_median"] > 0 and 0 <= parts["e2e"]["data"]["data_wait_median"] <= 1
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("written: ") and "gpu_report.md" in lines[-1]
@@ -79,7 +80,8 @@ def test_a_spent_budget_leaves_the_later_parts_named_as_not_run_and_the_report_i
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_report.json").read_text())
     statuses = {name: part["status"] for name, part in report["parts"].items()}
-    assert report["state"] == "finished" and set(statuses) == {"env", "gemm", "e2e", "step_b16", "profile", "gpu_tests", "suite"}
+    assert report["state"] == "finished" and set(statuses) == {"env", "gemm", "e2e", "step_b16", "profile", "gpu_tests",
+                                                                "step_b16_autotune", "suite"}
     assert statuses["env"] == "ok" and statuses["gpu_tests"] == "not run: the report's time budget was spent", statuses
     assert all(s == "ok" or s.startswith(("not run: ", "stopped after ")) for s in statuses.values()), statuses
     assert statuses["suite"] != "ok"  # the budget cuts it too: it never gets the seconds it takes
