@@ -143,11 +143,12 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     steps, weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
     its last checkpoint precedes.
 
-    Returns the last logged scalars and evaluator results, and the earlier invocations' training time. Writes checkpoints, TensorBoard events and
-    `model.safetensors` (the objective's `export_weights()`) under output_dir. Raises Preempted after saving
-    a checkpoint when signalled, TrainingDiverged after cfg.max_nonfinite_steps bad steps in a row, and
-    DataError when more than `max_skip_fraction` of the samples read could not be used. Says once, on stderr, when
-    the steps have slowed down many times over, with the `data_workers` per process among what to lower.
+    Returns the last logged scalars and evaluator results, and the earlier invocations' training time (Trained).
+    Writes checkpoints, TensorBoard events and `model.safetensors` (the objective's `export_weights()`) under
+    output_dir. Raises Preempted after saving a checkpoint when signalled, TrainingDiverged after
+    cfg.max_nonfinite_steps bad steps in a row, and DataError when more than `max_skip_fraction` of the samples read
+    could not be used. Says once, on stderr, when the steps have slowed down many times over, with the `data_workers`
+    per process among what to lower.
     """
     started = time.perf_counter()
     output_dir = Path(output_dir)
