@@ -471,13 +471,13 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
 
 
 def write_report(out: Path, results: dict, started: float, command: str, state: str) -> str:
-    """state: running (written after each part), finished, or stopped (from outside, before the end)."""
+    """state: running (written after each part), finished, or stopped (by a signal or an error, before the end)."""
     rows = summary_rows(results)
     width = max((len(k) for k, _ in rows), default=0)
     table = "\n".join(f"{k:<{width}s}  {v}" for k, v in rows)
     seconds = f"{time.time() - started:.0f} s"
     elapsed = {"running": f"{seconds} so far, still running.", "finished": f"{seconds} in all.",
-               "stopped": f"stopped from outside after {seconds}."}[state]
+               "stopped": f"stopped before its end, after {seconds}."}[state]
     md = ["# GPU report", "", f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {elapsed}",
           "", "| measurement | result |", "|---|---|",
           *(f"| {k} | {v} |" for k, v in rows), "", "## Parts", "", "| part | status | seconds | log |", "|---|---|---|---|",
