@@ -70,6 +70,7 @@ class Progress:
     evaluated: int = 0
     logged: dict[str, float] = field(default_factory=dict)
     seconds: float | None = 0.0  # None: not known (a checkpoint of an earlier mpp)
+    clock: tuple[float | None, float] = field(default=(0.0, 0.0), repr=False)  # (earlier seconds, this invocation's start)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged, "seconds": self.seconds}
@@ -78,6 +79,17 @@ class Progress:
         self.step, self.evaluated = state["step"], state["evaluated"]
         self.logged = dict(state.get("logged", {}))  # absent from the checkpoints of an earlier mpp
         self.seconds = state.get("seconds")  # absent from the checkpoints of an earlier mpp
+
+    def start_clock(self) -> None:
+        """This invocation trains from here: its seconds add to those of the checkpoint it resumed from, if any."""
+        self.clock = (self.seconds, time.perf_counter())
+
+    def record(self, results: dict[str, float]) -> None:
+        """What a checkpoint of this step keeps beside the weights: the scalars logged and the seconds trained."""
+        self.logged = dict(results)
+        earlier, started = self.clock
+        if earlier is not None:
+            self.seconds = earlier + time.perf_counter() - started
 
 
 @dataclass
@@ -143,14 +155,12 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     steps, weight decay, betas or momentum applies from the resumed step on. A finished run only runs the evaluations
     its last checkpoint precedes.
 
-    Returns the last logged scalars and evaluator results, and the earlier invocations' training time (Trained).
-    Writes checkpoints, TensorBoard events and `model.safetensors` (the objective's `export_weights()`) under
+    Returns the last logged scalars and evaluator results and the earlier invocations' training time (Trained);
+    writes checkpoints, TensorBoard events and `model.safetensors` (the objective's `export_weights()`) under
     output_dir. Raises Preempted after saving a checkpoint when signalled, TrainingDiverged after
     cfg.max_nonfinite_steps bad steps in a row, and DataError when more than `max_skip_fraction` of the samples read
-    could not be used. Says once, on stderr, when the steps have slowed down many times over, with the `data_workers`
-    per process among what to lower.
+    could not be used. Says once, on stderr, when the steps have slowed many times over, naming `data_workers`.
     """
-    started = time.perf_counter()
     output_dir = Path(output_dir)
     model, forward, optimizer, scheduler, ema = prepare_to_train(accelerator, objective, cfg)
     scored = ema.module if ema else objective  # what the evaluators score and model.safetensors holds
@@ -163,12 +173,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
         restore(accelerator, resume_from, stream, progress, optimizer, scheduler, cfg)
         results.update(progress.logged)
         results.update(evaluations.pending())
-    earlier_seconds = progress.seconds
-
-    def record_progress() -> None:  # what a checkpoint of this step keeps beside the weights
-        progress.logged = dict(results)
-        if earlier_seconds is not None:
-            progress.seconds = earlier_seconds + time.perf_counter() - started
+    progress.start_clock()
 
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
     window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers)
@@ -181,7 +186,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                 result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
-                record_progress()
+                progress.record(results)
                 raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
             if ema:
                 ema.update(objective)
@@ -199,7 +204,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or last or stopping:
-                record_progress()
+                progress.record(results)
                 saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)
             if stopping and not last:
                 accelerator.end_training()
@@ -209,7 +214,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.update(results)
 
     save_final_weights(accelerator, scored, output_dir, resume_hint)
-    return Trained(results, earlier_seconds)
+    return Trained(results, progress.clock[0])
 
 
 def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):
