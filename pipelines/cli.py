@@ -10,7 +10,6 @@ import importlib
 import os
 import re
 import shutil
-import signal
 import sys
 import textwrap
 import warnings
@@ -356,11 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # outside a training loop, which stops at a step with a checkpoint (Preempted)
         print(f"stopped by Ctrl-C{AFTER_CTRL_C.get(args.stage, '')}", file=sys.stderr)
         return INTERRUPTED
-    except Preempted as stop:
-        # Saved, and on its way out. A launcher that sees another rank exit first signals this one, which must not
-        # die of it before it has said how to continue and exited with its own status.
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
+    except Preempted as stop:  # saved; a later SIGTERM or SIGUSR1 no longer stops it (mpp.training.preemption.StopOnSignal)
         print(stop, file=sys.stderr)
         return STOPPED
     except Exception as err:

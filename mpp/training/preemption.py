@@ -50,7 +50,7 @@ class StopOnSignal:
     at once. A repeated SIGTERM or SIGUSR1 changes nothing: schedulers and launchers send them more than once (SLURM
     signals every process of a job step, and torch's elastic agent, when signalled itself, signals each rank's process
     group again; a data worker that gets one passes it on, see mpp.data.worker_signals), and the checkpoint must land
-    before the kill that follows.
+    before the kill that follows. After a stop they change nothing until the process exits.
 
     A signal that arrives while the loop waits for data usually finds the batch moments away (being decoded): the
     step finishes and every rank stops at its boundary together. A stream that has not delivered WAIT_GRACE_S after
@@ -80,6 +80,14 @@ class StopOnSignal:
             signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if self.previous and (self.requested or exc_type is Preempted):
+            # Stopped on a signal (this process's, or another rank's), or finished after one: the process is on its
+            # way out, and a signal that comes after the loop (the kernel's SIGTERM when a one-process launcher has
+            # died of the first; the elastic agent's to the other ranks when one exits) must not kill it before it
+            # has said how to continue and exited with its own status. A handler that does nothing, unlike SIG_IGN,
+            # is not inherited by the programs a process starts afterwards.
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, repeat_of_a_stop)
         if self.pending is not None and exc_type is None:
             # Every rank posted the last step's all-reduce, so it completes; a process that destroyed its process
             # groups with it still in flight aborted in gloo ("terminate called without an active exception"), seen
@@ -138,6 +146,10 @@ class StopOnSignal:
         """Wait for the all-reduce posted at the last step."""
         self.pending[0].wait()
         self.pending = None
+
+
+def repeat_of_a_stop(signum: int, frame) -> None:
+    """SIGTERM's and SIGUSR1's handler once a run has stopped on one: nothing more to do."""
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
