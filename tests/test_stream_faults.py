@@ -18,7 +18,7 @@ from mpp.data.readers import expand_shards
 from mpp.model.objectives import MaskedPatchPrediction
 import mpp.training.loop
 from mpp.training.runtime import make_accelerator
-from mpp.training.preemption import Preempted, repeat_of_a_stop
+from mpp.training.preemption import Preempted
 from mpp.rundir import complete_checkpoints
 from mpp.training.loop import next_batch, train
 from mpp.model.vit import build_backbone
@@ -155,8 +155,8 @@ class SlowAfter(IterableDataset):
 
 @pytest.fixture
 def signal_handlers_restored():
-    """The loop leaves SIGTERM and SIGUSR1 doing nothing once it has stopped on one (its process is on its way out);
-    this test process goes on to other tests, which get the handlers back."""
+    """The loop leaves SIGTERM and SIGUSR1 ignored once it has stopped on one (its process is on its way out); this
+    test process goes on to other tests, which get the handlers back."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     yield
     for sig, handler in saved.items():
@@ -208,4 +208,4 @@ def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch, 
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
         train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, cfg.output_dir)
     assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000003"]
-    assert signal.getsignal(signal.SIGTERM) is repeat_of_a_stop  # the loop's handler is gone; a repeat does nothing
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # the loop's handler is gone; a repeat does nothing

@@ -84,10 +84,11 @@ class StopOnSignal:
             # Stopped on a signal (this process's, or another rank's), or finished after one: the process is on its
             # way out, and a signal that comes after the loop (the kernel's SIGTERM when a one-process launcher has
             # died of the first; the elastic agent's to the other ranks when one exits) must not kill it before it
-            # has said how to continue and exited with its own status. A handler that does nothing, unlike SIG_IGN,
-            # is not inherited by the programs a process starts afterwards.
+            # has said how to continue and exited with its own status. SIG_IGN, not a handler that does nothing:
+            # Python puts the default back in place of its own handlers as the interpreter shuts down, and a
+            # SIGTERM then (a rank's teardown takes a moment) turned its 75 into death by the signal.
             for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, repeat_of_a_stop)
+                signal.signal(sig, signal.SIG_IGN)
         if self.pending is not None and exc_type is None:
             # Every rank posted the last step's all-reduce, so it completes; a process that destroyed its process
             # groups with it still in flight aborted in gloo ("terminate called without an active exception"), seen
@@ -146,10 +147,6 @@ class StopOnSignal:
         """Wait for the all-reduce posted at the last step."""
         self.pending[0].wait()
         self.pending = None
-
-
-def repeat_of_a_stop(signum: int, frame) -> None:
-    """SIGTERM's and SIGUSR1's handler once a run has stopped on one: nothing more to do."""
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
