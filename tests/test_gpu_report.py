@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from conftest import ROOT, cpu_env
 from mpp.config import load_config
 
@@ -102,6 +104,6 @@ def test_a_report_stopped_from_outside_stops_its_parts_and_keeps_what_finished(t
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     parts = json.loads(report.read_text())
     assert parts["state"] == "stopped" and parts["parts"]["env"]["status"] == parts["parts"]["gemm"]["status"] == "ok"
-    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert left == [], "parts still running after the report stopped"
     assert "stopped before its end, after" in (out / "gpu_report.md").read_text()
