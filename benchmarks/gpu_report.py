@@ -126,6 +126,7 @@ class Budget:
 
 
 NOT_RUN = "not run: the report's time budget was spent"
+NOT_RUN_RESULT = {"status": NOT_RUN, "seconds": 0, "log": None}
 RUNNING: set[subprocess.Popen] = set()  # parts started and not yet collected: stopped with the report
 
 
@@ -497,8 +498,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="the whole report's time in seconds (default 420, 7 minutes): parts that no longer fit are "
                              "named as not run, and the suite beside them is stopped when it is spent")
     parser.add_argument("--skip", nargs="*", default=[], metavar="PART",
-                        help="parts to leave out: env gemm e2e step_b16 profile gpu_tests step_b16_autotune step_s16 "
-                             "step_l16 step_b16_b128 step_b16_b512 (the suite runs beside them while the budget lasts)")
+                        help=f"parts to leave out: {' '.join(p['name'] for p in plan(False, 1, None, Path())[0])} "
+                             "(the suite runs beside them while the budget lasts)")
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     return parser
@@ -548,13 +549,13 @@ def main(argv: list[str] | None = None) -> int:
                 suite_proc = start(suite, out, limit, cpus[4:] if len(cpus) > 6 else None)
             limit = budget.limit(part)
             if limit is None:
-                results[part["name"]] = {"status": NOT_RUN, "seconds": 0, "log": None}
+                results[part["name"]] = dict(NOT_RUN_RESULT)
                 continue
             results[part["name"]] = finish(start(part, out, limit, cpus[:4] if suite_proc and len(cpus) > 6 else None), out)
             write_report(out, results, started, command, "running")
         if suite_proc is None and (limit := budget.limit(suite)):
             suite_proc = start(suite, out, limit)
-        results["suite"] = finish(suite_proc, out) if suite_proc else {"status": NOT_RUN, "seconds": 0, "log": None}
+        results["suite"] = finish(suite_proc, out) if suite_proc else dict(NOT_RUN_RESULT)
         completed = True
     finally:
         for proc in list(RUNNING):

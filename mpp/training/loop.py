@@ -70,7 +70,8 @@ class Progress:
     evaluated: int = 0
     logged: dict[str, float] = field(default_factory=dict)
     seconds: float | None = 0.0  # None: not known (a checkpoint of an earlier mpp)
-    clock: tuple[float | None, float] = field(default=(0.0, 0.0), repr=False)  # (earlier seconds, this invocation's start)
+    earlier_seconds: float | None = field(default=0.0, init=False, repr=False)  # up to the checkpoint resumed from
+    started: float = field(default=0.0, init=False, repr=False)  # this invocation's start (time.perf_counter)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged, "seconds": self.seconds}
@@ -82,14 +83,13 @@ class Progress:
 
     def start_clock(self) -> None:
         """This invocation trains from here: its seconds add to those of the checkpoint it resumed from, if any."""
-        self.clock = (self.seconds, time.perf_counter())
+        self.earlier_seconds, self.started = self.seconds, time.perf_counter()
 
     def record(self, results: dict[str, float]) -> None:
         """What a checkpoint of this step keeps beside the weights: the scalars logged and the seconds trained."""
         self.logged = dict(results)
-        earlier, started = self.clock
-        if earlier is not None:
-            self.seconds = earlier + time.perf_counter() - started
+        if self.earlier_seconds is not None:
+            self.seconds = self.earlier_seconds + time.perf_counter() - self.started
 
 
 @dataclass
@@ -214,7 +214,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.update(results)
 
     save_final_weights(accelerator, scored, output_dir, resume_hint)
-    return Trained(results, progress.clock[0])
+    return Trained(results, progress.earlier_seconds)
 
 
 def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):

@@ -78,17 +78,16 @@ class StopOnSignal:
     def __exit__(self, exc_type, *exc) -> None:
         if self.previous:
             signal.setitimer(signal.ITIMER_REAL, 0)
+        # Stopped on a signal (this process's, or another rank's), or finished after one: the process is on its way
+        # out, and a signal that comes after the loop (the kernel's SIGTERM when a one-process launcher has died of
+        # the first; the elastic agent's to the other ranks when one exits) must not kill it before it has said how
+        # to continue and exited with its own status. SIG_IGN, not a handler that does nothing: Python puts the
+        # default back in place of its own handlers as the interpreter shuts down, and a SIGTERM then (a rank's
+        # teardown takes a moment) turned its 75 into death by the signal.
+        stopped = self.requested or exc_type is Preempted
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        if self.previous and (self.requested or exc_type is Preempted):
-            # Stopped on a signal (this process's, or another rank's), or finished after one: the process is on its
-            # way out, and a signal that comes after the loop (the kernel's SIGTERM when a one-process launcher has
-            # died of the first; the elastic agent's to the other ranks when one exits) must not kill it before it
-            # has said how to continue and exited with its own status. SIG_IGN, not a handler that does nothing:
-            # Python puts the default back in place of its own handlers as the interpreter shuts down, and a
-            # SIGTERM then (a rank's teardown takes a moment) turned its 75 into death by the signal.
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, signal.SIG_IGN)
+            ignored = stopped and sig in (signal.SIGTERM, signal.SIGUSR1)
+            signal.signal(sig, signal.SIG_IGN if ignored else handler)
         if self.pending is not None and exc_type is None:
             # Every rank posted the last step's all-reduce, so it completes; a process that destroyed its process
             # groups with it still in flight aborted in gloo ("terminate called without an active exception"), seen
