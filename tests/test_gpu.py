@@ -51,7 +51,7 @@ def stepper(tmp_path, model, **train):
     schedule = build_schedule(optimizer, cfg)
 
     def step(batch: Batch, forward=None):
-        return train_step(accelerator, prepared, forward or prepared, optimizer, schedule, [batch], cfg.clip_grad_norm)
+        return train_step(accelerator, prepared, prepared if forward is None else forward, optimizer, schedule, [batch], cfg.clip_grad_norm)
 
     return step, accelerator, prepared, optimizer
 
