@@ -209,7 +209,8 @@ def test_a_directory_of_tars_prepare_did_not_write_is_refused_without_promising_
                               f"read them with the new shards; choose an empty output directory (--out)")
 
 
-def test_missing_and_empty_sources_are_refused(tmp_path):
+def test_missing_and_empty_sources_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # a mistyped path is refused without the hub's library
     with pytest.raises(FileNotFoundError, match="does not exist"):
         prepare.run(str(tmp_path / "nowhere" / "images"), str(tmp_path / "out"))
     (tmp_path / "empty").mkdir()

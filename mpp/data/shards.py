@@ -1085,9 +1085,8 @@ def hf_samples(name_or_path: str | os.PathLike, split: str = "train", image_key:
     The image column is the datasets.Image feature and the label the ClassLabel one, unless named.
     Stored JPEGs are kept as they are; other images are re-encoded as RGB JPEG (quality 95).
     """
-    import datasets  # slow to import; only this source needs it
-
     ds = _load_hf(str(name_or_path), split)
+    import datasets  # slow to import; only this source needs it, and a mistyped path is refused before it
     image_key = image_key or _pick_column(_columns_of(ds, datasets.Image), "image", name_or_path)
     if not isinstance(ds.features.get(image_key), datasets.Image):
         raise SourceError(f"column '{image_key}' of {name_or_path} is not an image column; pass one of {_columns_of(ds, datasets.Image)}")
@@ -1124,11 +1123,11 @@ class _Rows:
 
 
 def _load_hf(name: str, split: str):
-    import datasets
-
     path = Path(name).expanduser()
     if not path.exists() and (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1):
         raise SourceNotFoundError(f"{name} does not exist; pass an existing path or a Hugging Face dataset name such as uoft-cs/cifar10")
+    import datasets
+
     if path.is_dir() and is_saved_dataset(path):
         loaded = datasets.load_from_disk(str(path))
     else:
