@@ -511,8 +511,9 @@ def main(argv: list[str] | None = None) -> int:
 
     missing = missing_imports()
     if missing:
-        print(f"error: missing Python packages: {', '.join(missing)} (install them, or from a wheelhouse: "
-              f"pip install --no-index --find-links WHEELHOUSE {' '.join(missing)}; README.md, 'Measuring a GPU')", file=sys.stderr)
+        print(f"error: missing Python packages: {', '.join(missing)} (install them; without network, carry them as "
+              f"wheels, install with pip install --no-index --no-deps --target DIR and set PYTHONPATH=DIR: README.md, "
+              f"'Measuring a GPU')", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
