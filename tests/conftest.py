@@ -26,6 +26,7 @@ TINY = ["model.name=vit_ti", "model.width=64", "model.depth=2", "model.heads=2",
 # (`accelerate launch --cpu` sets ACCELERATE_USE_CPU; mpp.runtime.cuda_in_use reads it).
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
 GPU = torch.cuda.is_available()
+ENVIRONMENT_BEFORE_THE_PIN = {name: os.environ.get(name) for name in CPU_ONLY}  # what a `gpu` test runs with
 
 # `accelerate launch` as this interpreter's module, on a free port: the suite's files run in two test processes
 # (pyproject's addopts), whose two-process runs would otherwise both take Accelerate's default port 29500.
@@ -41,17 +42,29 @@ def cpu_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cpu_for_the_files_shared_runs():
+    """The runs a file's module-scoped fixtures train once for its tests train on the CPU too: pytest builds them
+    before any test's own fixtures, so `device_of_the_test` alone would leave them on a machine's GPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in CPU_ONLY.items():  # the CUDA runtime read CUDA_VISIBLE_DEVICES when GPU was computed
+            patch.setenv(name, value)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def device_of_the_test(request, monkeypatch):
     """The device a test means. A test marked `gpu` trains on the GPU (and is skipped without one); every other test
     tests CPU semantics (exact equality after training, thread counts, fp32 or CPU bf16 tolerances) and trains on
-    the CPU, in this process and in the processes it starts, also on a machine with a GPU."""
+    the CPU, in this process and in the processes it starts, also on a machine with a GPU (the module's pin above)."""
     if request.node.get_closest_marker("gpu") is not None:
         if not GPU:
             pytest.skip("needs a CUDA GPU")
-    else:
-        for name, value in CPU_ONLY.items():  # the CUDA runtime read CUDA_VISIBLE_DEVICES when GPU was computed
-            monkeypatch.setenv(name, value)
+        for name, value in ENVIRONMENT_BEFORE_THE_PIN.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
     yield
 
 
