@@ -113,7 +113,7 @@ def test_export_stage_writes_a_fine_tuned_run_as_a_classifier(tmp_path, make_sha
     theirs, complaints = load_quietly(transformers.ViTForImageClassification.from_pretrained, tmp_path / "hf")
     assert complaints == [] and theirs.config.id2label == dict(enumerate(names))
     assert theirs.config.label2id == {name: i for i, name in enumerate(names)}
-    classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"))
+    classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"), device="cpu")
     predictions = classify(Image.new("RGB", (16, 16), (200, 30, 30)), top_k=3)
     assert len(predictions) == 3 and {p["label"] for p in predictions} <= set(names)  # real names, not LABEL_3
 

@@ -118,6 +118,16 @@ def test_keep_best_picks_the_step_of_the_highest_score_not_the_last():
     assert restored.best == [4, 0.9]
 
 
+def test_predict_keeps_to_the_cpu_it_is_told_to_use_on_a_machine_with_a_gpu(colour_run, monkeypatch, capsys):
+    import launch
+
+    tmp_path, _ = colour_run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as there; conftest exports ACCELERATE_USE_CPU=true
+    image = next((tmp_path / "photos" / "val").rglob("*.png"))
+    assert launch.main(["predict", "--ckpt", str(tmp_path / "run" / "best.safetensors"), str(image)]) == 0
+    assert "for 1 image(s) on cpu" in capsys.readouterr().err
+
+
 def test_predict_a_folder_with_an_unreadable_file(colour_run, capsys):
     import launch
 
@@ -168,7 +178,7 @@ def test_the_exported_pipeline_predicts_what_mpp_predicts_on_non_square_images(c
     assert launch.main(["predict", "--ckpt", str(tmp_path / "run"), *map(str, images), "--top-k", "3",
                         "--out", str(tmp_path / "ours.json")]) == 0
     ours = {r["image"]: r["top"] for r in json.loads((tmp_path / "ours.json").read_text())["predictions"]}
-    classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"))
+    classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"), device="cpu")
     for image in images:
         theirs = classify(Image.open(image), top_k=3)
         assert Image.open(image).width != Image.open(image).height

@@ -19,6 +19,7 @@ from mpp.config import Config
 from mpp.data.stream import EvalTransform, upright
 from mpp.errors import UserError
 from mpp.model.objectives import Classification, finetuning_head
+from mpp.training.runtime import cuda_in_use
 from .export import class_names
 
 FORMATS = (".csv", ".json")
@@ -91,7 +92,7 @@ def run(cfg: Config, *, ckpt: str, inputs: list[str], top_k: int = 5, out: str |
     if top_k < 1:
         raise PredictError(f"--top-k must be at least 1, got {top_k}")
     files = image_files(inputs)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if cuda_in_use() else "cpu")  # `accelerate launch --cpu` keeps it on the CPU
     model = classifier(cfg, ckpt).to(device)
     classes = model.head.out_features
     names = class_names(cfg) or {}
