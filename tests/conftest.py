@@ -43,9 +43,14 @@ def cpu_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cpu_for_the_files_shared_runs():
+def cpu_for_the_files_shared_runs(request):
     """The runs a file's module-scoped fixtures train once for its tests train on the CPU too: pytest builds them
-    before any test's own fixtures, so `device_of_the_test` alone would leave them on a machine's GPU."""
+    before any test's own fixtures, so `device_of_the_test` alone would leave them on a machine's GPU. A file of
+    `gpu` tests (its `pytestmark`) is left as it is."""
+    marks = getattr(request.module, "pytestmark", [])
+    if any(mark.name == "gpu" for mark in (marks if isinstance(marks, list) else [marks])):
+        yield
+        return
     with pytest.MonkeyPatch.context() as patch:
         for name, value in CPU_ONLY.items():  # the CUDA runtime read CUDA_VISIBLE_DEVICES when GPU was computed
             patch.setenv(name, value)
