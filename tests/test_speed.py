@@ -211,13 +211,14 @@ def test_cpu_threads_follow_the_config_or_share_the_cpus(monkeypatch, tmp_path):
 @pytest.mark.parametrize("exported, spin", [(None, "0"), ("ACTIVE", "30000000000")], ids=["default", "user-exported"])
 def test_the_command_line_makes_openmp_threads_sleep_rather_than_spin(exported, spin):
     # Spinning threads made the main job 20x slower when other jobs shared its 2 cores. OpenMP reads its wait policy
-    # once, as torch loads it: importing the command line must set it first. libgomp (torch's OpenMP on Linux)
-    # prints its settings with OMP_DISPLAY_ENV; GOMP_SPINCOUNT is 0 under the passive policy, 300000 when unset.
+    # once, as torch loads it: importing the command line, which loads torch only later for a stage, must set it
+    # first. libgomp (torch's OpenMP on Linux) prints its settings with OMP_DISPLAY_ENV; GOMP_SPINCOUNT is 0 under the
+    # passive policy, 300000 when unset.
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "VERBOSE"}
     if exported:
         env["OMP_WAIT_POLICY"] = exported
-    shown = subprocess.run([sys.executable, "-c", "import pipelines.cli"], cwd=ROOT, env=env, capture_output=True,
-                           text=True, check=True).stderr
+    shown = subprocess.run([sys.executable, "-c", "import pipelines.cli; import torch"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, check=True).stderr
     if "GOMP_SPINCOUNT" not in shown:
         pytest.skip("torch here does not use GNU OpenMP, whose settings this test reads")
     assert f"GOMP_SPINCOUNT = '{spin}'" in shown, shown  # the user's own setting wins
