@@ -47,8 +47,7 @@ def cpu_for_the_files_shared_runs(request):
     """The runs a file's module-scoped fixtures train once for its tests train on the CPU too: pytest builds them
     before any test's own fixtures, so `device_of_the_test` alone would leave them on a machine's GPU. A file of
     `gpu` tests (its `pytestmark`) is left as it is."""
-    marks = getattr(request.module, "pytestmark", [])
-    if any(mark.name == "gpu" for mark in (marks if isinstance(marks, list) else [marks])):
+    if request.node.get_closest_marker("gpu") is not None:  # the module node carries its pytestmark
         yield
         return
     with pytest.MonkeyPatch.context() as patch:
