@@ -1,5 +1,7 @@
 import os
 import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -21,6 +23,17 @@ CONFIGS = sorted(set(ROOT.glob("configs/**/*.yaml")) - set(COMPARE_CONFIGS))
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     load_config(path)
+
+
+def test_the_library_loads_every_shipped_run_config_without_the_pipelines():
+    # A user scripting with `mpp` alone (no command line) reads the shipped configs: the library registers its own
+    # parts' settings on import. A child process, since this one imported the pipelines (conftest).
+    code = ("import sys, mpp.config\n"
+            f"for path in {[str(p) for p in CONFIGS]!r}: mpp.config.load_config(path)\n"
+            "assert not any(name == 'pipelines' or name.startswith(('pipelines.', 'mpp.pipelines')) for name in sys.modules)\n"
+            "assert 'torch' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("path", COMPARE_CONFIGS, ids=lambda p: p.name)
