@@ -343,7 +343,7 @@ def resumable_keys() -> set[str]:
 
 
 def config_reference() -> list[tuple[str, str, str]]:
-    """(key, default as JSON, description) of every setting: what `--help` lists and README's config reference shows."""
+    """(key, default as JSON, description) of every setting: what `--help` lists and docs/reference.md shows."""
     return [(key, json.dumps(field.get_default(call_default_factory=True)), field.description) for key, field in settings()]
 
 
@@ -369,7 +369,7 @@ def _explain(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         prefix = "".join(f"{p}." for p in loc[:-1])
         hint = _closest_key(_section_at(loc[:-1]), prefix, str(loc[-1]))
-        return f"unknown config key '{key}'{hint}; see the config reference in README.md"
+        return f"unknown config key '{key}'{hint}; see docs/reference.md or --help"
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "value_error":  # our own validators already name the keys and the fix
         return msg

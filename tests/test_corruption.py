@@ -3,7 +3,8 @@ import torch
 from mpp.model.vit import build_vit
 from mpp.model.objectives import (KEEP, MASK, RANDOM, MaskedPatchPrediction, normalize, num_corrupted,
                                   random_rectangles, apply_corruption, draw_corruption)
-from mpp.model.targets import Color4x4, MeanColor, Pixels
+from mpp.config import load_config
+from mpp.model.registry import TARGETS
 
 
 def corrupt_patches(tokens, mask_embedding, rate, mask_prob, random_prob, masking="random"):
@@ -63,7 +64,8 @@ def test_random_sources_cover_other_images():
 
 
 def tiny_objective(target="color"):
-    return MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), target={"color": MeanColor, "color4x4": Color4x4, "pixels": Pixels}[target](4))
+    settings = load_config(None, [f"mpp.target={target}"]).mpp  # the target as a run builds it, from its registry entry
+    return MaskedPatchPrediction(build_vit("vit_ti", 16, 4, width=32, depth=1, heads=2), target=TARGETS[target].build(4, settings))
 
 
 def test_mask_embedding_is_learned():
@@ -108,7 +110,7 @@ def test_head_at_corrupted_positions_equals_masked_full_head():
 
 
 def test_every_target_trains_end_to_end():
-    for target in ("color", "color4x4", "pixels"):
+    for target in TARGETS:  # every registered target, a contributor's new one included
         obj = tiny_objective(target)
         out = obj(torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8))
         out.loss.backward()

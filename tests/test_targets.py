@@ -149,7 +149,7 @@ def test_a_registered_target_shows_everywhere(tmp_path, make_shards, monkeypatch
                                     "mpp.target=gray", "mpp.gray_gamma=0.5", "train.steps=4", "train.warmup_steps=1",
                                     "train.batch_size=8", "log.every=2"]))
     shows = where_metrics_show(tmp_path / "run", "pretrain")
-    # Its own setting: in the config reference (what --help and README's check list), an HParams column, config.yaml.
+    # Its own setting: in the config reference (--help and docs/reference.md), an HParams column, config.yaml.
     assert ("mpp.gray_gamma", "1.0", GraySettings.model_fields["gray_gamma"].description) in config_reference()
     assert "mpp.gray_gamma" in shows["columns"] and shows["values"]["mpp.gray_gamma"] == 0.5
     assert load_config(tmp_path / "run" / "config.yaml").mpp.gray_gamma == 0.5
