@@ -11,14 +11,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# Custom Scalars categories, in the order TensorBoard shows them: how the model does first, how the run runs last.
-TRAINING, VALIDATION, EVALUATION, KNN, PROBE, FEWSHOT = ("training", "pretext validation", "evaluation", "kNN evaluation",
-                                                         "linear probe", "few-shot evaluation")
-INSPECTION = "inspection"  # what the model has learnt to attend to (pipelines/inspection.py)
-OPTIMISATION, SPEED, DATA = "optimisation", "speed", "data"
-CATEGORIES = (TRAINING, VALIDATION, EVALUATION, KNN, PROBE, FEWSHOT, INSPECTION, OPTIMISATION, SPEED, DATA)
-MODEL_CATEGORIES = CATEGORIES[:7]  # what measures the model (results.json's final metrics), not the run
-HELD_OUT_FIRST = (EVALUATION, VALIDATION, KNN, PROBE, FEWSHOT, TRAINING, INSPECTION)  # the order a model card lists them in
+@dataclass(frozen=True)
+class Category:
+    """A group of charts in TensorBoard's Custom Scalars, declared by the part that logs into it: its title, its place
+    among the groups (by `order`: how the model does first, how the run runs last) and, for a group that measures the
+    model rather than the run, its rank among results.json's final metrics and a model card's (held-out scores first)."""
+
+    title: str
+    order: int
+    card_rank: int | None = None  # None: the run's own measures (speed, data, optimisation), left out of a model's results
+
+
+# The groups more than one part logs into; a part with a group of its own declares it beside its metrics.
+TRAINING = Category("training", order=10, card_rank=50)
+VALIDATION = Category("pretext validation", order=20, card_rank=10)
+EVALUATION = Category("evaluation", order=30, card_rank=0)
 
 # Tags that more than one module reads (the loop writes them, the report or a test reads them back).
 LR = "train/lr"
@@ -34,7 +41,7 @@ class Metric:
     """One logged scalar and where it shows."""
 
     tag: str  # the TensorBoard tag, e.g. "train/loss"
-    category: str  # its Custom Scalars category, one of CATEGORIES
+    category: Category  # its Custom Scalars group
     chart: str  # the chart's title within the category; metrics with one title are drawn on one chart
     headline: bool = False  # one of the few numbers that tell runs apart: an HParams metric column
     bar: str | None = None  # its label in the progress bar, if it is shown there
@@ -54,17 +61,17 @@ def split_metric(split: str, name: str, chart: str, held_out: str = "held-out im
 
 
 def layout(metrics: Iterable[Metric]) -> dict[str, dict[str, list[str]]]:
-    """{category: {chart title: [tag regexes]}} in CATEGORIES' order, each chart's tags in declaration order."""
-    charts: dict[str, dict[str, list[str]]] = {category: {} for category in CATEGORIES}
+    """{category title: {chart title: [tag regexes]}} in the categories' order, each chart's tags in declaration order."""
+    charts: dict[Category, dict[str, list[str]]] = {}
     for metric in metrics:
-        charts[metric.category].setdefault(metric.chart, []).append(f"^{metric.tag}$")
-    return {category: group for category, group in charts.items() if group}
+        charts.setdefault(metric.category, {}).setdefault(metric.chart, []).append(f"^{metric.tag}$")
+    return {category.title: charts[category] for category in sorted(charts, key=lambda c: c.order)}
 
 
 def model_metrics(metrics: Iterable[Metric], values: dict[str, float]) -> dict[str, float]:
     """The values of the metrics that measure the model (not the run's speed or data): held-out scores first, then
-    the training ones, each group in declaration order."""
-    held_out_first = sorted((m for m in metrics if m.category in MODEL_CATEGORIES), key=lambda m: HELD_OUT_FIRST.index(m.category))
+    the training ones (by their category's card_rank), each group in declaration order."""
+    held_out_first = sorted((m for m in metrics if m.category.card_rank is not None), key=lambda m: m.category.card_rank)
     return {m.tag: values[m.tag] for m in held_out_first if m.tag in values}
 
 

@@ -5,7 +5,7 @@ from pydantic import Field
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import ConfigError, Section, config_reference, load_config
-from mpp.metrics import EVALUATION, Metric
+from mpp.metrics import Category, Metric
 from pipelines.evaluations import evaluators
 from pipelines.stages import pretrain
 from pipelines.evaluations.evaluators import Stage, build_evaluators
@@ -19,12 +19,16 @@ class WidthProbeConfig(Section):
     every: int = Field(0, ge=0, description="Record the backbone's width every N steps (0 = off).")
 
 
+# A chart group of its own, declared beside the metric that logs into it: between evaluation (30) and kNN (40).
+WIDTH_PROBE = Category("width probe", order=35, card_rank=5)
+
+
 class Probe:
     """A test-local evaluator: records what it was built for and the steps it ran at, and declares what it scores."""
 
     built: list[Stage] = []
     steps: list[int] = []
-    metrics = (Metric("probe/width", EVALUATION, "width of the backbone", headline=True),)
+    metrics = (Metric("probe/width", WIDTH_PROBE, "width of the backbone", headline=True),)
 
     def __init__(self, cfg, accelerator, stage):
         Probe.built.append(stage)
@@ -51,7 +55,8 @@ def test_a_registered_evaluator_runs_during_pretraining_and_shows_everywhere(tmp
     events = next((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents*"))
     assert [e.step for e in EventAccumulator(str(events.parent)).Reload().Scalars("probe/width")] == [2, 4, 6]
     shows = where_metrics_show(tmp_path / "run", "pretrain")
-    assert shows["charts"]["evaluation"] == ["probe/width"] and "probe/width" in shows["hparams"]
+    assert shows["charts"]["width probe"] == ["probe/width"] and "probe/width" in shows["hparams"]
+    assert list(shows["charts"]).index("width probe") == list(shows["charts"]).index("training") + 1  # by its order
     assert shows["results"]["final"]["probe/width"] == 64
     assert "probe/width 64" in exported_card(tmp_path / "run", tmp_path / "hf")
 

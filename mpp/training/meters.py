@@ -19,9 +19,13 @@ from tqdm.auto import tqdm
 
 from mpp.data.stream import Batch, DataError
 from mpp.errors import UserError
-from mpp.metrics import DATA, LR, OPTIMISATION, SPEED, Metric
+from mpp.metrics import LR, Category, Metric
 from mpp.training.runtime import available_cpus
 
+# The run's own measures, after the model's in TensorBoard and left out of its results.
+OPTIMISATION = Category("optimisation", order=80)
+SPEED = Category("speed", order=90)
+DATA = Category("data", order=100)
 SKIP_REASONS = ("missing_image", "undecodable_image", "unreadable_shard", "bad_label")
 GRAD_NORM, NONFINITE_STEPS = "train/grad_norm", "train/nonfinite_steps"
 # Under train/, after its other tags: TensorBoard's Time Series sorts tags by name, groups them by their first part

@@ -9,10 +9,13 @@ from accelerate import Accelerator
 from mpp.config import Config
 from mpp.evaluation.ridge import check_pool, few_shot_accuracy
 from mpp.evaluation.baselines import beside
-from mpp.metrics import FEWSHOT, Metric
+from mpp.metrics import Category, Metric
 from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
+
+
+FEWSHOT = Category("few-shot evaluation", order=60, card_rank=40)
 
 
 class FewShot(FrozenFeatureEvaluator):

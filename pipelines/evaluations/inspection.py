@@ -17,7 +17,7 @@ from mpp.config import Config
 from mpp.evaluation.ridge import LabelledImages
 from mpp.evaluation.views import (attention_distance, attention_rollout, patch_distances, patch_filters,
                             position_similarity, rollout_to_patches)
-from mpp.metrics import INSPECTION, Metric
+from mpp.metrics import Category, Metric
 from mpp.model.vit import VisionTransformer, normalize
 from mpp.training.trackers import log_image
 from .frozen import evaluate_checkpoint
@@ -26,6 +26,9 @@ from ..run.loaders import eval_batches
 DISTANCE_FIRST, DISTANCE_LAST = "inspect/attention_distance_first", "inspect/attention_distance_last"
 POOLINGS = {"cls": "[class] token", "mean": "mean of patches"}  # the outputs the rollout is drawn to
 FOLDER = "inspect"  # what `mpp inspect` writes in output_dir
+
+
+INSPECTION = Category("inspection", order=70, card_rank=60)  # what the model has learnt to attend to
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,13 @@ from accelerate import Accelerator
 from mpp.config import Config
 from mpp.evaluation.baselines import beside
 from mpp.evaluation.neighbours import knn_accuracy
-from mpp.metrics import KNN, KNN_TOP1, Metric
+from mpp.metrics import KNN_TOP1, Category, Metric
 from mpp.model.vit import VisionTransformer
 from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
+
+
+KNN = Category("kNN evaluation", order=40, card_rank=20)
 
 
 class Knn(FrozenFeatureEvaluator):

@@ -7,11 +7,14 @@ from accelerate import Accelerator
 
 from mpp.config import Config
 from mpp.evaluation.baselines import beside
-from mpp.metrics import PROBE, PROBE_TOP1, Metric
+from mpp.metrics import PROBE_TOP1, Category, Metric
 from mpp.model.vit import VisionTransformer
 from mpp.evaluation.linear_probe import linear_probe_accuracy
 from ..run.loaders import FrozenFeatureSets
 from .frozen import FrozenFeatureEvaluator, evaluate_checkpoint
+
+
+PROBE = Category("linear probe", order=50, card_rank=30)
 
 
 class LinearProbe(FrozenFeatureEvaluator):
