@@ -114,3 +114,9 @@ def test_wandb_without_a_key_or_mode_logs_offline_under_the_run_and_says_so(tmp_
             f"{wandb_dir}; `wandb sync {wandb_dir}/offline-run-*` uploads it") in capsys.readouterr().out
     (record,) = wandb_dir.glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads
     assert record.stat().st_size > 0
+
+
+def test_a_wandb_key_of_the_wrong_form_is_one_line(tmp_path, capsys):
+    os.environ["WANDB_API_KEY"] = "abc"
+    line, _ = stops_before_training(tmp_path, capsys, "log.trackers=[wandb]")
+    assert line.startswith("error: W&B: WANDB_API_KEY invalid") and "`wandb login`" in line
