@@ -253,7 +253,7 @@ class TrainConfig(Section):
 class LogConfig(Section):
     every: int = Field(10, gt=0, description="Log scalars to TensorBoard every N steps.", json_schema_extra=RESUMABLE)
     images_every: int = Field(200, gt=0, description="Log the image panel (crops, corrupted view, true and predicted colours) every N steps.", json_schema_extra=RESUMABLE)
-    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(["tensorboard"], description="Where the scalars, images, config and final metrics go, through Accelerate's integrations: tensorboard (always, under output_dir/tensorboard), mlflow (its MLFLOW_TRACKING_URI, e.g. file:///path/mlruns) and wandb (its project = the stage, WANDB_MODE=offline for no account); each needs its package installed. output_dir/log.txt gets one JSON line per logged step in any case.", json_schema_extra=RESUMABLE)
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(["tensorboard"], description="Where the scalars, images, config and final metrics go, through Accelerate's integrations: tensorboard (always, under output_dir/tensorboard), mlflow (its MLFLOW_TRACKING_URI, an http(s) server or file:///path/mlruns; unset: output_dir/mlruns) and wandb (its project = the stage; without an API key or WANDB_MODE, offline under output_dir/wandb); each needs its package installed. output_dir/log.txt gets one JSON line per logged step in any case.", json_schema_extra=RESUMABLE)
 
     @field_validator("trackers")
     @classmethod

@@ -20,7 +20,7 @@ from torch import nn
 
 from mpp.errors import UserError
 from mpp.rundir import LOG_LINES, TENSORBOARD
-from mpp.training.trackers import JsonLines, check_installed
+from mpp.training.trackers import JsonLines, check_trackers
 
 # Inductor generates GPU code with Triton, which needs compute capability 7.0 (Volta) or newer.
 MIN_TRITON_CAPABILITY = (7, 0)
@@ -123,7 +123,7 @@ def make_accelerator(cfg, output_dir: str | Path, trackers: Sequence[str] = ("te
     """The Accelerator of a run under `cfg` (a TrainConfig), logging to `trackers` (log.trackers) and log.txt.
     Accelerate keeps the precision in its per-process state, set by the process's first Accelerator: stages that run
     in one process must agree on it (compare checks)."""
-    check_installed(list(trackers))
+    check_trackers(list(trackers))
     device = Device.this_process()
     precision = resolve_precision(cfg.mixed_precision, device)
     project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / TENSORBOARD))

@@ -3,13 +3,23 @@ integrations, and log.txt in the run directory, one JSON line of scalars per log
 
 Scalars reach every tracker through `accelerator.log`; images through `log_image`; the config and the final metrics
 through pipelines/tracking.py.
+
+MLflow and W&B are checked before a run starts (`check_trackers`: a store the installed MLflow cannot open or an
+MLflow server that does not answer, a W&B told to go online without a key, each one line) and given their place
+when it starts (`external_tracker_settings`): MLflow its MLFLOW_TRACKING_URI, else a store under the run; W&B online
+with a key, else offline under the run unless WANDB_MODE says otherwise.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import ssl
+import urllib.error
+import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 from accelerate import Accelerator
@@ -29,6 +39,123 @@ def check_installed(trackers: list[str]) -> None:
         packages = " ".join(TRACKERS[name][1].split(" ")[0] for name in missing)
         raise UserError(f"log.trackers names {', '.join(missing)}, whose package is not installed: pip install {packages} "
                         f"(or leave {'it' if len(missing) == 1 else 'them'} out of log.trackers)")
+
+
+# How long a run waits for the MLflow server of an http(s) MLFLOW_TRACKING_URI to answer before it stops: MLflow's own
+# retries would wait minutes on a server that is not there, before the run's first step.
+SERVER_PROBE_TIMEOUT_S = 5.0
+
+# Where a run's own MLflow store goes, under its output_dir, when MLFLOW_TRACKING_URI is not set.
+RUN_MLFLOW_STORE = "mlruns"
+
+
+def check_trackers(trackers: list[str]) -> None:
+    """Before a run starts, one line for each tracker that could not log: its package missing (check_installed), an
+    MLFLOW_TRACKING_URI the installed MLflow cannot open or whose server does not answer, a W&B key of the wrong form
+    or WANDB_MODE=online without a key."""
+    check_installed(trackers)
+    if "mlflow" in trackers and (uri := os.environ.get("MLFLOW_TRACKING_URI")):
+        check_mlflow_store(uri)
+    mode = os.environ.get("WANDB_MODE")
+    if "wandb" in trackers and mode in (None, "online"):  # W&B would log in: a key of the wrong form is one line here
+        if not wandb_logged_in() and mode == "online":
+            raise UserError("WANDB_MODE=online, but W&B has no API key: run `wandb login` (or set WANDB_API_KEY), or "
+                            "set WANDB_MODE=offline to keep the run under its output_dir/wandb and `wandb sync` it later")
+
+
+def check_mlflow_store(uri: str) -> None:
+    """The user's MLFLOW_TRACKING_URI is a store the installed MLflow opens (MLflow's own client decides, so a
+    plugin's scheme counts) and, for a server, one that answers within SERVER_PROBE_TIMEOUT_S."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    allow_file_store(uri)
+    try:
+        MlflowClient(uri)
+    except MlflowException:
+        raise UserError(f"MLFLOW_TRACKING_URI={shown(uri)} is not a store the installed MLflow can open: set it to an MLflow "
+                        f"server (http://HOST:PORT) or a folder (file:///path/mlruns), or unset it to log under the "
+                        f"run's output_dir/{RUN_MLFLOW_STORE} (a database store such as sqlite: needs the full "
+                        f"`pip install mlflow`, not mlflow-skinny)") from None
+    if urlsplit(uri).scheme in ("http", "https"):
+        probe_server(uri)
+
+
+def probe_server(uri: str) -> None:
+    """One request to the MLflow server at `uri`: any HTTP answer will do (the run's own calls then say what the
+    server thinks of them); none within SERVER_PROBE_TIMEOUT_S is one line. Goes through the proxies the environment
+    names, as MLflow's requests do; the certificate is MLflow's to check (MLFLOW_TRACKING_INSECURE_TLS)."""
+    parts = urlsplit(uri)
+    root = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/"  # without user:password@, which urllib cannot take
+    unchecked = ssl.create_default_context()
+    unchecked.check_hostname, unchecked.verify_mode = False, ssl.CERT_NONE
+    try:
+        urllib.request.urlopen(root, timeout=SERVER_PROBE_TIMEOUT_S, context=unchecked).close()
+    except urllib.error.HTTPError:
+        pass  # the server answered
+    except (OSError, ValueError) as error:  # URLError, refused, timed out; ValueError: no host in the URI
+        reason = getattr(error, "reason", error)
+        raise UserError(f"no MLflow server answered at MLFLOW_TRACKING_URI={shown(uri)} within {SERVER_PROBE_TIMEOUT_S:g} s "
+                        f"({reason}): start it (`mlflow server --host HOST --port PORT`) or fix the URI, or unset it "
+                        f"to log under the run's output_dir/{RUN_MLFLOW_STORE}") from None
+
+
+def shown(uri: str) -> str:
+    """`uri` as a message shows it: a password in it as ***."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return parts._replace(netloc=f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}").geturl()
+
+
+def allow_file_store(uri: str) -> None:
+    """MLflow 3 refuses a folder store (`file:` or a bare path) unless MLFLOW_ALLOW_FILE_STORE=true, and
+    mlflow-skinny has no other local store: a run asked for one (the user's URI) or chose it (none set), so this
+    process opens the gate, before MLflow reads it."""
+    if urlsplit(uri).scheme in ("", "file"):
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+
+
+def wandb_logged_in() -> bool:
+    """Whether W&B has an API key (WANDB_API_KEY, `wandb login`'s netrc), asking no one: no prompt, no server."""
+    import wandb
+
+    try:
+        return wandb.login(verify=False, prompt=False)
+    except wandb.errors.Error as error:
+        raise UserError(f"W&B: {error} Run `wandb login` (or fix WANDB_API_KEY), or set WANDB_MODE=offline") from None
+
+
+def external_tracker_settings(accelerator: Accelerator, trackers: list[str], output_dir: str | Path) -> dict[str, dict]:
+    """The MLflow and W&B settings of a run starting in `output_dir` (Accelerate's init_kwargs), saying where it logs
+    when the environment did not say:
+
+    MLflow logs to MLFLOW_TRACKING_URI, else to a folder store at output_dir/mlruns (the one store mlflow-skinny
+    opens); the store is this process's tracking URI from here on. W&B logs as its environment says, and with no API
+    key and no WANDB_MODE offline under output_dir/wandb (what `wandb sync` uploads), rather than stopping a run
+    over where its copy of the numbers goes: the run keeps every number either way.
+    """
+    out = Path(output_dir).resolve()
+    settings = {"wandb": {"name": out.name, "dir": str(out)}, "mlflow": {"run_name": out.name}}
+    if "mlflow" in trackers:
+        import mlflow
+
+        chosen = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = chosen or (out / RUN_MLFLOW_STORE).as_uri()
+        allow_file_store(uri)
+        mlflow.set_tracking_uri(uri)
+        if not chosen:
+            # set_tracking_uri exports MLFLOW_TRACKING_URI to child processes: the next stage of this process (compare)
+            # must not take this run's store for the user's.
+            del os.environ["MLFLOW_TRACKING_URI"]
+            accelerator.print(f"MLflow: MLFLOW_TRACKING_URI is not set, so the run logs to {uri}; see it with "
+                              f"`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {uri}` (the full mlflow "
+                              f"package has the UI)")
+    if "wandb" in trackers and "WANDB_MODE" not in os.environ and not wandb_logged_in():
+        settings["wandb"]["mode"] = "offline"
+        accelerator.print(f"W&B: no API key (`wandb login` or WANDB_API_KEY) and no WANDB_MODE, so the run logs offline "
+                          f"under {out / 'wandb'}; `wandb sync {out / 'wandb'}/offline-run-*` uploads it")
+    return settings
 
 
 class JsonLines(GeneralTracker):

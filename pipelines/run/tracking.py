@@ -16,7 +16,7 @@ from mpp.config import Config, Section, config_schema, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
 from mpp.rundir import CONFIG, checkpoint_step
 from mpp.model.registry import CLASSIFICATION_SETTINGS, OBJECTIVES
-from mpp.training.trackers import log_final
+from mpp.training.trackers import external_tracker_settings, log_final
 
 
 # Set by a comparison to its output_dir while it runs its stages: their trial names in HParams are then their paths
@@ -66,9 +66,7 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     # so each curve holds every step once.
     purge = {"purge_step": checkpoint_step(resumed_from) + 1} if resumed_from else {}
     accelerator.init_trackers(run_name, init_kwargs={
-        "tensorboard": purge,
-        "wandb": {"name": Path(cfg.output_dir).name, "dir": str(cfg.output_dir)},  # its offline files in the run
-        "mlflow": {"run_name": Path(cfg.output_dir).name}})
+        "tensorboard": purge, **external_tracker_settings(accelerator, cfg.log.trackers, cfg.output_dir)})
     if not accelerator.is_main_process:
         return
     flat = dotted(cfg.model_dump(mode="json"))
