@@ -111,3 +111,108 @@ def test_where_one_set_names_no_classes_ids_are_kept_with_one_warning(tmp_path):
     cfg = finetuning(tmp_path, str(tmp_path / "ids"), named)
     with pytest.raises(DataError, match=rf"{named} labels its images by class name \('cat'\) but the training set "):
         label_reader(cfg, None, cfg.data.val_shards)
+
+
+# ---------------------------------------------------------------- image folders, read directly or prepared
+
+
+def test_hidden_folders_are_no_class_and_nested_folders_belong_to_their_class(tmp_path):
+    """Rows 92, 94: .ipynb_checkpoints/ and dog/puppies/ were classes of their own; prepare left out only the first."""
+    root = folders(tmp_path / "train", {"cat": 2, "dog": 2, ".ipynb_checkpoints": 2})
+    folders(tmp_path / "train" / "dog", {"puppies": 1})
+    urls = expand_shards(root)
+    assert len(urls) == 5 and label_space(tuple(urls)).class_names == ("cat", "dog")
+    cfg = load_config(None, [*TINY, f"data.shards={root}"])
+    assert class_names(cfg, None, root) == ("cat", "dog")  # as a run's loaders read it
+    summary = prepare.run(root, str(tmp_path / "shards"), workers=1)
+    assert summary["class_names"] == ["cat", "dog"] and summary["class_counts"] == [2, 3]
+    assert label_of(read_shards(tmp_path / "shards")["dog_puppies_0"]) == 1
+
+
+def test_a_class_folder_named_in_latin_1_is_read_without_labels_and_refused_with_them(tmp_path):
+    """Row 95: a traceback (UnicodeEncodeError) in pretraining too, which reads no labels; row 96: prepare wrote the
+    bytes as a lone surrogate into summary.json."""
+    root = folders(tmp_path / "train", {b"caf\xe9": 4, "dog": 4})
+    results = pretrain.run(load_config(None, [*TINY, *STEPS, f"data.shards={root}", f"output_dir={tmp_path / 'run'}"]))
+    assert results["skipped"] == {} or not any(results["skipped"].values())
+    reset_accelerator()
+    fix = rf"class folder {root}/caf\\xe9 has a name that is not UTF-8 text, which a class name must be; rename it"
+    with pytest.raises(DataError, match=fix):
+        finetune.run(finetuning(tmp_path, root, root), ckpt=None)
+    with pytest.raises(DataError, match=fix):
+        prepare.run(root, str(tmp_path / "shards"), workers=1)
+
+
+# ---------------------------------------------------------------- archives: ImageNet's and tars of class folders
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def class_tar(synset: str, count: int) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for i in range(count):
+            add(tar, f"{synset}_{i}.JPEG", jpeg(i))
+    return buffer.getvalue()
+
+
+SYNMAP = ["n01440764 tench, Tinca tinca", "n01443537 goldfish, Carassius auratus",
+          "n01484850 great white shark, white shark, man-eater"]
+
+
+def imagenet_archive(path, classes: dict) -> str:
+    """ILSVRC2012_img_train.tar's layout: a tar per synset (given its image count), plus macOS's ._ twin of one."""
+    with tarfile.open(path, "w") as tar:
+        for synset, count in classes.items():
+            add(tar, f"{synset}.tar", class_tar(synset, count))
+        add(tar, "._n01440764.tar", b"\x00\x05\x16\x07" * 16)
+    return str(path)
+
+
+def test_a_nested_folder_in_a_tar_of_class_folders_is_its_class(tmp_path):
+    """Row 16: val/n01440764/extra/deep.JPEG made a class 'extra' that sorted first and moved every synset id up."""
+    archive = tmp_path / "val.tar"
+    with tarfile.open(archive, "w") as tar:
+        for k, synset in enumerate(SYNMAP):
+            add(tar, f"val/{synset.split()[0]}/{k}.JPEG", jpeg(k))
+        add(tar, "val/n01440764/extra/deep.JPEG", jpeg(9))
+    summary = prepare.run(str(archive), str(tmp_path / "out"), workers=1)
+    assert summary["class_names"] == [line.split()[0] for line in SYNMAP] and summary["class_counts"] == [2, 1, 1]
+
+
+@pytest.mark.parametrize("count", [0, None])
+def test_a_missing_or_empty_class_tar_is_named_where_ids_leave_imagenets(tmp_path, count):
+    """Rows 14, 17: without n01443537's images, n01484850 became id 1 with no word."""
+    classes = {"n01440764": 2, "n01443537": count, "n01484850": 2}
+    archive = imagenet_archive(tmp_path / "train.tar", {k: v for k, v in classes.items() if v is not None})
+    with pytest.warns(UserWarning, match=r"holds images of 2 ImageNet synsets, not 1000" + ("; n01443537 holds no images"
+                                                                                            if count == 0 else ":")
+                      + r".* pass --class-names @LOC_synset_mapping.txt"):
+        summary = prepare.run(archive, str(tmp_path / "out"), workers=1)
+    assert summary["class_names"] == ["n01440764", "n01484850"]
+
+
+def test_class_names_that_begin_with_synsets_are_matched_to_the_archive_by_synset(tmp_path):
+    """Row 20: the names were taken by position, so n01484850's images were called goldfish."""
+    archive = imagenet_archive(tmp_path / "train.tar", {"n01440764": 2, "n01484850": 3})
+    with pytest.warns(UserWarning, match=r"has no images of 1 of the 3 classes --class-names lists \(n01443537\): "
+                                         r"ids follow the lines"):
+        summary = prepare.run(archive, str(tmp_path / "out"), class_names=SYNMAP, workers=1)
+    assert summary["class_names"] == SYNMAP
+    labels = {key.split("_")[0]: label_of(sample) for key, sample in read_shards(tmp_path / "out").items()}
+    assert labels == {"n01440764": 0, "n01484850": 2}
+    with pytest.raises(SourceError, match=r"has class n01484850 that no line of --class-names begins with"):
+        prepare.run(archive, str(tmp_path / "out2"), class_names=SYNMAP[:2], workers=1)
+
+
+def test_more_class_names_than_classes_by_position_are_kept_with_a_warning(tmp_path):
+    """Row 21: 1000 names for 3 classes were taken without a word."""
+    root = folders(tmp_path / "images", {"a": 1, "b": 1})
+    with pytest.warns(UserWarning, match=r"--class-names names 4 classes and folder .* has 2: ids 2 to 3 are named but "
+                                         r"have no images"):
+        summary = prepare.run(root, str(tmp_path / "out"), class_names=["ant", "bee", "cow", "dog"], workers=1)
+    assert summary["class_names"] == ["ant", "bee", "cow", "dog"]
