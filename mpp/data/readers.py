@@ -324,6 +324,8 @@ class ParquetReader(Reader):
             labels = rows[label] if label else [None] * batch.num_rows
             pictures = rows[image] if images else [None] * batch.num_rows
             for picture, value in zip(pictures, labels):
+                if isinstance(value, float) and value.is_integer():  # ids stored as floats (by pandas, beside a null)
+                    value = int(value)
                 yield (picture.get("bytes") if isinstance(picture, dict) else picture), value
 
 
@@ -338,6 +340,10 @@ def parquet_columns(schema, url: str) -> tuple[str, str | None]:
     if image is None:
         raise DataError(f"Parquet file {url} has no image column: none is called {' or '.join(PARQUET_IMAGE_COLUMNS)} "
                         f"and {len(binary)} hold bytes ({', '.join(binary) or 'none'}); name the image column 'image'")
+    if image not in binary:
+        raise DataError(f"Parquet file {url} has a column '{image}' of {schema.field(image).type} values, not encoded "
+                        f"images (bytes, or a {{bytes, path}} struct); rename it, and name the column of encoded "
+                        f"images 'image'")
     return image, next((n for n in PARQUET_LABEL_COLUMNS if n in names), None)
 
 
