@@ -207,6 +207,11 @@ def test_class_names_that_begin_with_synsets_are_matched_to_the_archive_by_synse
     assert labels == {"n01440764": 0, "n01484850": 2}
     with pytest.raises(SourceError, match=r"has class n01484850 that no line of --class-names begins with"):
         prepare.run(archive, str(tmp_path / "out2"), class_names=SYNMAP[:2], workers=1)
+    # evaluation shards prepared without the list name their classes by synset alone: told to prepare them with it
+    prepare.run(archive, str(tmp_path / "val"), workers=1)
+    with pytest.raises(DataError, match=rf"the training set's class names begin with these: prepare {tmp_path / 'val'} "
+                                        r"with the same --class-names as the training set"):
+        finetune.run(finetuning(tmp_path, str(tmp_path / "out"), str(tmp_path / "val")), ckpt=None)
 
 
 def test_more_class_names_than_classes_by_position_are_kept_with_a_warning(tmp_path):

@@ -311,6 +311,10 @@ def evaluation_labels(training: tuple[str, tuple[str, ...]], evaluation: tuple[s
         empty = [name for name in missing if os.path.isdir(os.path.join(train_spec, name))]
         why = (f"; the training folder {os.path.join(train_spec, empty[0])} holds no images" if len(empty) == 1 else
                f"; the training folders of {_listed(empty)} hold no images" if empty else "")
+        keys = {name.split(maxsplit=1)[0] for name in names if name.strip()}
+        if all(name in keys for name in missing):  # prepared with and without --class-names @LOC_synset_mapping.txt
+            why += (f"; the training set's class names begin with {'these' if len(missing) > 1 else 'this'}: prepare "
+                    f"{spec} with the same --class-names as the training set")
         raise DataError(f"{spec} holds class{'es' if len(missing) > 1 else ''} {_listed(missing)}, which the training "
                         f"set {train_spec} does not have{why} ({len(names)} classes: {_listed(names)}); a model "
                         f"trained on that set cannot score {'them' if len(missing) > 1 else 'it'}: leave "
