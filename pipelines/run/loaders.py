@@ -177,7 +177,7 @@ def label_reader(cfg: Config, accelerator: Accelerator, spec: str, labelled_by: 
     reader, warning = evaluation_labels((training, tuple(resolve_shards(training, cfg, accelerator))),
                                         (spec, tuple(resolve_shards(spec, cfg, accelerator))))
     if warning and (accelerator is None or accelerator.is_main_process):
-        warnings.warn(warning, stacklevel=2)
+        warnings.warn(warning)  # from this one line, so Python shows it once however many loaders ask
     return reader
 
 
