@@ -307,6 +307,8 @@ def add_prepare(stages) -> None:
     prepare.add_argument("--class-names", type=class_name_list, default=None, metavar="NAMES",
                          help="the names of the source's class ids 0, 1, ... (before --classes picks and relabels "
                               "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
+                              "Lines that begin with the source's own class names (ImageNet's LOC_synset_mapping.txt: "
+                              "'n01440764 tench, ...') are matched by that word instead, the ids following the file. "
                               "IDX files store none: MNIST's and Fashion-MNIST's are known when a folder or the file "
                               "name says which (mnist, fashion-mnist)")
 

@@ -115,14 +115,14 @@ def test_supervised_pretraining_skips_bad_labels_and_stops_on_too_many(tmp_path)
 
 
 def test_training_and_evaluation_shards_share_one_name_map(tmp_path):
-    """Without summaries, ids come from the names of both sets: an evaluation set that lacks a class keeps the ids."""
-    from pipelines.run.loaders import class_names
+    """Without summaries, ids come from the training set's names: an evaluation set that lacks a class keeps the ids."""
+    from pipelines.run.loaders import class_names, label_reader
 
     write_labelled(tmp_path / "train", ["zebra", "ant", "mole", "ant"], "txt")
     val = write_labelled(tmp_path / "val", ["zebra", "mole"], "txt")
     cfg = load_config(None, [f"data.shards={tmp_path / 'train'}", f"data.val_shards={tmp_path / 'val'}"])
-    names = class_names(cfg, None, cfg.data.shards, cfg.data.val_shards)
-    assert names == ("ant", "mole", "zebra")
+    names = class_names(cfg, None, cfg.data.shards)
+    assert names == ("ant", "mole", "zebra") == label_reader(cfg, None, cfg.data.val_shards).class_names
     assert stream_labels(val, class_names=names)[0] == [2, 1]
 
 
@@ -196,7 +196,7 @@ def test_a_malformed_summary_is_named_with_what_is_wrong(tmp_path, summary, comp
 
 def test_class_names_that_differ_in_case_between_sets_are_named(tmp_path):
     """Training 'cat'/'dog', evaluation 'Cat'/'Dog': the error said to set model.num_classes, which trained to 0%."""
-    from pipelines.run.loaders import class_names
+    from pipelines.run.loaders import label_reader
 
     write_labelled(tmp_path / "train", ["cat", "dog", "cat", "dog"], "txt")
     write_labelled(tmp_path / "val", ["Cat", "Dog"], "txt")
@@ -204,7 +204,7 @@ def test_class_names_that_differ_in_case_between_sets_are_named(tmp_path):
     with pytest.raises(DataError, match=rf"class names differ only in case between {tmp_path / 'train'} and "
                                         rf"{tmp_path / 'val'} \('cat' and 'Cat', 'dog' and 'Dog'\).*whatever "
                                         r"model.num_classes says"):
-        class_names(cfg, None, cfg.data.shards, cfg.data.val_shards)
+        label_reader(cfg, None, cfg.data.val_shards)
     # with a summary's names, each evaluation sample is a bad label whose message shows the other spelling
     labelled = write_labelled(tmp_path / "named", ["Cat"], "cls", class_names=["cat", "dog"])
     with pytest.raises(DataError, match=r"class name 'Cat', not one of the 2 class names of the shard set \('cat' is: "

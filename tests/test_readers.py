@@ -11,6 +11,7 @@ import torch
 from mpp.config import DataConfig, load_config
 from mpp.data.stream import EvalTransform, StreamState, TrainTransform, label_space, make_loader
 from mpp.data.readers import expand_shards
+from mpp.errors import DataError
 from mpp.data.readers import READERS, reader_for
 from mpp.data.synthetic import synthetic_image
 from pipelines.stages import pretrain
@@ -139,3 +140,27 @@ def test_supervised_pretraining_reads_an_image_folder_without_prepare(tmp_path):
                                               "objective=supervised", "train.steps=2", "train.warmup_steps=1",
                                               "train.batch_size=4"]))
     assert "train/accuracy" in results["final"]
+
+
+def test_parquet_float_labels_are_class_ids(tmp_path):
+    """Row 100: labels 0.0 to 3.0 (ids pandas stored as floats) were read as the class names '0.0', ..., and then
+    refused as names without a name map, every sample a bad label."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"image": [jpeg(i)[0] for i in range(8)], "label": [float(i % 4) for i in range(8)]}),
+                   tmp_path / "pq" / "train.parquet")
+    urls = expand_shards(str(tmp_path / "pq"))
+    assert label_space(tuple(urls)).count == 4 and label_space(tuple(urls)).class_names == ()
+    batch = next(iter(make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 8, one_pass=True)))
+    assert batch.labels.tolist() == [0, 1, 2, 3] * 2 and not any(batch.skipped.values())
+
+
+def test_a_parquet_image_column_that_holds_no_images_is_named(tmp_path):
+    """Row 102: an int column called image made every row an undecodable image ('a bytes-like object is required')."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"image": list(range(4)), "jpg": [jpeg(i)[0] for i in range(4)]}), tmp_path / "pq" / "t.parquet")
+    urls = expand_shards(str(tmp_path / "pq"))
+    with pytest.raises(DataError, match=r"t.parquet has a column 'image' of int64 values, not encoded images .*; "
+                                        r"rename it, and name the column of encoded images 'image'"):
+        next(iter(make_loader(urls, DataConfig(num_workers=0, shuffle_buffer=0), EvalTransform(8), 4, one_pass=True)))

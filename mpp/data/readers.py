@@ -29,9 +29,11 @@ from __future__ import annotations
 import functools
 import os
 import tarfile
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from glob import glob
+from pathlib import Path
 
 from braceexpand import braceexpand
 from webdataset.tariterators import base_plus_ext
@@ -158,8 +160,12 @@ IMAGE_SUFFIXES = tuple(f".{ext}" for ext in IMAGE_KEYS)
 
 class ImageFolderReader(Reader):
     """A directory of images read as they are, as torchvision's ImageFolder reads it: the class of an image is the
-    name of the folder it is in (class = sub-folder). Each image is a unit of one sample, so ranks and workers split
-    the images themselves; its key is its folder's name and its file name without the suffix."""
+    sub-folder of the directory it lies under, however deep (dog/puppies/1.jpg is a dog); hidden files and folders
+    (.ipynb_checkpoints) are left out, as `prepare` leaves them out. Each image is a unit of one sample, so ranks and
+    workers split the images themselves; its key is its path under the directory without the suffix.
+
+    A unit is named `<directory>//<path under it>`: the doubled separator, which a walked path never holds, marks where
+    the directory ends, so a unit alone (in a data worker, in a checkpoint's stream position) tells its class."""
 
     def claims(self, spec: str) -> bool:
         return os.path.isdir(spec) and not _holds_shards(spec) and bool(self._images(spec))
@@ -173,26 +179,88 @@ class ImageFolderReader(Reader):
     @staticmethod
     @functools.lru_cache(maxsize=8)
     def _images(spec: str) -> list[str]:
-        found = (os.path.join(top, name) for top, _, names in os.walk(spec, followlinks=True) for name in names)
-        return sorted(path for path in found if path.lower().endswith(IMAGE_SUFFIXES))
+        root = os.path.normpath(spec)
+        return [f"{root}{FOLDER_MARK}{path.as_posix()}" for path in image_files(Path(root), IMAGE_SUFFIXES)]
 
     def samples(self, url: str, end: ShardEnd) -> Iterator[dict]:
         with open(url, "rb") as file:
             data = file.read()
         end.good_bytes = len(data)
-        yield {**self._labelled(url), "__url__": url, os.path.splitext(url)[1][1:].lower(): data}
+        yield {**self._labelled(url, named=False), "__url__": url, os.path.splitext(url)[1][1:].lower(): data}
         end.samples = 1
 
     def label_members(self, url: str) -> Iterator[dict]:
-        sample = self._labelled(url)
+        sample = self._labelled(url, named=True)
         if "cls" in sample:
             yield sample
 
     @staticmethod
-    def _labelled(url: str) -> dict:
-        folder, name = os.path.split(url)
-        key = os.path.join(os.path.basename(folder), os.path.splitext(name)[0])
-        return {"__key__": key, "cls": os.path.basename(folder).encode()}
+    def _labelled(url: str, named: bool) -> dict:
+        """The unit's key and class. Only a label scan (`named`) refuses a class folder whose name is not text: a
+        stream that reads no labels (MPP pretraining) must not stop on it, and one that does met the scan first."""
+        root, _, path = url.rpartition(FOLDER_MARK)
+        folder, _, _ = path.partition("/")
+        key = os.path.splitext(path)[0]
+        if folder == path:  # an image directly in the directory: in no class
+            return {"__key__": key}
+        if named:
+            class_folder_name(folder, root)
+        return {"__key__": key, "cls": folder.encode("utf-8", "surrogateescape")}
+
+
+FOLDER_MARK = "//"
+
+
+def class_folder_name(name: str, root: str | os.PathLike) -> str:
+    """A class folder's name as a class name. It must be text (UTF-8), since names go into summary.json,
+    predictions and exported models: a name in another encoding (os.fsdecode keeps its bytes as lone surrogates) is
+    refused with one line naming the folder, rather than carried as a name no file can hold."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(os.path.join(root, name)).decode("utf-8", "backslashreplace")
+        raise DataError(f"class folder {shown} has a name that is not UTF-8 text, which a class name must be; rename "
+                        f"it in UTF-8 (`convmv -f latin1 -t utf8 -r --notest {os.fsencode(root).decode('utf-8', 'backslashreplace')}` "
+                        f"renames every such name written in Latin-1)") from None
+    return name
+
+
+def image_files(root: Path, suffixes: Iterable[str]) -> list[Path]:
+    """Image files (by suffix) under root as sorted relative paths, ignoring hidden files and folders
+    (.ipynb_checkpoints): the images of a folder, alike for `prepare` and for reading the folder directly.
+
+    Links to files are followed; links to folders once per folder, and never to a folder the walk reads anyway, to
+    root or above it: those would read the same images again under another class, or forever (`ln -s .. loop`).
+    """
+    suffixes = {suffix.lower() for suffix in suffixes}
+
+    def visible(dirs: list[str]) -> list[str]:
+        return sorted(d for d in dirs if not d.startswith("."))
+
+    reached = set()  # the folders read without following any link
+    for folder, dirs, _ in os.walk(root):
+        dirs[:] = visible(dirs)
+        reached.add(Path(folder).resolve())
+    real_root, seen, found, unfollowed = root.resolve(), set(reached), [], []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        kept = []
+        for name in visible(dirs):
+            path = Path(folder) / name
+            real = path.resolve()
+            if not path.is_symlink() and real in reached:
+                kept.append(name)
+            elif real in seen or real_root.is_relative_to(real):
+                unfollowed.append(path.relative_to(root))
+            else:
+                seen.add(real)
+                kept.append(name)
+        dirs[:] = kept
+        rel = Path(folder).relative_to(root)
+        found += [rel / n for n in names if not n.startswith(".") and Path(n).suffix.lower() in suffixes]
+    if unfollowed:
+        warnings.warn(f"not following {len(unfollowed)} folder link(s) under {root} to folders read already, to it or "
+                      f"above it (first: {unfollowed[0]}); each image is read once, where it lies", stacklevel=3)
+    return sorted(found)
 
 
 def _holds_shards(directory: str) -> bool:
@@ -256,6 +324,8 @@ class ParquetReader(Reader):
             labels = rows[label] if label else [None] * batch.num_rows
             pictures = rows[image] if images else [None] * batch.num_rows
             for picture, value in zip(pictures, labels):
+                if isinstance(value, float) and value.is_integer():  # ids stored as floats (by pandas, beside a null)
+                    value = int(value)
                 yield (picture.get("bytes") if isinstance(picture, dict) else picture), value
 
 
@@ -270,6 +340,10 @@ def parquet_columns(schema, url: str) -> tuple[str, str | None]:
     if image is None:
         raise DataError(f"Parquet file {url} has no image column: none is called {' or '.join(PARQUET_IMAGE_COLUMNS)} "
                         f"and {len(binary)} hold bytes ({', '.join(binary) or 'none'}); name the image column 'image'")
+    if image not in binary:
+        raise DataError(f"Parquet file {url} has a column '{image}' of {schema.field(image).type} values, not encoded "
+                        f"images (bytes, or a {{bytes, path}} struct); rename it, and name the column of encoded "
+                        f"images 'image'")
     return image, next((n for n in PARQUET_LABEL_COLUMNS if n in names), None)
 
 

@@ -37,6 +37,7 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
+from mpp.data.readers import class_folder_name, image_files
 from mpp.data.stream import SIXTEEN_BIT_MODES, upright
 from mpp.errors import UserError
 from mpp.data.shardformat import IMAGE_EXTS, SUMMARY
@@ -88,6 +89,7 @@ class Source:
     short_side: int | None = None  # images with a longer short side are stored downsized to it, as JPEG at quality
     quality: int = 90
     nothing_kept: str = ""  # the error when samples were read but the steps kept none
+    empty_classes: tuple[str, ...] = ()  # classes listed with no image (an empty per-class tar), given no id
 
     def __len__(self) -> int:
         return self.length
@@ -698,15 +700,16 @@ def _shuffled(items: list, seed: int = _ORDER_SEED) -> list:
 
 
 def folder_samples(root: str | os.PathLike) -> Source:
-    """Images under root: class = first-level sub-folder (sorted names -> 0..K-1), or unlabelled if all
-    images sit directly in root. Non-image files are ignored; unreadable images are skipped and counted."""
+    """Images under root: class = first-level sub-folder, for the images at any depth under it (sorted names ->
+    0..K-1), or unlabelled if all images sit directly in root. Hidden and non-image files are ignored; unreadable
+    images are skipped and counted."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise SourceNotFoundError(f"image folder {root} does not exist; pass an existing directory of images")
-    files = _image_files(root)
+    files = image_files(root, _IMAGE_SUFFIXES)
     if not files:
         raise SourceError(f"image folder {root} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))}); point it at a folder of images")
-    classes = sorted({f.parts[0] for f in files if len(f.parts) > 1})
+    classes = sorted({class_folder_name(f.parts[0], root) for f in files if len(f.parts) > 1})
     if classes and any(len(f.parts) == 1 for f in files):
         raise SourceError(f"image folder {root} has images both directly inside and in class sub-folders; move the loose images into a class folder or elsewhere")
     ids = {name: i for i, name in enumerate(classes)}
@@ -729,41 +732,6 @@ class _Files:
                 yield None
                 continue
             yield Sample(key, data, AS_FOUND, label, str(path))
-
-
-def _image_files(root: Path) -> list[Path]:
-    """Image files under root as sorted relative paths, ignoring hidden files and folders (.ipynb_checkpoints).
-
-    Links to files are followed; links to folders once per folder, and never to a folder the walk reads anyway, to
-    root or above it: those would read the same images again under another class, or forever (`ln -s .. loop`).
-    """
-    def visible(dirs: list[str]) -> list[str]:
-        return sorted(d for d in dirs if not d.startswith("."))
-
-    reached = set()  # the folders read without following any link
-    for folder, dirs, _ in os.walk(root):
-        dirs[:] = visible(dirs)
-        reached.add(Path(folder).resolve())
-    real_root, seen, found, unfollowed = root.resolve(), set(reached), [], []
-    for folder, dirs, names in os.walk(root, followlinks=True):
-        kept = []
-        for name in visible(dirs):
-            path = Path(folder) / name
-            real = path.resolve()
-            if not path.is_symlink() and real in reached:
-                kept.append(name)
-            elif real in seen or real_root.is_relative_to(real):
-                unfollowed.append(path.relative_to(root))
-            else:
-                seen.add(real)
-                kept.append(name)
-        dirs[:] = kept
-        rel = Path(folder).relative_to(root)
-        found += [rel / n for n in names if not n.startswith(".") and Path(n).suffix.lower() in _IMAGE_SUFFIXES]
-    if unfollowed:
-        warnings.warn(f"not following {len(unfollowed)} folder link(s) under {root} to folders read already, to it or "
-                      f"above it (first: {unfollowed[0]}); each image is read once, where it lies", stacklevel=3)
-    return sorted(found)
 
 
 def synthetic_samples(n: int, size: int = 64) -> Source:
@@ -813,9 +781,11 @@ def is_image_archive(path: str | os.PathLike) -> bool:
 
 def archive_samples(path: str | os.PathLike) -> Source:
     """The images in a tar, read in place: in tars inside it (class = the inner tar's name without .tar, as
-    ImageNet's training archive holds n01440764.tar and so on) or in folders (class = the folder an image is in), or
-    all at its top level (unlabelled). Only the headers are read to list them; the images are then read by position,
-    in the fixed shuffled order folders get, so every shard mixes classes. A damaged inner tar keeps the images
+    ImageNet's training archive holds n01440764.tar and so on; an inner tar without images is no class, and is listed
+    in `empty_classes`) or in folders (class = the shallowest folder holding images that an image lies under), or
+    all at its top level (unlabelled); hidden members (macOS's ._n01440764.tar) are left out. Only the headers are
+    read to list them; the images are then read by position, in the fixed shuffled order folders get, so every shard
+    mixes classes. A damaged inner tar keeps the images
     listed before the damage and counts as one unreadable input, with a warning naming it."""
     path = Path(path).expanduser()
     with open(path, "rb") as file:
@@ -828,20 +798,28 @@ def archive_samples(path: str | os.PathLike) -> Source:
     with open(path, "rb") as file:
         size = file.seek(0, os.SEEK_END)
         file.seek(0)
-        found, damaged = [], []  # found: (offset, size, name for its key, class or None, where it is in the archive)
+        in_tars, in_folders, damaged, empty = [], [], [], []  # (offset, size, name for its key, class, where in the archive)
         for member, offset in _tar_files(file, size, str(path), damaged):
+            if any(part.startswith(".") for part in Path(member.name).parts):  # ._n01440764.tar (macOS), .ipynb_checkpoints
+                continue
             if member.name.lower().endswith(".tar"):
                 where, label = f"{path}:{member.name}", Path(member.name).name[:-4]
-                found += [(offset + image_offset, image.size, f"{label}/{image.name}", label, f"{member.name}/{image.name}")
+                images = [(offset + image_offset, image.size, f"{label}/{image.name}", label, f"{member.name}/{image.name}")
                           for image, image_offset in _tar_files(_Window(file, offset, member.size), member.size, where, damaged)
                           if Path(image.name).suffix.lower() in _IMAGE_SUFFIXES]
+                in_tars += images
+                empty += [] if images else [label]
             elif Path(member.name).suffix.lower() in _IMAGE_SUFFIXES:
-                folder = Path(member.name).parent.name
-                found.append((offset, member.size, member.name, folder or None, member.name))
+                in_folders.append((offset, member.size, member.name, Path(member.name).parent.parts, member.name))
+    # An image in a folder is of the class of the shallowest folders that hold images, however deep under it it lies
+    # (as torchvision's ImageFolder reads val/n01440764/extra/deep.JPEG: an n01440764), so a sub-folder is no class.
+    depth = min((len(folders) for *_, folders, _ in in_folders if folders), default=0)
+    found = in_tars + [(offset, length, name, folders[depth - 1] if folders else None, member)
+                       for offset, length, name, folders, member in in_folders]
     if not found:
         raise SourceError(f"archive {path} holds no images ({', '.join(sorted(_IMAGE_SUFFIXES))}) in it or in tars in it; "
                           f"pass a tar of images, of class folders or of per-class tars")
-    classes = sorted({label for *_, label, _ in found if label is not None})
+    classes = sorted({class_folder_name(label, path) for *_, label, _ in found if label is not None})
     if classes and any(label is None for *_, label, _ in found):
         raise SourceError(f"archive {path} has images both at its top level and in class folders or tars; pass an "
                           f"archive with every image in a class, or none")
@@ -849,7 +827,7 @@ def archive_samples(path: str | os.PathLike) -> Source:
     keys = _safe_keys([name.rsplit(".", 1)[0] for _, _, name, _, _ in found])
     entries = [(offset, length, key, ids.get(label), member) for (offset, length, _, label, member), key in zip(found, keys)]
     return Source(f"archive {path}", len(entries) + len(damaged), _Members(path, _shuffled(entries + [None] * len(damaged))),
-                  class_names=classes or None, indexed=True)
+                  class_names=classes or None, indexed=True, empty_classes=tuple(empty))
 
 
 class _Window(io.RawIOBase):
@@ -942,11 +920,66 @@ def idx_samples(images_idx_path: str | os.PathLike, labels_idx_path: str | os.Pa
 
 
 def name_classes(source: Source, names: list[str]) -> Source:
-    """`source` with its class ids named (id i is names[i]): for a source that stores no names (IDX files, shards of
-    ids), or to rename the classes of one that does. Every label must have a name."""
+    """`source` with its class ids named: for a source that stores no names (IDX files, shards of ids), or to rename
+    the classes of one that does.
+
+    Lines that begin with the source's class names (ImageNet's LOC_synset_mapping.txt: `n01440764 tench, Tinca
+    tinca`, one line per synset in ImageNet's standard order) are matched by that first word, and the ids follow
+    the lines: a class that no line begins with is refused, and classes the source has no image of keep their ids
+    (a warning names them). Otherwise id i is names[i]; every label must have a name."""
     if not names or not all(names) or len(set(names)) != len(names):
         raise SourceError(f"--class-names must list distinct, non-empty class names, got {names}")
+    own, keys = source.class_names or [], [name.split(maxsplit=1)[0] for name in names]
+    if set(own) & set(keys) and len(set(keys)) == len(keys):
+        unknown = [name for name in own if name not in keys]
+        if unknown:
+            raise SourceError(f"{source.name} has class{'es' if len(unknown) > 1 else ''} {_listed(unknown)} that no "
+                              f"line of --class-names begins with, though its lines begin with the source's class "
+                              f"names ({keys[0]!r}, ...); list every class of the source")
+        absent = [key for key in keys if key not in own]
+        if absent:
+            warnings.warn(f"{source.name} has no images of {len(absent)} of the {len(keys)} classes --class-names "
+                          f"lists ({_listed(absent)}): ids follow the lines of --class-names, so those ids are kept, "
+                          f"without images", stacklevel=2)
+        position = {key: i for i, key in enumerate(keys)}
+        return replace(source, class_names=list(names), empty_classes=(),
+                       steps=(*source.steps, _Relabelled(tuple(position[name] for name in own))))
+    if source.class_names is not None and len(names) > len(own):
+        warnings.warn(f"--class-names names {len(names)} classes and {source.name} has {len(own)}: ids {len(own)} to "
+                      f"{len(names) - 1} are named but have no images, and a model trained on these shards gets a "
+                      f"head of {len(names)} classes", stacklevel=2)
     return replace(source, class_names=list(names), steps=(*source.steps, _NamedClasses(len(names), source.name)))
+
+
+@dataclass(frozen=True)
+class _Relabelled:
+    """name_classes' step where lines are matched by name: the source's id i becomes ids[i]."""
+
+    ids: tuple[int, ...]
+
+    def __call__(self, sample: Sample) -> Sample:
+        return sample if sample.label is None else replace(sample, label=self.ids[sample.label])
+
+
+IMAGENET_CLASSES = 1000
+_SYNSET = re.compile(r"n\d{8}")  # a WordNet synset id, as ImageNet names its classes
+
+
+def warn_of_partial_imagenet(source: Source) -> None:
+    """One warning where the classes of `source` are ImageNet synsets but not all 1000 of them (an archive missing a
+    class tar, or with an empty one): its ids then follow its own synsets, sorted, and no longer ImageNet's."""
+    names = source.class_names or []
+    if not names or len(names) >= IMAGENET_CLASSES or not all(_SYNSET.fullmatch(name) for name in names):
+        return
+    empty = [name for name in source.empty_classes if _SYNSET.fullmatch(name)]
+    held = f"; {_listed(empty)} hold{'s' if len(empty) == 1 else ''} no images" if empty else ""
+    warnings.warn(f"{source.name} holds images of {len(names)} ImageNet synsets, not {IMAGENET_CLASSES}{held}: its "
+                  f"class ids follow these {len(names)} in sorted order, not ImageNet's standard ids; to keep those, "
+                  f"pass --class-names @LOC_synset_mapping.txt (ImageNet's list of synsets, in its order)", stacklevel=2)
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 @dataclass(frozen=True)

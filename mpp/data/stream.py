@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import io
-import itertools
 import json
 import math
 import os
@@ -27,7 +26,7 @@ from einops import rearrange
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mpp.errors import DataError
+from mpp.errors import DataError, command
 from mpp.data.randaugment import RandAugment
 from mpp.data.shardformat import IMAGE_KEYS, is_remote, shard_summary, summary_beside
 from mpp.data.tars import LossEstimate, ShardEnd, end_commands_and_exit, forget_inherited_commands
@@ -187,9 +186,13 @@ def _class_id(value: int) -> int:
 
 @dataclass(frozen=True)
 class LabelReader:
-    """Sample -> class id: integers as they are, class names through `class_names` (id = position); -1 if unlabelled."""
+    """Sample -> class id: integers as they are, class names through `class_names` (id = position); -1 if unlabelled.
+
+    `stored_names`, where a set's integer ids are its own (an evaluation set prepared apart, with its own summary.json
+    class_names), names those ids, so that each is read as the id of the same name in `class_names`."""
 
     class_names: tuple[str, ...] = ()
+    stored_names: tuple[str, ...] = ()
 
     def __call__(self, sample: dict) -> int:
         value = raw_label(sample)
@@ -198,7 +201,11 @@ class LabelReader:
         if isinstance(value, int):
             if value < 0:
                 raise BadLabel(f"label {value}, below 0")
-            return value
+            if not self.stored_names:
+                return value
+            if value >= len(self.stored_names):
+                raise BadLabel(f"label {value}, beyond the {len(self.stored_names)} class names of its summary.json")
+            value = self.stored_names[value]
         if value in self.class_names:
             return self.class_names.index(value)
         if not self.class_names:
@@ -270,25 +277,75 @@ def label_names(urls: tuple[str, ...]) -> tuple[str, ...]:
     return label_space(urls).class_names if named else ()
 
 
-def shared_label_names(sets: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
-    """The class names every loader of a run maps labels through: `label_names` of its shard sets together (`sets`:
-    each set's spec -> its shards, the training set first).
+def evaluation_labels(training: tuple[str, tuple[str, ...]], evaluation: tuple[str, tuple[str, ...]]
+                      ) -> tuple[LabelReader, str | None]:
+    """How an evaluation set's labels are read as the training set's class ids (each given as (spec, its shards)):
+    by name wherever both sets name their classes (summary.json's class_names, class folders, labels that are names),
+    so a set prepared apart, with a class more or less, is scored against the right classes. Returns the reader and,
+    where only one set names its classes and ids are matched as they are, a warning saying so.
 
-    Names that differ only in case between two sets are refused: matched exactly, 'cat' in the training shards and
-    'Cat' in the evaluation shards would be two classes, each never seen by the other set.
+    An evaluation class the training set lacks is refused, naming it: no head trained on these shards can score it,
+    whatever model.num_classes says.
     """
-    names = label_names(tuple(url for urls in sets.values() for url in urls))
-    if len({name.casefold() for name in names}) == len(names):
-        return names
-    held = {spec: set(label_space(urls).class_names) for spec, urls in sets.items()}
-    for (spec, mine), (other_spec, other) in itertools.combinations(held.items(), 2):
-        pairs = sorted((a, b) for a in mine - other for b in other - mine if a.casefold() == b.casefold())
-        if pairs:
-            shown = ", ".join(f"{a!r} and {b!r}" for a, b in pairs[:3]) + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
-            raise DataError(f"class names differ only in case between {spec} and {other_spec} ({shown}); names are "
-                            f"matched exactly, so each spelling would be a class of its own that the other set never "
-                            f"shows, whatever model.num_classes says; spell the names of one set as the other does")
-    return names
+    (train_spec, train_urls), (spec, urls) = training, evaluation
+    names = label_names(train_urls)
+    if spec == train_spec:
+        return LabelReader(names), None
+    own = label_names(urls)
+    summary = shard_summary(urls)
+    stored = tuple(summary.class_names or ()) if summary is not None else ()
+    if not names and not own:
+        return LabelReader(), None
+    if not names or not own:
+        if own and not stored:  # labelled by name, and the training set has no names to match them with
+            raise DataError(f"{spec} labels its images by class name ({_listed(own)}) but the training set {train_spec} "
+                            f"labels its images by id and names no classes (no summary.json class_names), so the two "
+                            f"cannot be matched; prepare both with `{command('prepare')}`, which writes the names")
+        named, unnamed = (train_spec, spec) if names else (spec, train_spec)
+        return LabelReader(names), (f"the labels of {spec} are taken as the class ids of {train_spec} as they are: "
+                                    f"{unnamed} names no classes (no summary.json class_names), so they cannot be "
+                                    f"matched by name with those of {named}")
+    _refuse_case_twins(train_spec, names, spec, own)
+    missing = [name for name in own if name not in names and _holds(urls, name, stored)]
+    if missing:
+        empty = [name for name in missing if os.path.isdir(os.path.join(train_spec, name))]
+        why = (f"; the training folder {os.path.join(train_spec, empty[0])} holds no images" if len(empty) == 1 else
+               f"; the training folders of {_listed(empty)} hold no images" if empty else "")
+        keys = {name.split(maxsplit=1)[0] for name in names if name.strip()}
+        if all(name in keys for name in missing):  # prepared with and without --class-names @LOC_synset_mapping.txt
+            why += (f"; the training set's class names begin with {'these' if len(missing) > 1 else 'this'}: prepare "
+                    f"{spec} with the same --class-names as the training set")
+        raise DataError(f"{spec} holds class{'es' if len(missing) > 1 else ''} {_listed(missing)}, which the training "
+                        f"set {train_spec} does not have{why} ({len(names)} classes: {_listed(names)}); a model "
+                        f"trained on that set cannot score {'them' if len(missing) > 1 else 'it'}: leave "
+                        f"{'their' if len(missing) > 1 else 'its'} images out of {spec}, or add "
+                        f"{'those classes' if len(missing) > 1 else 'that class'} to the training set")
+    return LabelReader(names, stored), None
+
+
+def _holds(urls: tuple[str, ...], name: str, stored: tuple[str, ...]) -> bool:
+    """Whether a set holds images of class `name`: a summary.json that counts its classes may list one it has none of."""
+    summary = shard_summary(urls)
+    counts = summary.class_counts if summary is not None else None
+    if not stored or not counts or name not in stored:
+        return True
+    index = stored.index(name)
+    return index < len(counts) and counts[index] > 0
+
+
+def _listed(names: Sequence[str], most: int = 5) -> str:
+    return ", ".join(map(repr, names[:most])) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _refuse_case_twins(spec: str, mine: Sequence[str], other_spec: str, other: Sequence[str]) -> None:
+    """Names that differ only in case between two sets are refused: matched exactly, 'cat' in the training shards
+    and 'Cat' in the evaluation shards would be two classes, each never seen by the other set."""
+    pairs = sorted((a, b) for a in set(mine) - set(other) for b in set(other) - set(mine) if a.casefold() == b.casefold())
+    if pairs:
+        shown = ", ".join(f"{a!r} and {b!r}" for a, b in pairs[:3]) + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+        raise DataError(f"class names differ only in case between {spec} and {other_spec} ({shown}); names are "
+                        f"matched exactly, so each spelling would be a class of its own that the other set never "
+                        f"shows, whatever model.num_classes says; spell the names of one set as the other does")
 
 
 def _raw_or_none(sample: dict) -> int | str | None:
@@ -534,13 +591,15 @@ class StreamSettings(Protocol):
 
 def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batch_size: int, *, rank: int = 0,
                 world: int = 1, seed: int = 0, one_pass: bool = False, pin_memory: bool = False,
-                state: StreamState | None = None, labels: bool = True, class_names: Sequence[str] | None = None) -> DataLoader:
+                state: StreamState | None = None, labels: bool = True, class_names: Sequence[str] | None = None,
+                stored_names: Sequence[str] = ()) -> DataLoader:
     """A DataLoader over a ShardStream of `data`'s workers and shuffle buffer; `state` (from a checkpoint) continues
     a stream where it stopped.
 
     The training stream loops forever, drawing shards as data.resampled says; `one_pass` reads each rank's shards
     once, in order (evaluation). labels=False never reads labels (pretraining without them must not stop on one it
-    cannot parse); class names map to ids through `class_names`, by default the shard set's own (`label_names`).
+    cannot parse); class names map to ids through `class_names`, by default the shard set's own (`label_names`), and
+    integer ids through `stored_names` where they are another set's (`LabelReader`).
     """
     num_workers, resampled, loop = data.num_workers, data.resampled and not one_pass, not one_pass
     if loop and not resampled:
@@ -550,7 +609,7 @@ def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batc
         num_workers = min(num_workers, len(urls) // world)
     state = state or StreamState()
     if labels:
-        reader = LabelReader(tuple(label_names(tuple(urls)) if class_names is None else class_names))
+        reader = LabelReader(tuple(label_names(tuple(urls)) if class_names is None else class_names), tuple(stored_names))
     summary = shard_summary(urls)
     per_shard = summary.samples / summary.shards if summary and summary.samples and summary.shards else None
     stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,

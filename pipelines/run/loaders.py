@@ -13,8 +13,8 @@ from accelerate import Accelerator
 from mpp.evaluation.baselines import class_baselines
 from mpp.config import Config, ConfigError
 from mpp.training.runtime import data_workers, process_state
-from mpp.data.stream import (Batch, DataError, EvalTransform, StreamState, TrainTransform, label_space, make_loader,
-                             shared_label_names, SPARSE_FACTOR, SPARSE_FLOOR)
+from mpp.data.stream import (Batch, DataError, EvalTransform, LabelReader, StreamState, TrainTransform,
+                             evaluation_labels, label_names, label_space, make_loader, SPARSE_FACTOR, SPARSE_FLOOR)
 from mpp.data.readers import expand_shards, samples_in
 from mpp.errors import command
 from mpp.evaluation.ridge import FewShotError, LabelledImages
@@ -96,7 +96,7 @@ def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: 
         urls, data, train_transform(cfg), cfg.train.batch_size,
         rank=accelerator.process_index, world=accelerator.num_processes, seed=cfg.train.seed,
         pin_memory=accelerator.device.type == "cuda", state=state, labels=labels,
-        class_names=class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards) if labels else None)
+        class_names=class_names(cfg, accelerator, cfg.data.shards) if labels else None)
 
 
 def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int, *, labelled_by: str | None = None,
@@ -104,15 +104,15 @@ def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: i
     """One pass over `spec`, split across processes, no augmentation, no shuffling: the loader of every evaluation,
     its own, so the training stream is not touched.
 
-    Named labels map to ids as in training: through the class names of `labelled_by` (default data.shards) and
-    `spec`; labels=False never reads them. Without workers (the default) each process reads its shards in
+    Labels are read as the class ids of `labelled_by` (default data.shards), matched by name (`label_reader`);
+    labels=False never reads them. Without workers (the default) each process reads its shards in
     order, so the first n images are the same at every evaluation; a whole pass may decode in `num_workers`.
     """
-    names = class_names(cfg, accelerator, labelled_by or cfg.data.shards, spec) if labels else None
+    reader = label_reader(cfg, accelerator, spec, labelled_by) if labels else LabelReader()
     data = cfg.data.model_copy(update={"num_workers": num_workers, "shuffle_buffer": 0})
     return make_loader(resolve_shards(spec, cfg, accelerator), data, EvalTransform(cfg.model.image_size), batch_size,
                        rank=accelerator.process_index, world=accelerator.num_processes, one_pass=True, labels=labels,
-                       class_names=names)
+                       class_names=reader.class_names, stored_names=reader.stored_names)
 
 
 class FrozenFeatureSets:
@@ -163,11 +163,22 @@ class FrozenFeatureSets:
                 *self.eval.features(self.accelerator, backbone, c.features, c.batch_size))
 
 
-def class_names(cfg: Config, accelerator: Accelerator, *specs: str | None) -> tuple[str, ...]:
-    """The class names every loader of a run maps named labels through (id = position): the class_names of the
-    summary.json beside the first shard set, else the sorted names found in all of them, so that training and
-    evaluation shards agree on each name's id even when one of them lacks a class."""
-    return shared_label_names({spec: tuple(resolve_shards(spec, cfg, accelerator)) for spec in specs if spec})
+def class_names(cfg: Config, accelerator: Accelerator, spec: str) -> tuple[str, ...]:
+    """The class names of the training set `spec` (id = position), which every loader of a run maps labels into:
+    the class_names of the summary.json beside it, else the sorted names its labels or class folders give."""
+    return label_names(tuple(resolve_shards(spec, cfg, accelerator)))
+
+
+def label_reader(cfg: Config, accelerator: Accelerator, spec: str, labelled_by: str | None = None) -> LabelReader:
+    """How the labels of `spec` are read as the class ids of the training set `labelled_by` (default data.shards):
+    matched by name where both name their classes, an evaluation class the training set lacks refused (one line);
+    where only one names them, ids as they are, with one warning saying so."""
+    training = labelled_by or cfg.data.shards
+    reader, warning = evaluation_labels((training, tuple(resolve_shards(training, cfg, accelerator))),
+                                        (spec, tuple(resolve_shards(spec, cfg, accelerator))))
+    if warning and (accelerator is None or accelerator.is_main_process):
+        warnings.warn(warning)  # from this one line, so Python shows it once however many loaders ask
+    return reader
 
 
 def num_classes(cfg: Config, urls: list[str]) -> int:

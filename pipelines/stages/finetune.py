@@ -23,7 +23,7 @@ from mpp.data.shardformat import is_remote, shard_summary
 from mpp.model.vit import build_backbone
 from mpp.model.objectives import Classification, batch_mixing, finetuning_head
 from mpp.training.loop import Evaluator
-from ..run.loaders import class_names, labelled, num_classes, resolve_shards, train_loader
+from ..run.loaders import class_names, label_reader, labelled, num_classes, resolve_shards, train_loader
 from ..run.run_policy import StartingPoint
 from ..evaluations.evaluators import stage_evaluators
 from ..run.stage import TrainingStage, run_training
@@ -103,10 +103,9 @@ def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classificat
                           label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes))
 
 
-def check_evaluation_labels(urls: list[str], classes: int, spec: str, names: tuple[str, ...]) -> None:
-    """Read the labels of the local evaluation shards (small; the image bytes are skipped over) before training,
-    so a label the head cannot score stops the run now rather than at its first evaluation."""
-    reader = LabelReader(names)
+def check_evaluation_labels(urls: list[str], classes: int, spec: str, reader: LabelReader) -> None:
+    """Read the labels of the local evaluation shards (small; the image bytes are skipped over) through `reader`
+    before training, so a label the head cannot score stops the run now rather than at its first evaluation."""
     for url in urls:
         if is_remote(url):
             continue  # streamed: checked batch by batch at evaluation
@@ -132,10 +131,10 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False
         urls = resolve_shards(cfg.data.shards, cfg, accelerator)
         val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
         classes = num_classes(cfg, urls)
-        names = class_names(cfg, accelerator, cfg.data.shards, cfg.data.val_shards)
+        names = class_names(cfg, accelerator, cfg.data.shards)
         if cfg.finetune.keep_best:
             history.keep = functools.partial(keep_weights, accelerator, Path(cfg.output_dir) / BEST)
-        check_evaluation_labels(val_urls, classes, cfg.data.val_shards, names)
+        check_evaluation_labels(val_urls, classes, cfg.data.val_shards, label_reader(cfg, accelerator, cfg.data.val_shards))
 
         def batches(state):
             return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpp.errors import command
-from mpp.data.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, archive_samples, cifar_samples, default_workers, folder_samples, hf_samples, idx_samples, is_cifar, is_image_archive, is_saved_dataset, name_classes, select_classes, synthetic_samples, write_shards
+from mpp.data.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, archive_samples, cifar_samples, default_workers, folder_samples, hf_samples, idx_samples, is_cifar, is_image_archive, is_saved_dataset, name_classes, select_classes, synthetic_samples, warn_of_partial_imagenet, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 _CIFAR_NAMES = re.compile(r"cifar-10-batches-py|cifar-100?-python")  # the names CIFAR's archives and folders come with
@@ -53,6 +53,8 @@ def run(
     samples = open_source(source, size=size, count=count, split=split)
     if class_names is not None:
         samples = name_classes(samples, class_names)
+    else:
+        warn_of_partial_imagenet(samples)
     if classes is not None:
         samples = select_classes(samples, classes)
     if short_side is not None:
