@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from mpp.model.checkpoint import classifier_head, load_backbone
+from mpp.model.checkpoint import classifier_head, classifier_pool, load_backbone, read_weights
 from mpp.config import Config
 from mpp.data.stream import EvalTransform, upright
 from mpp.errors import UserError
 from mpp.model.objectives import Classification, finetuning_head
 from mpp.training.runtime import cuda_in_use
-from .export import class_names
+from .export import classifier_names
 
 FORMATS = (".csv", ".json")
 
@@ -79,7 +79,8 @@ def classifier(cfg: Config, ckpt: str) -> Classification:
         raise PredictError(f"{ckpt} holds a backbone without a classifier; fine-tune it first (`mpp finetune --ckpt "
                            f"{ckpt}`) and predict with that run")
     backbone = load_backbone(ckpt, cfg.model)
-    model = Classification(backbone, finetuning_head(backbone.width, head["weight"].shape[0]), export_head=True, pool=cfg.finetune.pool)
+    pool = classifier_pool(read_weights(ckpt), cfg.finetune)
+    model = Classification(backbone, finetuning_head(backbone.width, head["weight"].shape[0]), export_head=True, pool=pool)
     model.head.load_state_dict(head)
     return model.eval()
 
@@ -95,7 +96,9 @@ def run(cfg: Config, *, ckpt: str, inputs: list[str], top_k: int = 5, out: str |
     device = torch.device("cuda" if cuda_in_use() else "cpu")  # `accelerate launch --cpu` keeps it on the CPU
     model = classifier(cfg, ckpt).to(device)
     classes = model.head.out_features
-    names = class_names(cfg) or {}
+    names, unnamed, naming = classifier_names(cfg, read_weights(ckpt), classes)
+    if names is None:
+        print(f"{unnamed}, so classes are shown by id; {naming}", file=sys.stderr)
     k = min(top_k, classes)
     predictions, unreadable = [], {}
     with torch.no_grad():
@@ -103,7 +106,7 @@ def run(cfg: Config, *, ckpt: str, inputs: list[str], top_k: int = 5, out: str |
             probabilities = model.logits(images.to(device)).float().softmax(dim=-1)
             top = probabilities.topk(k, dim=-1)
             for path, p, ids in zip(paths, top.values.tolist(), top.indices.tolist()):
-                predictions.append(Prediction(path, [(i, names.get(i, str(i)), q) for i, q in zip(ids, p)]))
+                predictions.append(Prediction(path, [(i, (names or {}).get(i, str(i)), q) for i, q in zip(ids, p)]))
     if not predictions:
         raise PredictError(f"none of the {len(files)} file(s) given could be read as an image "
                            f"({next(iter(unreadable.items()))[0]}: {next(iter(unreadable.values()))})")
