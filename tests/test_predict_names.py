@@ -119,3 +119,17 @@ def test_an_older_file_outside_its_run_does_not_guess_its_pooling(runs, capsys):
             f"directory")
     assert predicted(capsys, old, "finetune.pool=mean", f"data.shards={runs / 'train'}")[0] == predicted(capsys, runs / "mean")[0]
 
+
+def test_the_model_card_of_the_best_weights_gives_the_best_step_and_its_score(tmp_path, capsys):
+    # One class: every evaluation scores 100%, so the first (step 2) stays the best and the run ends at step 6.
+    prepare.run(str(colour_folder(tmp_path / "photos" / "train", [6])), str(tmp_path / "train"))
+    prepare.run(str(colour_folder(tmp_path / "photos" / "val", [3], seed=1)), str(tmp_path / "val"))
+    results = fine_tuned(tmp_path, "run", "finetune.keep_best=true")
+    assert results["best"]["step"] == 2 and results["history"][-1][0] == 6
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run" / "best.safetensors"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "- **Steps**: 2 of 6," in card  # was 6 of 6, with the final metrics
+    assert f"- **Metrics at step 2, its best evaluation (finetune.keep_best)**: eval/top1 100.0% (eval/*: on `{tmp_path / 'val'}`)." in card
+    assert "Final metrics" not in card
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf-final")]) == 0
+    assert "- **Steps**: 6 of 6," in (tmp_path / "hf-final" / "README.md").read_text()

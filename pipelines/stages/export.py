@@ -15,7 +15,8 @@ from mpp.data.shardformat import ShardSummary, shard_summary
 from mpp.model.hf import ExportError, export_hf
 from mpp.model.vit import VisionTransformer
 from mpp.model.registry import OBJECTIVES
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_config_of, run_dir_of, too_long, OutputNotWritten, staged
+from mpp.metrics import TOP1
+from mpp.rundir import BEST, RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_config_of, run_dir_of, too_long, OutputNotWritten, staged
 from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES, is_synthetic
 from ..run.invocation import command_line
 from ..run.run_policy import check_writable
@@ -126,12 +127,20 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         described = record.get("description") or OBJECTIVES[cfg.objective].summary
         objective = f"{described} (pretraining; the pretraining head is not exported)"
     # Every model metric the run's objective and evaluators declared (results.json's final_shown, in their order).
-    metrics_line = ", ".join(f"{tag} {shown}" for tag, shown in record.get("final_shown", {}).items())
+    metrics_at, metrics_line = "Final metrics", ", ".join(f"{tag} {shown}" for tag, shown in record.get("final_shown", {}).items())
+    kept_best = weights_file.name == BEST  # finetune.keep_best's weights: those of its best evaluation, not the last step's
+    if kept_best:
+        best = record.get("best")
+        step = int(best["step"]) if best else None
+        metrics_at = f"Metrics at step {step}, its best evaluation (finetune.keep_best)" if best else "Metrics"
+        metrics_line = f"{TOP1} {best[TOP1]:.1%}" if best else ""
     if fine_tuned and metrics_line:
         metrics_line += f" (eval/*: on `{cfg.data.val_shards}`)"
-    if step is not None and step != cfg.train.steps:
+    if step is not None and step != cfg.train.steps and not kept_best:
         metrics_line = f"not recorded for step {step} (the run's final metrics are for step {cfg.train.steps})"
     steps = f"{step if step is not None else cfg.train.steps} of {cfg.train.steps}"
+    if kept_best and step is None:
+        steps = f"not recorded for these best weights (no results.json `best` beside them), of a run of {cfg.train.steps}"
     continued = "".join(f", continued with `{resume}`" for resume in record.get("resumed_with", []))
     batch = cfg.train.global_batch_size or f"{cfg.train.batch_size} per process x {cfg.train.grad_accum} accumulation"
     lines = [
@@ -150,7 +159,7 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
             f"interpolates that table."]),
         "- **Pooling**: the [class] token after the final LayerNorm (`last_hidden_state[:, 0]`); the exported pooler is "
         "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."),
-        f"- **Final metrics**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
+        f"- **{metrics_at}**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
         f"- **Produced by**: `{record['command']}`{continued}." if record.get("command") else "- **Produced by**: not recorded.",
         f"- **Exported by**: `{command_line()}`.", "",
         "## Use", "", "```python",
