@@ -162,6 +162,18 @@ def argument_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def model_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> VisionTransformer:
+    """The ViT the arguments describe, or argparse's one-line error naming the sizes that do not fit together."""
+    try:
+        vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads,
+                        stem=args.stem, stem_layers=args.stem_layers, stem_width=args.stem_width)
+    except ValueError as exc:  # the model's own check of the sizes given, e.g. an image size not a multiple of the patch
+        parser.error(f"{exc}; pick --model, --image-size, --patch-size, --width and --heads that fit together")
+    if vit.width % vit.heads:  # checked by a run's config, not by the model
+        parser.error(f"width {vit.width} does not split over {vit.heads} attention heads; pick --width a multiple of --heads")
+    return vit
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser()
     args = parser.parse_args(argv)
@@ -183,13 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"Accelerate picked {accelerator.device}, not {args.device}")
     device = accelerator.device
 
-    try:
-        vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads,
-                        stem=args.stem, stem_layers=args.stem_layers, stem_width=args.stem_width)
-    except ValueError as exc:  # the model's own check of the sizes given, e.g. an image size not a multiple of the patch
-        parser.error(f"{exc}; pick --model, --image-size, --patch-size, --width and --heads that fit together")
-    if vit.width % vit.heads:  # checked by a run's config, not by the model
-        parser.error(f"width {vit.width} does not split over {vit.heads} attention heads; pick --width a multiple of --heads")
+    vit = model_of(parser, args)
     compile_ours = resolve_compile(cfg.compile, Device.this_process())
     unlabelled = torch.full((args.batch_size,), -1, device=device)
 
