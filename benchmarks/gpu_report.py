@@ -497,9 +497,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-s", type=float, default=420,
                         help="the whole report's time in seconds (default 420, 7 minutes): parts that no longer fit are "
                              "named as not run, and the suite beside them is stopped when it is spent")
-    parser.add_argument("--skip", nargs="*", default=[], metavar="PART",
-                        help=f"parts to leave out: {' '.join(p['name'] for p in plan(False, 1, None, Path())[0])} "
-                             "(the suite runs beside them while the budget lasts)")
+    parts = [p["name"] for p in plan(False, 1, None, Path())[0]]
+    parser.add_argument("--skip", nargs="*", default=[], metavar="PART", choices=parts,
+                        help=f"parts to leave out: {' '.join(parts)} (the suite runs beside them while the budget lasts)")
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     return parser
@@ -516,7 +516,12 @@ def main(argv: list[str] | None = None) -> int:
               f"'Measuring a GPU')", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {args.out} is a file; choose a directory for the report")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out} cannot be created ({exc.strerror}); choose a directory that can be written")
     if args.part:
         result = PARTS[args.part](args)
         (out / f"{args.part}.json").write_text(json.dumps(result, indent=1))

@@ -126,32 +126,52 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def positive(text: str) -> int:
+    """A whole number of at least 1 (sizes, counts), or argparse's one-line error naming the argument."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default="vit_b16", help="ViT variant, as model.name (vit_b16, vit_ti, ...)")
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--patch-size", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--depth", type=int, default=None)
-    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--image-size", type=positive, default=224)
+    parser.add_argument("--patch-size", type=positive, default=None)
+    parser.add_argument("--width", type=positive, default=None)
+    parser.add_argument("--depth", type=positive, default=None)
+    parser.add_argument("--heads", type=positive, default=None)
     parser.add_argument("--stem", choices=("patch", "resnet"), default="patch", help="as model.stem: resnet times the hybrid (no peer: vit-pytorch has none)")
     parser.add_argument("--stem-layers", type=int, nargs="+", default=[3, 4, 9], help="as model.stem_layers (the paper's R50: 3 4 9)")
     parser.add_argument("--stem-width", type=int, default=64, help="as model.stem_width")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=positive, default=64)
     parser.add_argument("--precision", choices=("auto", "no", "bf16"), default="auto", help="ours (auto: as train.mixed_precision auto)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile ours (auto: on cuda only, as train.compile)")
     parser.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default", help="as train.compile_mode")
     parser.add_argument("--compare-compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default=None,
                         help="also time ours compiled in this mode, side by side (when compiling)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per implementation, interleaved")
-    parser.add_argument("--steps", type=int, default=5, help="steps per round")
+    parser.add_argument("--rounds", type=positive, default=7, help="timed rounds per implementation, interleaved")
+    parser.add_argument("--steps", type=positive, default=5, help="steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps each before the first round (compilation happens here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak at this precision, for MFU (H100 SXM bf16: 989)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as train.cpu_threads auto)")
     parser.add_argument("--no-peer", action="store_true", help="time ours only")
     parser.add_argument("--json", type=Path, default=None, help="also write the table to this file (benchmarks/gpu_report.py reads it)")
     return parser
+
+
+def model_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> VisionTransformer:
+    """The ViT the arguments describe, or argparse's one-line error naming the sizes that do not fit together."""
+    try:
+        vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads,
+                        stem=args.stem, stem_layers=args.stem_layers, stem_width=args.stem_width)
+    except ValueError as exc:  # the model's own check of the sizes given, e.g. an image size not a multiple of the patch
+        parser.error(f"{exc}; pick --model, --image-size, --patch-size, --width and --heads that fit together")
+    if vit.width % vit.heads:  # checked by a run's config, not by the model
+        parser.error(f"width {vit.width} does not split over {vit.heads} attention heads; pick --width a multiple of --heads")
+    return vit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"Accelerate picked {accelerator.device}, not {args.device}")
     device = accelerator.device
 
-    vit = build_vit(args.model, args.image_size, args.patch_size, width=args.width, depth=args.depth, heads=args.heads,
-                    stem=args.stem, stem_layers=args.stem_layers, stem_width=args.stem_width)
+    vit = model_of(parser, args)
     compile_ours = resolve_compile(cfg.compile, Device.this_process())
     unlabelled = torch.full((args.batch_size,), -1, device=device)
 

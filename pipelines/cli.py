@@ -98,7 +98,13 @@ def run_config(args: argparse.Namespace) -> Config:
             from .run.run_policy import resume_config
 
             return resume_config(default, args.overrides)
-        return load_config(config_file(args.stage, args.config or default), args.overrides)
+        path = config_file(args.stage, args.config or default)
+        cfg = load_config(path, args.overrides)
+        if args.stage == "finetune" and args.ckpt and "pos_embed" not in cfg.model.model_fields_set:
+            from .run.start import with_saved_position_kind  # reads the weights, once the config holds
+
+            cfg = with_saved_position_kind(cfg, path, args.ckpt, args.overrides)
+        return cfg
     from .run.start import checkpoint_config
 
     cfg = checkpoint_config(args.ckpt, args.config, args.overrides)

@@ -53,7 +53,7 @@ def metadata(path) -> dict:
 def test_final_weights_carry_their_architecture_and_another_head_count_is_refused(runs, tmp_path):
     architecture = {"width": 64, "depth": 2, "heads": 2, "patch_size": 4, "image_size": 16, "stem": "patch", "pos_embed": "learned"}
     assert metadata(runs / "pre" / "model.safetensors") == {**architecture, "holds": "backbone"}
-    assert metadata(runs / "ft" / "model.safetensors") == {**architecture, "holds": "classifier"}
+    assert metadata(runs / "ft" / "model.safetensors") == {**architecture, "holds": "classifier", "pool": "cls"}  # 12 outputs, 10 names: none
 
     bare = tmp_path / "backbone.safetensors"  # copied away from its run: no config.yaml says the heads
     shutil.copy(runs / "pre" / "model.safetensors", bare)
@@ -98,8 +98,8 @@ def test_a_classifier_with_more_classes_than_the_summary_names_exports_with_numb
     with pytest.warns(UserWarning) as warned:  # was a traceback: size mismatch for classifier.weight, 12 vs 10
         assert launch.main(["export", "--ckpt", str(runs / "ft"), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert [str(w.message) for w in warned if w.category is UserWarning] == [
-        f"the training shards ({runs / 'shards'}) name 10 classes but the classifier has 12 outputs, so its labels are "
-        f"exported as LABEL_0 to LABEL_11; the fine-tuning set model.num_classes=12, so no names are known for its "
+        f"the training shards ({runs / 'shards'}) name 10 classes but the classifier has 12 outputs, so the classifier's "
+        f"labels were exported as LABEL_0 to LABEL_11; the fine-tuning set model.num_classes=12, so no names are known for its "
         f"other outputs"]  # it advised setting data.shards to the fine-tuning's shards, which they were (round 4, Part 1 row 25)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["id2label"] == {str(i): f"LABEL_{i}" for i in range(12)}

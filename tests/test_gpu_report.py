@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import ROOT, cpu_env
 from mpp.config import load_config
@@ -71,6 +72,38 @@ def test_a_missing_package_is_named_in_one_line_before_anything_runs(tmp_path, m
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: missing Python packages: no-such-package (")
     assert not (tmp_path / "report").exists()
+
+
+def one_line_refusal(main, argv, capsys) -> str:
+    """What argparse says when `main(argv)` is refused: exit status 2, usage, then one error line (no traceback)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1].split(" error: ", 1)[1]  # after the program's name, which argv[0] gives
+
+
+def test_the_reports_odd_arguments_are_one_line(tmp_path, capsys):
+    report = load(REPORT, "gpu_report")
+    (tmp_path / "afile").write_text("x\n")
+    assert one_line_refusal(report.main, ["--smoke", "--out", str(tmp_path / "afile"), "--budget-s", "5"], capsys) == (
+        f"--out {tmp_path / 'afile'} is a file; choose a directory for the report")  # was FileExistsError
+    said = one_line_refusal(report.main, ["--smoke", "--out", str(tmp_path / "r"), "--skip", "nonsense"], capsys)
+    assert said.startswith("argument --skip: invalid choice: 'nonsense' (choose from ")  # was ignored
+    assert all(part["name"] in said for part in report.plan(False, 1, None, tmp_path)[0])
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_step_benchmarks_odd_sizes_are_one_line(capsys):
+    step = load(ROOT / "benchmarks" / "step.py", "bench_step")
+    common = ["--device", "cpu", "--model", "vit_ti", "--no-peer"]
+    assert one_line_refusal(step.main, [*common, "--image-size", "30", "--batch-size", "2"], capsys) == (
+        "image size 30 is not divisible by patch size 16; pick --model, --image-size, --patch-size, "
+        "--width and --heads that fit together")  # was a ValueError traceback
+    assert one_line_refusal(step.main, [*common, "--image-size", "32", "--batch-size", "0"], capsys) == (
+        "argument --batch-size: must be at least 1, got 0")  # was a pydantic ValidationError traceback
+    assert one_line_refusal(step.main, [*common, "--image-size", "32", "--width", "30", "--heads", "4"], capsys) == (
+        "width 30 does not split over 4 attention heads; pick --width a multiple of --heads")  # was an einops traceback
 
 
 def test_a_spent_budget_leaves_the_later_parts_named_as_not_run_and_the_report_in_time(tmp_path):

@@ -2,7 +2,8 @@
 at the resolution the new run asks for.
 
 A run's final model.safetensors carries, as safetensors metadata under the key "mpp", the architecture of its
-backbone and what the file holds: a backbone, or a classifier (a fine-tuned backbone and its linear head). A
+backbone and what the file holds: a backbone, or a classifier (a fine-tuned backbone and its linear head), for which
+it also records what the head reads (`pool`) and, where the training shards named them, its `class_names`. A
 checkpoints/step_N/model.safetensors is the objective's whole state as Accelerate saves it (tensors under backbone.*
 beside the objective's own); files of older runs carry no metadata, and are read from their tensors as before.
 """
@@ -22,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mpp.errors import UserError, command
-from mpp.model.hf import HF_CONFIG, from_hf_state_dict, hf_architecture, is_hf_vit
+from mpp.model.hf import HF_CONFIG, from_hf_state_dict, hf_architecture, hf_class_names, is_hf_vit
 from mpp.model.vit import VisionTransformer, resolve_variant, resize_position_weights, resnet_stride
 from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
 
@@ -63,6 +64,11 @@ def save_weights(objective: Objective, path: str | Path) -> None:
              "stem": b.stem, "pos_embed": b.pos_embed_kind, "holds": CLASSIFIER if LINEAR_HEAD <= set(weights) else BACKBONE}
     if b.stem == "resnet":
         about.update(stem_layers=list(b.stem_layers), stem_width=b.stem_width)
+    if about["holds"] == CLASSIFIER:  # what predict and export need of a file copied out of its run
+        about["pool"] = getattr(objective, "pool", "cls")  # a Classification's; another objective's head reads [class]
+        names = getattr(objective, "class_names", ())
+        if len(names) == weights["head.weight"].shape[0]:
+            about["class_names"] = list(names)
     save_file(weights, str(path), metadata={METADATA_KEY: json.dumps(about)})
     usual_mode(Path(path))
 
@@ -127,7 +133,8 @@ def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
         "image_size": (f"{architecture['image_size']} ({grid * grid} positions of patch {patch})", f"{positions} positions"),
     }
     config_file = path.parent / HF_CONFIG
-    channels = json.loads(config_file.read_text()).get("num_channels", 3)  # read whole by hf_architecture
+    config = json.loads(config_file.read_text())  # read whole by hf_architecture
+    channels = config.get("num_channels", 3)
     if channels != conv.shape[1]:
         shown["num_channels"] = (channels, conv.shape[1])
     for key, (said, held) in shown.items():
@@ -138,7 +145,11 @@ def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
         raise CheckpointError(f"{config_file} gives num_attention_heads {architecture['heads']}, which does not divide "
                               f"hidden_size {architecture['width']}; correct num_attention_heads in it (the weights "
                               f"cannot show it: the value save_pretrained wrote)")
-    return SavedWeights(path, ours, {**architecture, "holds": CLASSIFIER if LINEAR_HEAD <= set(ours) else BACKBONE})
+    if not LINEAR_HEAD <= set(ours):
+        return SavedWeights(path, ours, {**architecture, "holds": BACKBONE})
+    about = {**architecture, "holds": CLASSIFIER, "pool": "cls"}  # ViTForImageClassification reads the [class] token
+    names = hf_class_names(config, ours["head.weight"].shape[0])
+    return SavedWeights(path, ours, about if names is None else {**about, "class_names": names})
 
 
 def check_finite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -166,6 +177,25 @@ def classifier_head(ckpt: str | Path) -> dict[str, torch.Tensor] | None:
     head = {name: saved.tensors[f"head.{name}"] for name in ("weight", "bias")}
     check_finite(saved.path, {f"head.{name}": tensor for name, tensor in head.items()})
     return head
+
+
+def classifier_pool(saved: SavedWeights, finetune_cfg) -> str:
+    """What the classifier in `saved` reads (finetune.pool: cls or mean): what its file records (a different
+    finetune.pool given is refused), else the finetune.pool of the run it lies in or of the config given; an older
+    mpp's file outside its run says neither, and a wrong guess gives other classes with no error, so it is refused."""
+    recorded, given = saved.about.get("pool"), "pool" in finetune_cfg.model_fields_set
+    if recorded is not None:
+        if given and finetune_cfg.pool != recorded:
+            raise CheckpointError(f"{saved.path} holds a classifier fine-tuned with finetune.pool={recorded} but the config "
+                                  f"says finetune.pool={finetune_cfg.pool}; drop that setting (a head reads what it was "
+                                  f"trained on)")
+        return recorded
+    if given or run_config_of(saved.path) is not None:
+        return finetune_cfg.pool
+    raise CheckpointError(f"{saved.path} does not record whether its classifier reads the [class] token or the mean of "
+                          f"the patch outputs (an older mpp's file, with no run's config.yaml beside it); set "
+                          f"finetune.pool=cls or finetune.pool=mean as its fine-tuning did (its run's config.yaml says), "
+                          f"or pass the file inside its run directory")
 
 
 def saved_heads(weights_file: Path) -> int | None:

@@ -159,6 +159,16 @@ def hf_architecture(weights_file: Path) -> dict | None:
     return architecture
 
 
+def hf_class_names(config: dict, outputs: int) -> list[str] | None:
+    """The names a ViTForImageClassification's config.json gives its `outputs` classes (id2label, whose JSON keys
+    are the ids as text), in id order; None where it does not name each of them."""
+    labels = config.get("id2label")
+    if not isinstance(labels, dict):
+        return None
+    names = [labels.get(str(i)) for i in range(outputs)]
+    return names if all(isinstance(name, str) for name in names) else None
+
+
 def preprocessor_config(image_size: int) -> dict:
     """Image processor settings that do what our evaluation does (mpp.data.EvalTransform): the centre square of the
     short side, resized to image_size with an antialiased bilinear filter, scaled as (x / 255 - 0.5) / 0.5.

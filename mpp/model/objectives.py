@@ -305,13 +305,16 @@ class Classification(Objective):
     `head.weight` and `head.bias` beside the backbone's) or holds the backbone alone (pretraining).
     With `mixing`, training batches are mixed (mixup/CutMix) into soft targets, and train/accuracy counts a hit
     on the dominant label of each mixed image (the one weighted at least half).
+    `class_names` (id = position) name the head's outputs where the training shards name them; the exported
+    weights carry them and `pool` (mpp.model.checkpoint.save_weights), so a copied file still says what it predicts.
     """
 
     def __init__(self, backbone: VisionTransformer, head: nn.Module, *, export_head: bool, pool: str = "cls",
-                 label_smoothing: float = 0.0, mixing: Mixing | None = None):
+                 label_smoothing: float = 0.0, mixing: Mixing | None = None, class_names: tuple[str, ...] = ()):
         super().__init__()
         self.backbone, self.head, self.export_head = backbone, head, export_head
         self.pool, self.label_smoothing, self.mixing = pool, label_smoothing, mixing
+        self.class_names = tuple(class_names)
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> (B, K)
         return self.head(pool(self.backbone(normalize(images)), self.pool))

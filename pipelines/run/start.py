@@ -121,6 +121,14 @@ ARCHITECTURE = ("image_size", "patch_size", "width", "depth", "heads")  # the mo
 STEM = ("stem", "stem_layers", "stem_width", "pos_embed")  # and those newer files say too (older ones: the defaults)
 
 
+def with_saved_position_kind(cfg: Config, config: str, ckpt: str, overrides: list[str]) -> Config:
+    """A fine-tuning's config (`config`, then the overrides) that leaves model.pos_embed unset, with the position
+    embeddings the weights in `ckpt` record, as their head count is taken: a ViT cannot change that kind, so the
+    default would only be refused."""
+    kind = read_weights(ckpt).about.get("pos_embed", cfg.model.pos_embed)
+    return cfg if kind == cfg.model.pos_embed else load_config(config, [f"model.pos_embed={kind}", *overrides])
+
+
 def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
     """--config if given, else the config.yaml of the run that wrote `ckpt` (its model and data carry over), else,
     for weights outside a run (an exported .safetensors, a Hugging Face directory), the defaults with the model the

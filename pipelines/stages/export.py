@@ -7,7 +7,7 @@ import json
 import warnings
 from pathlib import Path
 
-from mpp.model.checkpoint import classifier_head, load_backbone, resolve_checkpoint, run_files_in
+from mpp.model.checkpoint import SavedWeights, classifier_head, classifier_pool, load_backbone, read_weights, run_files_in
 from mpp.config import Config
 from mpp.data.stream import DataError
 from mpp.data.readers import expand_shards
@@ -15,7 +15,8 @@ from mpp.data.shardformat import ShardSummary, shard_summary
 from mpp.model.hf import ExportError, export_hf
 from mpp.model.vit import VisionTransformer
 from mpp.model.registry import OBJECTIVES
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_dir_of, too_long, OutputNotWritten, staged
+from mpp.metrics import TOP1
+from mpp.rundir import BEST, RESULTS, WEIGHTS, checkpoint_step, is_checkpoint, run_config_of, run_dir_of, too_long, OutputNotWritten, staged
 from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES, is_synthetic
 from ..run.invocation import command_line
 from ..run.run_policy import check_writable
@@ -32,21 +33,20 @@ def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
         raise ExportError(f"unknown export format '{to}'; use --to hf DIR")
     check_export_dir(Path(out_dir))
     backbone = load_backbone(ckpt, cfg.model)
-    weights_file = resolve_checkpoint(ckpt)
+    saved = read_weights(ckpt)
     head = classifier_head(ckpt)
+    names, unnamed, naming = classifier_names(cfg, saved, head["weight"].shape[0]) if head is not None else (None, "", "")
+    pool = classifier_pool(saved, cfg.finetune) if head is not None else "cls"
     try:
         with staged(Path(out_dir), out_dir) as stage:  # all the export's files, or none
-            kind = export_hf(backbone, stage, head, id2label=label_names(cfg, head) if head is not None else None,
-                             pool=cfg.finetune.pool)
-            (stage / "README.md").write_text(model_card(cfg, backbone, weights_file, kind, out_dir))
+            kind = export_hf(backbone, stage, head, id2label=names, pool=pool)
+            (stage / "README.md").write_text(model_card(cfg, backbone, saved.path, kind, out_dir))
     except OutputNotWritten as failed:
         fix = "free some space" if failed.full else "make it writable"
         raise ExportError(f"{failed}; nothing was written: {fix}, or choose another directory (--to hf DIR)") from None
-    if head is not None and class_names(cfg) is None:  # said once the export is written (a refused one says why)
-        warnings.warn(f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
-                      f"them), so the classifier's labels were exported as LABEL_0 to LABEL_{head['weight'].shape[0] - 1}; "
-                      f"prepare the shards with --class-names, or set data.shards to shards whose summary.json names them",
-                      stacklevel=2)
+    if head is not None and names is None:  # said once the export is written (a refused one says why)
+        warnings.warn(f"{unnamed}, so the classifier's labels were exported as LABEL_0 to "
+                      f"LABEL_{head['weight'].shape[0] - 1}; {naming}", stacklevel=2)
     print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
           f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")
     return kind
@@ -68,18 +68,25 @@ def check_export_dir(out: Path) -> None:
                           f"directory (--to hf DIR)")
 
 
-def label_names(cfg: Config, head: dict) -> dict[int, str] | None:
-    """The class names of the training shards, if they name as many classes as the classifier has outputs."""
+def classifier_names(cfg: Config, saved: SavedWeights, outputs: int) -> tuple[dict[int, str] | None, str, str]:
+    """The names of the classifier's `outputs` classes; without them, None, why none and how to give them. The file's
+    own come first (its `mpp` metadata's, an export's config.json id2label); else, for a file inside its run (an
+    older mpp's, or whose shards named no classes) or where data.shards is set, the training shards' summary.json.
+    A file outside its run is never named by the default config's shards, the embedded synthetic corpus."""
+    if "class_names" in saved.about:
+        return dict(enumerate(saved.about["class_names"])), "", ""
+    if run_config_of(saved.path) is None and "shards" not in cfg.data.model_fields_set:
+        return None, f"{saved.path} records no class names and lies outside its run", "set data.shards to its training shards to name them"
     names = class_names(cfg)
-    outputs = head["weight"].shape[0]
-    if names is not None and len(names) != outputs:
+    if names is None:
+        return None, (f"the training shards ({cfg.data.shards}) name no classes (no class_names in a summary.json beside "
+                      f"them)"), "prepare the shards with --class-names, or set data.shards to shards whose summary.json names them"
+    if len(names) != outputs:
         # The run's own model.num_classes sized the classifier: its shards are the right ones, and name too few.
         fix = (f"the fine-tuning set model.num_classes={outputs}, so no names are known for its other outputs"
-               if cfg.model.num_classes == outputs else "set data.shards to the fine-tuning's shards to export their names")
-        warnings.warn(f"the training shards ({cfg.data.shards}) name {len(names)} classes but the classifier has {outputs} "
-                      f"outputs, so its labels are exported as LABEL_0 to LABEL_{outputs - 1}; {fix}", stacklevel=2)
-        return None
-    return names
+               if cfg.model.num_classes == outputs else "set data.shards to the fine-tuning's shards to name them")
+        return None, f"the training shards ({cfg.data.shards}) name {len(names)} classes but the classifier has {outputs} outputs", fix
+    return names, "", ""
 
 
 def class_names(cfg: Config) -> dict[int, str] | None:
@@ -120,12 +127,20 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         described = record.get("description") or OBJECTIVES[cfg.objective].summary
         objective = f"{described} (pretraining; the pretraining head is not exported)"
     # Every model metric the run's objective and evaluators declared (results.json's final_shown, in their order).
-    metrics_line = ", ".join(f"{tag} {shown}" for tag, shown in record.get("final_shown", {}).items())
+    metrics_at, metrics_line = "Final metrics", ", ".join(f"{tag} {shown}" for tag, shown in record.get("final_shown", {}).items())
+    kept_best = weights_file.name == BEST  # finetune.keep_best's weights: those of its best evaluation, not the last step's
+    if kept_best:
+        best = record.get("best")
+        step = int(best["step"]) if best else None
+        metrics_at = f"Metrics at step {step}, its best evaluation (finetune.keep_best)" if best else "Metrics"
+        metrics_line = f"{TOP1} {best[TOP1]:.1%}" if best else ""
     if fine_tuned and metrics_line:
         metrics_line += f" (eval/*: on `{cfg.data.val_shards}`)"
-    if step is not None and step != cfg.train.steps:
+    if step is not None and step != cfg.train.steps and not kept_best:
         metrics_line = f"not recorded for step {step} (the run's final metrics are for step {cfg.train.steps})"
     steps = f"{step if step is not None else cfg.train.steps} of {cfg.train.steps}"
+    if kept_best and step is None:
+        steps = f"not recorded for these best weights (no results.json `best` beside them), of a run of {cfg.train.steps}"
     continued = "".join(f", continued with `{resume}`" for resume in record.get("resumed_with", []))
     batch = cfg.train.global_batch_size or f"{cfg.train.batch_size} per process x {cfg.train.grad_accum} accumulation"
     lines = [
@@ -144,7 +159,7 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
             f"interpolates that table."]),
         "- **Pooling**: the [class] token after the final LayerNorm (`last_hidden_state[:, 0]`); the exported pooler is "
         "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."),
-        f"- **Final metrics**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
+        f"- **{metrics_at}**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
         f"- **Produced by**: `{record['command']}`{continued}." if record.get("command") else "- **Produced by**: not recorded.",
         f"- **Exported by**: `{command_line()}`.", "",
         "## Use", "", "```python",

@@ -94,13 +94,15 @@ def training_class_counts(urls: list[str], classes: int, names: tuple[str, ...])
     return counts
 
 
-def build_classifier(cfg: Config, ckpt: str | None, classes: int) -> Classification:
-    """The one difference between fine-tuning and training from scratch is where the backbone comes from."""
+def build_classifier(cfg: Config, ckpt: str | None, classes: int, names: tuple[str, ...] = ()) -> Classification:
+    """The one difference between fine-tuning and training from scratch is where the backbone comes from. `names`
+    (the training shards' class names) go into the weights it saves, so a copied file still names its classes."""
     backbone = load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg.model)
     backbone.set_drop_path(cfg.model.drop_path)
     backbone.grad_checkpointing = cfg.model.grad_checkpointing
     return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True, pool=cfg.finetune.pool,
-                          label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes))
+                          label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes),
+                          class_names=names)
 
 
 def check_evaluation_labels(urls: list[str], classes: int, spec: str, reader: LabelReader) -> None:
@@ -147,7 +149,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False
                     "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points, **best}
 
         start = "a fresh backbone (no --ckpt)" if ckpt is None else ckpt
-        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes), batches, len(urls),
+        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes, names), batches, len(urls),
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
                              recording=history.recording, checkpointed=(history,), data=shard_summary(urls),
                              class_counts=training_class_counts(urls, classes, names))
