@@ -21,6 +21,7 @@ from mpp.evaluation.baselines import beside, below_baseline, likely_causes, not_
 from mpp.config import Config
 from mpp.data.stream import Batch, StreamState
 from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
+from mpp.training.trackers import resume_log_lines
 from mpp.metrics import Metric, model_metrics, unique
 from mpp.model.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
@@ -81,6 +82,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         evaluators = tuple(map(stage.recording, evaluators_of(cfg, accelerator, stage)))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
+        resume_log_lines(accelerator, checkpoint_step(resume_from) if resume_from else 0)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.shards} shards with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
