@@ -86,3 +86,80 @@ def test_a_finetuning_killed_after_a_best_past_its_checkpoint_resumes_to_the_che
     lines = log_lines(run)
     assert [line["step"] for line in lines] == list(range(1, saved + 1))
     assert TOP1 in lines[-1] and "train/loss" in lines[-1]
+
+
+def pretrain_config(tmp_path, *overrides):
+    return load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                              "train.steps=6", "train.warmup_steps=1", "train.batch_size=8", "train.checkpoint_every=2",
+                              "train.keep_checkpoints=5", *overrides])
+
+
+def as_if_killed_after_the_first_checkpoint(run):
+    """What a kill after the first checkpoint leaves: its later checkpoints and the files written at the end gone."""
+    for later in complete_checkpoints(run)[1:]:
+        shutil.rmtree(later)
+    for written_at_the_end in ("results.json", "model.safetensors"):
+        (run / written_at_the_end).unlink()
+
+
+def training_scalars(values):
+    """Every scalar but the speed, which no two runs share."""
+    return {tag: value for tag, value in values.items() if not tag.startswith("train/perf/")}
+
+
+def test_the_log_line_after_a_resume_averages_the_steps_an_uninterrupted_run_does(tmp_path, make_shards):
+    # F1: the log window was not in the checkpoint, so the first line after a resume (and results.json's final when
+    # the last start trained fewer than log.every steps) averaged only the steps since the resume.
+    make_shards([40] * 2, size=32)
+    run = tmp_path / "run"
+    first = pretrain.run(pretrain_config(tmp_path, "log.every=3"))  # lines at 3 and 6; checkpoints at 2, 4, 6
+    uninterrupted = log_lines(run)
+    as_if_killed_after_the_first_checkpoint(run)  # its window holds steps 1-2 of the line at 3
+    reset_accelerator()
+    resumed = pretrain.run(pretrain_config(tmp_path, "log.every=3"), resume=True)
+    assert [line["step"] for line in log_lines(run)] == [3, 6]
+    assert [training_scalars(line) for line in log_lines(run)] == [training_scalars(line) for line in uninterrupted]
+    assert training_scalars(resumed["final"]) == training_scalars(first["final"])
+
+
+def test_a_resumed_runs_speed_and_done_line_count_every_start_as_its_wall_time_does(tmp_path, make_shards, monkeypatch, capsys):
+    # F2: images_per_sec and "done in" described the last start alone while wall_time_s summed them all.
+    from mpp.training import loop
+
+    make_shards([40], size=32)
+    quick_step, slow_seconds, calls = loop.train_step, 2.0, []
+
+    def first_two_steps_slow(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:
+            time.sleep(slow_seconds)
+        return quick_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", first_two_steps_slow)
+    run = tmp_path / "run"
+    pretrain.run(pretrain_config(tmp_path, "train.steps=4", "log.every=1"))
+    as_if_killed_after_the_first_checkpoint(run)
+    reset_accelerator()
+    capsys.readouterr()
+    results = pretrain.run(pretrain_config(tmp_path, "train.steps=4", "log.every=1"), resume=True)
+    assert results["wall_time_s"] >= 2 * slow_seconds
+    assert results["images_per_sec"] <= results["images_seen"] / (2 * slow_seconds)
+    done = re.search(r"pretrain done in (\d+)s over every start \((\d+)s in this one\)", capsys.readouterr().out)
+    assert done and int(done[1]) == round(results["wall_time_s"]) and int(done[2]) < int(done[1]), done
+
+
+def test_a_run_stopped_by_non_finite_steps_before_any_checkpoint_logs_its_last_step_and_says_to_start_again(tmp_path, make_shards):
+    # Rows 76 and 77: the line said "--resume from the last checkpoint" where there was none, and log.txt lacked the
+    # steps before the error (held for a later step that never came).
+    make_shards([40], size=32)
+    cfg = pretrain_config(tmp_path, "train.steps=40", "train.lr=1e30", "train.max_nonfinite_steps=2",
+                          "train.checkpoint_every=100", "log.every=1")
+    with pytest.raises(TrainingDiverged) as stopped:
+        pretrain.run(cfg)
+    message = str(stopped.value)
+    assert message.endswith("then start the run again with --overwrite: it saved no checkpoint to continue from (the "
+                            "first was due at step 100, train.checkpoint_every)") and "--resume" not in message, message
+    last = int(re.search(r"the last at step (\d+)", message)[1])
+    lines = log_lines(tmp_path / "run")
+    assert [line["step"] for line in lines] == list(range(1, last + 1))
+    assert lines[-1]["train/nonfinite_steps"] == 2
