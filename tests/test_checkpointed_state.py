@@ -163,3 +163,46 @@ def test_a_run_stopped_by_non_finite_steps_before_any_checkpoint_logs_its_last_s
     lines = log_lines(tmp_path / "run")
     assert [line["step"] for line in lines] == list(range(1, last + 1))
     assert lines[-1]["train/nonfinite_steps"] == 2
+
+
+def test_an_emptied_newest_checkpoint_is_named_as_empty_and_skipped(tmp_path, make_shards, capsys):
+    # Row 40: an empty folder (a save or copy cut off before any file) was blamed on an older mpp.
+    make_shards([40], size=32)
+    run = tmp_path / "run"
+    pretrain.run(pretrain_config(tmp_path, "train.steps=4", "log.every=1"))
+    newest = complete_checkpoints(run)[-1]
+    shutil.rmtree(newest)
+    newest.mkdir()
+    (run / "model.safetensors").unlink()
+    reset_accelerator()
+    capsys.readouterr()
+    pretrain.run(pretrain_config(tmp_path, "train.steps=4", "log.every=1"), resume=True)
+    out, err = capsys.readouterr()
+    assert (f"skipping checkpoint {newest}: it is empty (a save or a copy cut off before any file was written)" in err
+            and "step_00000002 at step 2" in out), err
+
+
+def test_keep_best_set_for_a_pretraining_is_one_warning(tmp_path, make_shards):
+    # Row 65: ignored without a word, so a user expecting best.safetensors found none.
+    make_shards([40], size=32)
+    with pytest.warns(UserWarning, match=r"^finetune.keep_best is set, but a pretraining keeps no best .*; set keep_best "
+                                         r"for the fine-tuning$"):
+        pretrain.run(pretrain_config(tmp_path, "train.steps=2", "finetune.keep_best=true"))
+    assert not (tmp_path / "run" / "best.safetensors").exists()
+
+
+def test_keep_best_turned_on_by_a_resume_says_the_earlier_evaluations_are_not_candidates(tmp_path, capsys):
+    # Row 66: the earlier evaluations' weights are gone; the resume says its best starts with it.
+    write_test_shards(tmp_path / "shards", [30, 30], size=24)
+    write_test_shards(tmp_path / "val", [12], size=24)
+    args = finetune_args(tmp_path, "finetune.keep_best=false", "finetune.eval_every=2", "train.checkpoint_every=4")
+    cfg = load_config(ROOT / "configs" / "finetune" / "default.yaml", [*args, "train.steps=4"])
+    finetune.run(cfg, ckpt=None)
+    reset_accelerator()
+    capsys.readouterr()
+    cfg = load_config(ROOT / "configs" / "finetune" / "default.yaml", [*args, "train.steps=6", "finetune.keep_best=true"])
+    results = finetune.run(cfg, ckpt=None, resume=True)
+    assert ("finetune.keep_best: the run kept no best before this resume, so best.safetensors will hold the best of the "
+            "evaluations from here on; its earlier ones (up to step 2) were scored, but their weights were not kept"
+            in capsys.readouterr().out)
+    assert results["best"]["step"] in (4, 6)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,9 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
     run = start_run(cfg)
     accelerator, cfg = run.accelerator, run.cfg
     stage = build(run)
+    if stage.name == "pretrain" and cfg.finetune.keep_best and accelerator.is_main_process:
+        warnings.warn("finetune.keep_best is set, but a pretraining keeps no best (it scores no eval/top1 to pick by): "
+                      f"it writes {WEIGHTS}, the last step's weights, only; set keep_best for the fine-tuning")
     with OutputDirLock(accelerator, cfg.output_dir):
         if overwrite:
             start_over(accelerator, cfg.output_dir)

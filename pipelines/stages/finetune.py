@@ -55,6 +55,11 @@ class History:
         if self.keep is not None and "best_weights" in state:  # an earlier mpp's checkpoint kept no weights: left as is
             self.best_weights = state["best_weights"]
             self.keep.restore(self.best_weights)
+        if self.keep is not None and self.best is None and self.points:
+            self.keep.accelerator.print(
+                f"finetune.keep_best: the run kept no best before this resume, so best.safetensors will hold the best "
+                f"of the evaluations from here on; its earlier ones (up to step {int(self.points[-1][0])}) were scored, "
+                f"but their weights were not kept")
 
     def recording(self, evaluator: Evaluator) -> Evaluator:
         """`evaluator`, with each top-1 it scores added to the curve."""
