@@ -184,9 +184,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     progress.start_clock()
 
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
-    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers)
-    if progress.window is not None:
-        window.load_state_dict(progress.window)
+    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers, progress.window)
     bar = ProgressBar(accelerator, [*objective.metrics("train"), *LOOP_METRICS, *evaluations.metrics], cfg.steps, progress.step)
     objective.train()
     # The bar is closed before anything propagates, so an error's line does not share a line with it.
@@ -196,8 +194,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                 result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
-                # Only one process saves here (see stopped_waiting); several cannot meet, not even to sum the window.
-                progress.record(results, window.state_dict() if accelerator.num_processes == 1 else None)
+                progress.record(results, window.state_dict() if accelerator.num_processes == 1 else None)  # see stopped_waiting
                 raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
             if ema:
                 ema.update(objective)
@@ -207,10 +204,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.step()
 
             if step % log.every == 0 or last:
-                try:
-                    results.update(window.write(step, head_lr(optimizer)))
-                except TrainingDiverged as diverged:
-                    raise TrainingDiverged(f"{diverged}, then {how_to_continue(output_dir, cfg, resume_hint)}") from None
+                results.update(write_line(window, step, head_lr(optimizer), output_dir, cfg, resume_hint))
                 bar.update(results)
             if step % log.images_every == 0 or last:
                 log_panel(accelerator, objective, feed.last, step)
@@ -231,13 +225,17 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     return Trained(results, progress.earlier_seconds, progress.seconds)
 
 
-def how_to_continue(output_dir: Path, cfg: TrainConfig, resume_hint: str) -> str:
-    """What a run stopped by its own error continues with: its newest checkpoint, or, before its first, a new start."""
-    saved = complete_checkpoints(output_dir)
-    if saved:
-        return f"continue from its last checkpoint {saved[-1]} with {resume_hint}"
-    return (f"start the run again with --overwrite: it saved no checkpoint to continue from (the first was due at "
-            f"step {cfg.checkpoint_every}, train.checkpoint_every)")
+def write_line(window: LogWindow, step: int, lr: float, output_dir: Path, cfg: TrainConfig, resume_hint: str) -> dict[str, float]:
+    """The log line of `step` (LogWindow.write); a stop on non-finite steps says what the run continues with: its
+    newest checkpoint, or, before its first, a new start."""
+    try:
+        return window.write(step, lr)
+    except TrainingDiverged as diverged:
+        saved = complete_checkpoints(output_dir)
+        then = (f"continue from its last checkpoint {saved[-1]} with {resume_hint}" if saved else
+                f"start the run again with --overwrite: it saved no checkpoint to continue from (the first was due at "
+                f"step {cfg.checkpoint_every}, train.checkpoint_every)")
+        raise TrainingDiverged(f"{diverged}, then {then}") from None
 
 
 def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):

@@ -97,12 +97,15 @@ class LogWindow:
     """
 
     def __init__(self, accelerator: Accelerator, max_nonfinite_steps: int, max_skip_fraction: float,
-                 data_workers: int = 0) -> None:
+                 data_workers: int = 0, state: dict | None = None) -> None:
+        """`state`: a checkpoint's window (state_dict) to continue from; None: a window opened now."""
         self.accelerator, self.max_nonfinite_steps, self.max_skip_fraction = accelerator, max_nonfinite_steps, max_skip_fraction
         self.meter, self.skipped, self.pace, self.data_workers = Meter(), Counter(), StepPace(), data_workers
         self.start, self.waited, self.images, self.images_total = time.perf_counter(), 0.0, 0, 0
         self.last_step = self.start
         self.nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
+        if state is not None:
+            self.load_state_dict(state)
 
     def read(self, batch: Batch, waited: float) -> None:
         self.waited += waited
