@@ -40,7 +40,10 @@ def new_best_past_the_checkpoint(run):
     if not checkpoints or not (run / "log.txt").is_file():
         return None
     saved = checkpoint_step(checkpoints[-1])
-    lines = [json.loads(line) for line in (run / "log.txt").read_text().splitlines(keepends=True) if line.endswith("\n")]
+    try:  # read while the run writes it: a line caught mid-write is read again at the next look
+        lines = [json.loads(line) for line in (run / "log.txt").read_text().splitlines(keepends=True) if line.endswith("\n")]
+    except ValueError:
+        return None
     scores = [(line["step"], line[TOP1]) for line in lines if TOP1 in line]
     for index, (step, top1) in enumerate(scores):
         if step > saved and all(top1 > earlier for _, earlier in scores[:index]):
