@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
