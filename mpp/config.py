@@ -264,7 +264,7 @@ class LogConfig(Section):
 class FinetuneConfig(Section):
     eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).", json_schema_extra=RESUMABLE)
     pool: Pooling = Field("cls", description="What the linear classifier reads: the [class] token's output (cls, the paper) or the mean of the patch outputs (mean, as BEiT, SimMIM and MAE fine-tune).")
-    keep_best: bool = Field(False, description="Keep the weights of the evaluation with the best eval/top1 in output_dir/best.safetensors (results.json's `best` says which step and score); export and predict take it as --ckpt RUN/best.safetensors. Off: only the last step's weights.", json_schema_extra=RESUMABLE)
+    keep_best: bool = Field(False, description="Keep the weights of the evaluation with the best eval/top1 (an exact tie: the later) in output_dir/best.safetensors, checkpointed with the run (results.json's `best` says which step and score); export and predict take it as --ckpt RUN/best.safetensors. Off: only the last step's weights. Fine-tuning only.", json_schema_extra=RESUMABLE)
 
 
 class Config(Section):

@@ -285,6 +285,8 @@ def checkpoint_fault(directory: Path) -> str | None:
         manifest = json.loads((directory / MANIFEST).read_text())
         files, saved_by = manifest["files"], manifest["processes"]
     except FileNotFoundError:
+        if not any(directory.iterdir()):
+            return "it is empty (a save or a copy cut off before any file was written)"
         return f"it has no {MANIFEST} (written by an mpp that did not verify its checkpoints)"
     except (ValueError, KeyError, TypeError):
         return f"its {MANIFEST} is unreadable"

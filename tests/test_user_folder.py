@@ -94,28 +94,29 @@ def test_keep_best_keeps_the_weights_of_the_best_evaluation(colour_run):
     from safetensors.torch import load_file
 
     tmp_path, results = colour_run
-    best_step, best_top1 = max(results["history"], key=lambda point: (point[1], -point[0]))  # the first best
+    best_step, best_top1 = max(results["history"], key=lambda point: (point[1], point[0]))  # ties: the later
     assert results["best"] == {"step": best_step, "eval/top1": best_top1, "weights": str(tmp_path / "run" / "best.safetensors")}
     kept = load_file(tmp_path / "run" / "best.safetensors")
     checkpoint = load_file(tmp_path / "run" / "checkpoints" / f"step_{best_step:08d}" / "model.safetensors")
     assert all(torch.equal(kept[f"head.{name}"], checkpoint[f"head.{name}"]) for name in ("weight", "bias"))
 
 
-def test_keep_best_picks_the_step_of_the_highest_score_not_the_last():
+def test_keep_best_picks_the_step_of_the_highest_score_not_the_last_and_a_tie_to_the_later():
+    from types import SimpleNamespace
     from mpp.training.loop import Evaluator
 
     history, kept = finetune.History(), []
-    history.keep = lambda module: kept.append(module)
-    scores = iter([0.5, 0.9, 0.7])
+    history.keep = SimpleNamespace(write=lambda module: kept.append(module))
+    scores = iter([0.5, 0.9, 0.7, 0.9, 0.8])
     evaluator = Evaluator(2, lambda module, step: {"eval/top1": next(scores)})
     evaluator.run.classified = {}
     run = history.recording(evaluator).run
-    for step in (2, 4, 6):
+    for step in (2, 4, 6, 8, 10):
         run(f"weights at step {step}", step)
-    assert history.best == [4, 0.9] and kept == ["weights at step 2", "weights at step 4"]
+    assert history.best == [8, 0.9] and kept == ["weights at step 2", "weights at step 4", "weights at step 8"]
     restored = finetune.History()
     restored.load_state_dict(history.state_dict())
-    assert restored.best == [4, 0.9]
+    assert restored.best == [8, 0.9]
 
 
 def test_predict_keeps_to_the_cpu_it_is_told_to_use_on_a_machine_with_a_gpu(colour_run, monkeypatch, capsys):

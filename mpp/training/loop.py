@@ -24,14 +24,14 @@ from mpp.config import LogConfig, TrainConfig
 from mpp.data.stream import Batch, StreamState
 from mpp.training.ema import WeightAverage
 from mpp.errors import UserError
-from mpp.training.meters import LOOP_METRICS, LogWindow, ProgressBar
+from mpp.training.meters import LOOP_METRICS, LogWindow, ProgressBar, TrainingDiverged
 from mpp.metrics import Metric
 from mpp.model.objectives import Objective, StepOutput
 from mpp.training.optim import LambdaLR, apply_hyperparameters, build_optimizer, build_schedule, head_lr, param_groups
 from mpp.training.panel import log_panel
 from mpp.training.preemption import Preempted, SignalWhileWaiting, StopOnSignal, stopped_waiting
 from mpp.training.resume import WRITE_ERRORS, load_checkpoint, save_checkpoint, weights_not_saved
-from mpp.rundir import WEIGHTS
+from mpp.rundir import WEIGHTS, complete_checkpoints
 from mpp.training.runtime import Device, compiled, resolve_compile
 
 
@@ -58,8 +58,10 @@ class Evaluator:
 @dataclass
 class Progress:
     """Checkpointed with the model by the main process: the step counter, the last step whose evaluations ran, the
-    scalars logged up to the checkpoint's step, and the seconds spent training up to it over every invocation (the
-    steps an interrupted invocation trained after its last checkpoint are trained again, so their time is not).
+    scalars logged up to the checkpoint's step, the log window's counts (LogWindow.state_dict: the steps since the
+    last log line, which a resumed run's next line averages with its own), and the seconds spent training up to it
+    over every invocation (the steps an interrupted invocation trained after its last checkpoint are trained again,
+    so their time is not).
 
     A step's checkpoint is written before its evaluations, so a resume from it runs them first. A finished run resumed
     trains nothing and logs nothing: it reports the scalars its last checkpoint kept. Each rank's data stream position
@@ -69,37 +71,43 @@ class Progress:
     step: int = 0
     evaluated: int = 0
     logged: dict[str, float] = field(default_factory=dict)
+    window: dict | None = None  # None: not known (a checkpoint of an earlier mpp)
     seconds: float | None = 0.0  # None: not known (a checkpoint of an earlier mpp)
     earlier_seconds: float | None = field(default=0.0, init=False, repr=False)  # up to the checkpoint resumed from
     started: float = field(default=0.0, init=False, repr=False)  # this invocation's start (time.perf_counter)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged, "seconds": self.seconds}
+        return {"step": self.step, "evaluated": self.evaluated, "logged": self.logged, "window": self.window,
+                "seconds": self.seconds}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.evaluated = state["step"], state["evaluated"]
         self.logged = dict(state.get("logged", {}))  # absent from the checkpoints of an earlier mpp
+        self.window = state.get("window")  # absent from the checkpoints of an earlier mpp
         self.seconds = state.get("seconds")  # absent from the checkpoints of an earlier mpp
 
     def start_clock(self) -> None:
         """This invocation trains from here: its seconds add to those of the checkpoint it resumed from, if any."""
         self.earlier_seconds, self.started = self.seconds, time.perf_counter()
 
-    def record(self, results: dict[str, float]) -> None:
-        """What a checkpoint of this step keeps beside the weights: the scalars logged and the seconds trained."""
-        self.logged = dict(results)
+    def record(self, results: dict[str, float], window: dict | None) -> None:
+        """What a checkpoint of this step keeps beside the weights: the scalars logged, the log window, the seconds
+        trained."""
+        self.logged, self.window = dict(results), window
         if self.earlier_seconds is not None:
             self.seconds = self.earlier_seconds + time.perf_counter() - self.started
 
 
 @dataclass
 class Trained:
-    """What `train` leaves besides its files: the last logged scalars and evaluator results, and the seconds the
+    """What `train` leaves besides its files: the last logged scalars and evaluator results, the seconds the
     earlier invocations of the run spent training up to the checkpoint this one resumed from (0 for a run that
-    started here, None where that checkpoint did not record them)."""
+    started here, None where that checkpoint did not record them), and the seconds every invocation spent training
+    the run's steps, up to its last checkpoint (None where not known)."""
 
     scores: dict[str, float]
     earlier_seconds: float | None
+    seconds: float | None = None
 
 
 @dataclass
@@ -176,7 +184,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     progress.start_clock()
 
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
-    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers)
+    window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers, progress.window)
     bar = ProgressBar(accelerator, [*objective.metrics("train"), *LOOP_METRICS, *evaluations.metrics], cfg.steps, progress.step)
     objective.train()
     # The bar is closed before anything propagates, so an error's line does not share a line with it.
@@ -186,7 +194,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                 result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
-                progress.record(results)
+                progress.record(results, window.state_dict() if accelerator.num_processes == 1 else None)  # see stopped_waiting
                 raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
             if ema:
                 ema.update(objective)
@@ -196,7 +204,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.step()
 
             if step % log.every == 0 or last:
-                results.update(window.write(step, head_lr(optimizer)))
+                results.update(write_line(window, step, head_lr(optimizer), output_dir, cfg, resume_hint))
                 bar.update(results)
             if step % log.images_every == 0 or last:
                 log_panel(accelerator, objective, feed.last, step)
@@ -204,7 +212,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or last or stopping:
-                progress.record(results)
+                progress.record(results, window.state_dict())
                 saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)
             if stopping and not last:
                 accelerator.end_training()
@@ -214,7 +222,20 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.update(results)
 
     save_final_weights(accelerator, scored, output_dir, resume_hint)
-    return Trained(results, progress.earlier_seconds)
+    return Trained(results, progress.earlier_seconds, progress.seconds)
+
+
+def write_line(window: LogWindow, step: int, lr: float, output_dir: Path, cfg: TrainConfig, resume_hint: str) -> dict[str, float]:
+    """The log line of `step` (LogWindow.write); a stop on non-finite steps says what the run continues with: its
+    newest checkpoint, or, before its first, a new start."""
+    try:
+        return window.write(step, lr)
+    except TrainingDiverged as diverged:
+        saved = complete_checkpoints(output_dir)
+        then = (f"continue from its last checkpoint {saved[-1]} with {resume_hint}" if saved else
+                f"start the run again with --overwrite: it saved no checkpoint to continue from (the first was due at "
+                f"step {cfg.checkpoint_every}, train.checkpoint_every)")
+        raise TrainingDiverged(f"{diverged}, then {then}") from None
 
 
 def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):

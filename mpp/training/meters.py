@@ -68,15 +68,25 @@ class Meter:
             self.sums[name] = self.sums[name] + value if name in self.sums else value
             self.counts[name] = self.counts[name] + keep.float() if name in self.counts else keep.float()
 
-    def means(self, accelerator: Accelerator) -> dict[str, float]:
-        """Means over the kept steps of every rank; a name with no kept step is left out."""
+    def totals(self, accelerator: Accelerator) -> dict[str, tuple[float, float]]:
+        """{name: (sum, kept steps)} over every rank (a collective: every rank calls it)."""
         if not self.sums:
             return {}
         names = sorted(self.sums)
         stacked = torch.stack([torch.stack([self.sums[n], self.counts[n]]) for n in names])  # (names, 2)
+        return {n: (s, c) for n, (s, c) in zip(names, accelerator.reduce(stacked, reduction="sum").tolist())}
+
+    def means(self, accelerator: Accelerator) -> dict[str, float]:
+        """Means over the kept steps of every rank; a name with no kept step is left out."""
+        totals = self.totals(accelerator)
         self.sums, self.counts = {}, {}
-        totals = accelerator.reduce(stacked, reduction="sum").tolist()
-        return {n: s / c for n, (s, c) in zip(names, totals) if c > 0}
+        return {n: s / c for n, (s, c) in totals.items() if c > 0}
+
+    def restore(self, totals: dict[str, tuple[float, float]], device: torch.device, holder: bool) -> None:
+        """Continue from `totals` (a checkpoint's): `holder` (one rank) takes them, the others start from zero with
+        the same names, so the sums over the ranks, and the order of the additions on the holder, are as they were."""
+        self.sums = {n: torch.tensor(s if holder else 0.0, device=device) for n, (s, _) in totals.items()}
+        self.counts = {n: torch.tensor(c if holder else 0.0, device=device) for n, (_, c) in totals.items()}
 
 
 class LogWindow:
@@ -91,12 +101,15 @@ class LogWindow:
     """
 
     def __init__(self, accelerator: Accelerator, max_nonfinite_steps: int, max_skip_fraction: float,
-                 data_workers: int = 0) -> None:
+                 data_workers: int = 0, state: dict | None = None) -> None:
+        """`state`: a checkpoint's window (state_dict) to continue from; None: a window opened now."""
         self.accelerator, self.max_nonfinite_steps, self.max_skip_fraction = accelerator, max_nonfinite_steps, max_skip_fraction
         self.meter, self.skipped, self.pace, self.data_workers = Meter(), Counter(), StepPace(), data_workers
         self.start, self.waited, self.images, self.images_total = time.perf_counter(), 0.0, 0, 0
         self.last_step = self.start
         self.nonfinite = {name: torch.zeros((), dtype=torch.long, device=accelerator.device) for name in ("total", "run", "diverged_at")}
+        if state is not None:
+            self.load_state_dict(state)
 
     def read(self, batch: Batch, waited: float) -> None:
         self.waited += waited
@@ -117,14 +130,10 @@ class LogWindow:
         self.nonfinite["diverged_at"] = torch.where(reached, step, self.nonfinite["diverged_at"])
 
     def write(self, step: int, lr: float) -> dict[str, float]:
-        """Log the line's scalars at `step` and return them."""
+        """Log the line's scalars at `step` and return them. A run stopping on too many non-finite steps logs its
+        line first, so log.txt and TensorBoard end at the step it stopped."""
         accelerator = self.accelerator
         diverged_at = int(self.nonfinite["diverged_at"])
-        if diverged_at:
-            raise TrainingDiverged(
-                f"{self.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
-                f"{diverged_at} (lr {lr:.3g}); lower train.lr, lengthen train.warmup_steps, "
-                f"keep train.clip_grad_norm set, or use train.mixed_precision=no, then --resume from the last checkpoint")
         elapsed = time.perf_counter() - self.start
         scalars = {f"train/{k}": v for k, v in self.meter.means(accelerator).items()}
         self.images_total += self.images
@@ -137,12 +146,42 @@ class LogWindow:
         scalars[IMAGES_PER_SEC] = self.images * accelerator.num_processes / elapsed
         scalars[DATA_WAIT] = self.waited / elapsed
         accelerator.log(scalars, step=step)
+        if diverged_at:
+            raise TrainingDiverged(
+                f"{self.max_nonfinite_steps} consecutive steps had a non-finite loss or gradient, the last at step "
+                f"{diverged_at} (lr {lr:.3g}); lower train.lr, lengthen train.warmup_steps, "
+                f"keep train.clip_grad_norm set, or use train.mixed_precision=no")
         self.start, self.waited, self.images = time.perf_counter(), 0.0, 0
         check_skip_rate(sum(totals[:-1]), totals[-1], self.max_skip_fraction)
         slowed = self.pace.slowed()
         if slowed and accelerator.is_main_process:
             tqdm.write(slowdown_line(*slowed, threads=torch.get_num_threads(), workers=self.data_workers), file=sys.stderr)
         return scalars
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the window (in Progress): the steps counted since the last line and the counts
+        since the run started, summed over the ranks, so a resumed run's next line averages the steps an
+        uninterrupted run's does, and its counts go on from the checkpoint's. A collective (every rank calls it), at a
+        checkpoint, where the ranks meet anyway: no step waits for it."""
+        accelerator = self.accelerator
+        counts = torch.tensor([float(self.skipped[r]) for r in SKIP_REASONS] + [float(self.images_total), float(self.images)],
+                              device=accelerator.device)
+        *skipped, images_total, images = accelerator.reduce(counts, reduction="sum").tolist()
+        return {"meter": self.meter.totals(accelerator), "skipped": dict(zip(SKIP_REASONS, skipped)),
+                "images_total": images_total, "images": images, "waited": self.waited,
+                "seconds": time.perf_counter() - self.start, "nonfinite": {k: int(v) for k, v in self.nonfinite.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's window (state_dict), on any number of processes: the main process holds its
+        sums and counts; the window's images are shared out; its seconds go on from the checkpoint's, not counting
+        the time until the resume."""
+        accelerator, main = self.accelerator, self.accelerator.is_main_process
+        self.meter.restore({n: tuple(v) for n, v in state["meter"].items()}, accelerator.device, holder=main)
+        self.skipped = Counter({r: round(c) for r, c in state["skipped"].items()} if main else {})
+        self.images_total = round(state["images_total"]) if main else 0
+        self.images = round(state["images"]) // accelerator.num_processes
+        self.waited, self.start = state["waited"], time.perf_counter() - state["seconds"]
+        self.nonfinite = {k: torch.tensor(v, dtype=torch.long, device=accelerator.device) for k, v in state["nonfinite"].items()}
 
 
 def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from mpp.evaluation.baselines import beside, below_baseline, likely_causes, not_
 from mpp.config import Config
 from mpp.data.stream import Batch, StreamState
 from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
+from mpp.training.trackers import resume_log_lines
 from mpp.metrics import Metric, model_metrics, unique
 from mpp.model.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
@@ -71,6 +73,9 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
     run = start_run(cfg)
     accelerator, cfg = run.accelerator, run.cfg
     stage = build(run)
+    if stage.name == "pretrain" and cfg.finetune.keep_best and accelerator.is_main_process:
+        warnings.warn("finetune.keep_best is set, but a pretraining keeps no best (it scores no eval/top1 to pick by): "
+                      f"it writes {WEIGHTS}, the last step's weights, only; set keep_best for the fine-tuning")
     with OutputDirLock(accelerator, cfg.output_dir):
         if overwrite:
             start_over(accelerator, cfg.output_dir)
@@ -81,6 +86,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         evaluators = tuple(map(stage.recording, evaluators_of(cfg, accelerator, stage)))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
+        resume_log_lines(accelerator, checkpoint_step(resume_from) if resume_from else 0)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.shards} shards with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
@@ -93,8 +99,11 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
                             resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
                             data_workers=data_workers(cfg.data.num_workers), resume_hint=resume_command())
         trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
-        timing = {"wall_time_s": time.perf_counter() - started,
-                  "images_per_sec": trained_images / (time.perf_counter() - training_started)} if trained_images else {}
+        # Every start's: the run's images over the seconds every start trained them (as wall_time_s adds them up);
+        # this start's alone only where its checkpoint, of an earlier mpp, kept no time.
+        images_per_sec = (cfg.train.steps * run.global_batch / trained.seconds if trained.seconds else
+                          trained_images / (time.perf_counter() - training_started))
+        timing = {"wall_time_s": time.perf_counter() - started, "images_per_sec": images_per_sec} if trained_images else {}
         results = stage_results(cfg, stage, metrics, trained, run.global_batch, resume_from is not None, timing)
         results["baselines"] = with_priors(results["final"], {tag: b for e in evaluators for tag, b in e.baselines().items()})
         declared = {m.tag: m for m in metrics}
@@ -107,7 +116,10 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
             (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
     shown = ", ".join(f"{m.tag} {show_with_baseline(m, results)}" for m in metrics if m.headline and m.tag in results["final"])
     skipped = ", ".join(f"{count:.0f} {reason}" for reason, count in results["skipped"].items())
-    accelerator.print(f"{stage.name} done in {time.perf_counter() - started:.0f}s with {accelerator.num_processes} process(es): "
+    this_start = time.perf_counter() - started
+    took = (f"{results['wall_time_s']:.0f}s over every start ({this_start:.0f}s in this one)"
+            if resume_from is not None and timing and results["wall_time_s"] is not None else f"{this_start:.0f}s")
+    accelerator.print(f"{stage.name} done in {took} with {accelerator.num_processes} process(es): "
                       f"{shown or 'no step trained'}; skipped: {skipped or 'none'}; results in {cfg.output_dir}/{RESULTS}, "
                       f"weights in {cfg.output_dir}/{WEIGHTS}")
     if worse:
@@ -140,8 +152,9 @@ def resolution(image_size: int, data: ShardSummary | None) -> str:
 def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], trained: Trained, global_batch: int,
                   resumed: bool, timing: dict[str, float]) -> dict:
     """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
-    skipped, how long it took (`timing`: wall_time_s and images_per_sec of this invocation, empty if it trained
-    nothing; wall_time_s then adds the earlier invocations' training up to the checkpoint this one resumed from),
+    skipped, how long it took (`timing`: wall_time_s of this invocation and images_per_sec over every invocation,
+    empty if it trained nothing; wall_time_s then adds the earlier invocations' training up to the checkpoint this
+    one resumed from),
     the stage's own entries, and the command that started the run (`resumed_with`: the resumes that trained more
     steps).
 

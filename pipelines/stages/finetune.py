@@ -4,10 +4,8 @@ shards and evaluated on held-out ones, as in the ViT paper's transfer experiment
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -32,20 +30,35 @@ from ..run.start import Run
 
 class History:
     """(step, top-1) of every evaluation, checkpointed, so a resumed run reports the whole curve; and the last
-    evaluation's per-image label and top-1 class (what predictions.json holds)."""
+    evaluation's per-image label and top-1 class (what predictions.json holds).
+
+    With finetune.keep_best, the best evaluation's step and score, and the bytes of best.safetensors written for it,
+    are checkpointed too: a resume puts back the file of the best its checkpoint knows, so a best found after the last
+    checkpoint by a run that was killed (a step trained again, or not at all, by the resumed run) never stays in
+    best.safetensors beside a results.json naming another step. An evaluation that ties the best replaces it: the
+    later, longer-trained weights, as compare breaks exact ties towards the longer training."""
 
     def __init__(self) -> None:
         self.points: list[list[float]] = []
         self.classified: dict[str, tuple[int, int]] = {}
         self.best: list[float] | None = None  # [step, top-1] of the best evaluation, with finetune.keep_best
-        self.keep: Callable[[nn.Module], None] | None = None  # saves the weights of a new best (main process)
+        self.best_weights: bytes | None = None  # best.safetensors as written for it (main process)
+        self.keep: BestWeights | None = None  # where the best's weights go, with finetune.keep_best
 
     def state_dict(self) -> dict:
-        return {"points": self.points, "best": self.best}
+        return {"points": self.points, "best": self.best, "best_weights": self.best_weights}
 
     def load_state_dict(self, state: dict) -> None:
         self.points = [list(p) for p in state["points"]]
         self.best = state.get("best")  # absent from the checkpoints of an earlier mpp
+        if self.keep is not None and "best_weights" in state:  # an earlier mpp's checkpoint kept no weights: left as is
+            self.best_weights = state["best_weights"]
+            self.keep.restore(self.best_weights)
+        if self.keep is not None and self.best is None and self.points:
+            self.keep.accelerator.print(
+                f"finetune.keep_best: the run kept no best before this resume, so best.safetensors will hold the best "
+                f"of the evaluations from here on; its earlier ones (up to step {int(self.points[-1][0])}) were scored, "
+                f"but their weights were not kept")
 
     def recording(self, evaluator: Evaluator) -> Evaluator:
         """`evaluator`, with each top-1 it scores added to the curve."""
@@ -54,20 +67,39 @@ class History:
             if TOP1 in scores:
                 self.points.append([step, scores[TOP1]])
                 self.classified = evaluator.run.classified
-                if self.keep is not None and (self.best is None or scores[TOP1] > self.best[1]):
+                if self.keep is not None and (self.best is None or scores[TOP1] >= self.best[1]):
                     self.best = [step, scores[TOP1]]
-                    self.keep(module)
+                    self.best_weights = self.keep.write(module)
             return scores
 
         return Evaluator(evaluator.every, run, evaluator.metrics, evaluator.baselines)
 
 
-def keep_weights(accelerator: Accelerator, path: Path, module: nn.Module) -> None:
-    """Save `module`'s weights (as model.safetensors holds them) to `path`, whole or not at all."""
-    if accelerator.is_main_process:
-        partial = path.with_name(f".partial-{path.name}")
-        save_weights(module, partial)
-        os.replace(partial, path)
+class BestWeights:
+    """best.safetensors (finetune.keep_best), written whole or not at all by the main process."""
+
+    def __init__(self, accelerator: Accelerator, path: Path):
+        self.accelerator, self.path = accelerator, path
+        self.partial = path.with_name(f".partial-{path.name}")
+
+    def write(self, module: nn.Module) -> bytes | None:
+        """Save `module`'s weights (as model.safetensors holds them); their file's bytes (None on other processes)."""
+        if not self.accelerator.is_main_process:
+            return None
+        save_weights(module, self.partial)
+        written = self.partial.read_bytes()
+        os.replace(self.partial, self.path)
+        return written
+
+    def restore(self, written: bytes | None) -> None:
+        """Put back the file a checkpoint kept (`written`), or, where it kept none, remove one a later run left."""
+        if not self.accelerator.is_main_process:
+            return
+        if written is None:
+            self.path.unlink(missing_ok=True)
+            return
+        self.partial.write_bytes(written)
+        os.replace(self.partial, self.path)
 
 
 def prediction_records(classified: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
@@ -135,7 +167,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False
         classes = num_classes(cfg, urls)
         names = class_names(cfg, accelerator, cfg.data.shards)
         if cfg.finetune.keep_best:
-            history.keep = functools.partial(keep_weights, accelerator, Path(cfg.output_dir) / BEST)
+            history.keep = BestWeights(accelerator, Path(cfg.output_dir) / BEST)
         check_evaluation_labels(val_urls, classes, cfg.data.val_shards, label_reader(cfg, accelerator, cfg.data.val_shards))
 
         def batches(state):
