@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The documented SLURM job scripts (README's two, docs/clusters.md's torchrun one) under a real SLURM, stopped by their
-# warning signal, requeued and resumed: each must
-# stop every rank at one step with a checkpoint, be requeued, and end with the same weights, bit for bit, as the same
-# script never stopped. Not part of the pytest suite: it needs root and apt (it installs Debian's slurm-wlm and munge
-# where missing) and takes about 6 minutes; docs/clusters.md says what it does and what it found.
+# warning signal, requeued and resumed: each must stop every rank at one step with a checkpoint, be requeued, resume
+# from that step and end with the same weights, bit for bit, as the same script never stopped. Not part of the pytest
+# suite: it needs root and apt (it installs Debian's slurm-wlm and munge where missing) and takes 6 to 7 minutes;
+# docs/clusters.md says what it does, docs/reliability.md what it found.
 #
 #   tests/slurm/check.sh [--readme FILE] [--time-limit MINUTES STEPS] [one_node] [several_nodes] [torchrun]
 #
@@ -24,7 +24,7 @@ STEPS=200
 while [ $# -gt 0 ]; do
     case $1 in
         --readme) README=$(realpath "$2"); shift 2 ;;
-        --time-limit) TIME_LIMIT=$2; STEPS=$3; shift 3 ;;
+        --time-limit) TIME_LIMIT=${2:?--time-limit takes MINUTES STEPS}; STEPS=${3:?--time-limit takes MINUTES STEPS}; shift 3 ;;
         one_node|several_nodes|torchrun) SCRIPTS+=("$1"); shift ;;
         *) echo "usage: $0 [--readme FILE] [--time-limit MINUTES STEPS] [one_node] [several_nodes] [torchrun]" >&2; exit 2 ;;
     esac
@@ -158,18 +158,31 @@ run_both() {  # name: a reference job and one stopped by its warning (sent now, 
     fail "$name: the jobs did not complete within 30 minutes"
 }
 
+steps_of() {  # log pattern: "count step" for each step the pattern names (each rank prints its own line)
+    grep -o "$2" "$1" | grep -o "step [0-9]*" | awk '{print $2}' | sort -n | uniq -c || true
+}
+
 check_script() {  # name processes
-    local name=$1 processes=$2 reference stopped log stops restarts
+    local name=$1 processes=$2 reference stopped log stops resumes restarts
     run_both
     log=$WORK/${name}_stopped.log
-    # Every stop: each rank's line, at one step, with a checkpoint there; one stop per requeue.
-    stops=$(grep -o "stopped at step [0-9]* of [0-9]* on a signal; checkpoint saved" "$log" | sort | uniq -c || true)
+    # Every stop: all ranks at one step, with a checkpoint there. Every requeued job resumes from a stop's step, or
+    # finds the run finished (a warning that came after its last step): a resume from an older checkpoint would mean
+    # a stop that saved nothing, as the several-nodes script before issue 48 did.
+    stops=$(steps_of "$log" "stopped at step [0-9]* of $STEPS on a signal; checkpoint saved")
+    resumes=$(steps_of "$log" "resumed from [^ ]* at step [0-9]*" | awk '{print $2}')  # printed once per node
     restarts=$(job_field "$stopped" Restarts)
-    [ -n "$stops" ] && [ "$(echo "$stops" | awk -v n="$processes" '$1 != n' | wc -l)" = 0 ] \
-        && [ "$(echo "$stops" | wc -l)" = "$restarts" ] \
-        || fail "$name: expected each of $restarts requeues to stop all $processes ranks at one step with a checkpoint, got: ${stops:-no stop} ($log)"
+    [ -n "$stops" ] || fail "$name: no rank stopped with a checkpoint ($log)"
+    echo "$stops" | awk -v n="$processes" '$1 != n {exit 1}' \
+        || fail "$name: expected all $processes ranks to stop at one step with a checkpoint, got: $stops ($log)"
+    [ -n "$resumes" ] && [ "$(echo "$resumes" | wc -l)" = "$restarts" ] \
+        || fail "$name: $restarts requeue(s), but the run resumed from: ${resumes:-nothing} ($log)"
+    for step in $resumes; do
+        [ "$step" = "$STEPS" ] || echo "$stops" | awk -v s="$step" '$2 == s {found = 1} END {exit !found}' \
+            || fail "$name: a requeued job resumed from step $step, where no stop saved ($log)"
+    done
     ! grep -q "forcing job termination" "$log" || fail "$name: srun killed the job step ($log)"
-    say "$name: requeued $restarts time(s), each stop by all $processes ranks at one step: $(echo "$stops" | awk '{print $5}' | paste -sd,)"
+    say "$name: requeued $restarts time(s); stopped with a checkpoint at step(s) $(echo "$stops" | awk '{print $2}' | paste -sd,), resumed from step(s) $(echo "$resumes" | paste -sd,)"
     python "$ROOT/tests/slurm/scripts.py" same-weights "$WORK/${name}_reference/model.safetensors" \
         "$WORK/${name}_stopped/model.safetensors" || fail "$name: the stopped run's weights differ"
 }
