@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # outside a training loop, which stops at a step with a checkpoint (Preempted)
         print(f"stopped by Ctrl-C{AFTER_CTRL_C.get(args.stage, '')}", file=sys.stderr)
         return INTERRUPTED
-    except Preempted as stop:  # saved; a later SIGTERM or SIGUSR1 no longer stops it (mpp.training.preemption.StopOnSignal)
+    except Preempted as stop:  # saved; a later SIGTERM, SIGUSR1 or SIGUSR2 no longer stops it (mpp.training.preemption.StopOnSignal)
         print(stop, file=sys.stderr)
         return STOPPED
     except Exception as err:

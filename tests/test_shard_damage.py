@@ -315,6 +315,37 @@ def test_closing_a_stream_ends_its_pipe_command(tmp_path, make_shards):
     assert not left, "the pipe command outlived its stream"
 
 
+def test_a_forked_process_that_closes_its_copy_of_a_stream_leaves_the_pipe_command_to_its_owner(make_shards):
+    # A dataloader worker is forked with a copy of every stream its parent has open. Before, a copy closed there (the
+    # worker's garbage collector, or its exit) signalled the parent's command group: the command of a stream the
+    # parent still reads (the symptom of test_closing_a_stream_ends_its_pipe_command's failures: its command gone at
+    # once), or once the parent has ended it and its pid is reused (pids wrap at 32768 here), another's group.
+    token = f"{300000 + os.getpid() % 50000}1"
+    url = make_shards([5])[0]
+    samples = shard_samples([f"pipe:cat {url}; exec sleep {token}"], on_end=lambda end: None)
+    with fails_if_stuck():
+        assert next(samples)["__key__"] == "00-0000"
+    deadline = time.monotonic() + 10
+    while not processes_with(f"sleep {token}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(f"sleep {token}"), "the command did not start"
+    child = os.fork()
+    if child == 0:  # as a forked worker drops what it inherited
+        try:
+            samples.close()
+        finally:
+            os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    time.sleep(1)  # a command signalled by the child would be gone by now
+    survived = processes_with(f"sleep {token}")
+    samples.close()  # its owner ends it
+    deadline = time.monotonic() + 10
+    while processes_with(f"sleep {token}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert survived, "a forked process's copy of the stream killed its parent's pipe command"
+    assert not processes_with(f"sleep {token}"), "the pipe command outlived its stream"
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_path, workers):
     """`pipe:sleep` never prints: SIGTERM used to be caught as an unreadable shard (no workers: the process lived on

@@ -152,18 +152,21 @@ def test_a_stop_signal_with_data_workers_stops_every_rank_at_one_step_and_the_pr
     assert weights.keys() == reference.keys() and all((weights[k] == reference[k]).all() for k in reference)
 
 
-def test_sigusr1_to_the_process_group_stops_with_a_checkpoint_and_the_documented_status(shards, tmp_path):
-    # SLURM's `--signal=USR1@120`. Before: the default action, death, for the trainer and its data worker.
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2], ids=lambda signum: signum.name)
+def test_a_warning_signal_to_the_process_group_stops_with_a_checkpoint_and_the_documented_status(shards, tmp_path,
+                                                                                                 signum):
+    # SLURM's `--signal=USR1@120`; SIGUSR2 is submitit's default warning signal. Before: the default action, death,
+    # for the trainer and its data worker (SIGUSR2 until it was handled as the other stop signals).
     out = tmp_path / "run"
     proc = started_until_a_checkpoint([sys.executable, *pretrain_args(shards, out)], out)
     try:
-        os.killpg(proc.pid, signal.SIGUSR1)  # the trainer and its worker, which passes it on: a repeat, taken as one
+        os.killpg(proc.pid, signum)  # the trainer and its worker, which passes it on: a repeat, taken as one
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == EXIT_STATUS == 75, stderr[-3000:]
-    assert stderr.count("received SIGUSR1: saving a checkpoint at the end of this step") == 1, stderr[-3000:]
+    assert stderr.count(f"received {signum.name}: saving a checkpoint at the end of this step") == 1, stderr[-3000:]
     step = int(re.search(rf"stopped at step (\d+) of {STEPS} on a signal; checkpoint saved", stderr).group(1))
     assert complete_checkpoints(out)[-1].name == f"step_{step:08d}"
 

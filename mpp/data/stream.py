@@ -623,7 +623,7 @@ def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batc
                       generator=torch.Generator(), worker_init_fn=functools.partial(worker_signals, os.getpid()))
 
 
-PASSED_ON = {signal.SIGTERM, signal.SIGUSR1}  # the stop signals a worker passes on to its trainer
+PASSED_ON = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}  # the stop signals a worker passes on to its trainer
 
 
 class WorkerLoader(DataLoader):
@@ -646,14 +646,14 @@ def worker_signals(trainer: int, worker_id: int) -> None:
     Schedulers and launchers signal a run's process group or every process of it (torch's elastic agent sends
     SIGTERM to each rank's group, which holds the rank's workers), and a worker that died of it ended the run with
     `DataLoader worker (pid ...) exited unexpectedly` before the trainer reached its checkpoint. So a worker goes on
-    delivering batches up to the step boundary where the trainer saves; a SIGTERM or SIGUSR1 it gets from anyone but
+    delivering batches up to the step boundary where the trainer saves; a SIGTERM, SIGUSR1 or SIGUSR2 it gets from anyone but
     its trainer is passed on to the trainer (sent to the worker alone, it still stops the run; sent to every
     process, the trainer takes the repeat as nothing new), and SIGINT, which a terminal's Ctrl-C sends the trainer as
     well, is ignored.
 
     A SIGTERM from the trainer is its loader stopping a worker (one blocked on a stalled `pipe:` command does not stop
     when asked, and every worker is ended at exit): the worker ends its commands and exits. Only sigwaitinfo tells who
-    sent a signal, so the worker's threads block SIGTERM and SIGUSR1 (WorkerLoader) and one thread takes them; a
+    sent a signal, so the worker's threads block the stop signals (WorkerLoader) and one thread takes them; a
     signal that still reaches the main thread (while it starts a `pipe:` command with SIGTERM unblocked,
     tars.CommandOutput) ends the worker as before.
     """
@@ -661,6 +661,7 @@ def worker_signals(trainer: int, worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, end_commands_and_exit)
     signal.signal(signal.SIGUSR1, end_commands_and_exit)
+    signal.signal(signal.SIGUSR2, end_commands_and_exit)
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
     threading.Thread(target=take_signals, args=(trainer,), name="mpp-worker-signals", daemon=True).start()
 

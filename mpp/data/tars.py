@@ -238,12 +238,19 @@ def open_shard(url: str) -> Iterator:
 
 
 class CommandOutput:
-    """The stdout of a `pipe:` shard's command; its end raises OSError when the command failed."""
+    """The stdout of a `pipe:` shard's command; its end raises OSError when the command failed.
+
+    Only the process that started the command (`owner`) signals or reaps it. A forked dataloader worker holds a copy
+    of every stream its parent had open, and its copy ended (collected, closed) must leave the command to the parent,
+    who may still be reading it, and whose ended command's group id may be another's by then (pids wrap at 32768 on
+    many machines): it only closes its own end of the pipe.
+    """
 
     running: set[CommandOutput] = set()  # of this process, for a worker told to stop (`end_commands_and_exit`)
 
     def __init__(self, command: str) -> None:
         self.command = command
+        self.owner = os.getpid()
         # A command starts with the signal mask of the thread starting it: a dataloader worker blocks SIGTERM (to
         # learn who sent it, mpp.data.worker_signals), and a command that kept it blocked would outlive its end().
         unblocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
@@ -265,14 +272,19 @@ class CommandOutput:
         """Send `signum` to the command's process group: the shell and whatever it started. Not once its output was
         read to the end and its shell reaped: nothing of it writes any more, and the group's id may already be
         another's (pids wrap at 32768 on many machines), so a stream dropped after its last sample and ended by the
-        garbage collector long after could kill the `pipe:` command of a stream started since."""
-        if self.process.returncode is not None:
+        garbage collector long after could kill the `pipe:` command of a stream started since. Nor from a process
+        that did not start it (see the class)."""
+        if self.process.returncode is not None or os.getpid() != self.owner:
             return
         with contextlib.suppress(ProcessLookupError):  # every process of the group has exited already
             os.killpg(self.process.pid, signum)
 
     def end(self) -> None:
-        """Stop the command's process group (SIGTERM, then SIGKILL after COMMAND_GRACE_S) and reap it."""
+        """Stop the command's process group (SIGTERM, then SIGKILL after COMMAND_GRACE_S) and reap it; in another
+        process than its owner, close that process's end of its output and no more."""
+        if os.getpid() != self.owner:
+            self.process.stdout.close()
+            return
         self.signal(signal.SIGTERM)
         self.process.stdout.close()
         try:

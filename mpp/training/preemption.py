@@ -1,7 +1,8 @@
-"""Stopping on a signal (SIGTERM, SIGUSR1, SIGINT): at a step boundary, every rank at the same step, with a checkpoint.
+"""Stopping on a signal (SIGTERM, SIGUSR1, SIGUSR2, SIGINT): at a step boundary, every rank at the same step, with a
+checkpoint.
 
-A preemptible job gets SIGTERM (or, asked for, SIGUSR1: SLURM's `--signal=USR1@120`) some time before it is killed;
-the loop saves and the process exits with EXIT_STATUS, naming the command that continues the run.
+A preemptible job gets SIGTERM (or, asked for, SIGUSR1: SLURM's `--signal=USR1@120`; SIGUSR2: submitit's default
+warning signal) some time before it is killed; the loop saves and the process exits with EXIT_STATUS, naming the command that continues the run.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ class SignalWhileWaiting(BaseException):
 
 
 class StopOnSignal:
-    """The first SIGTERM, SIGUSR1 or SIGINT asks for a stop at the next step boundary; a second SIGINT (Ctrl-C) exits
-    at once. A repeated SIGTERM or SIGUSR1 changes nothing: schedulers and launchers send them more than once (SLURM
-    signals every process of a job step, and torch's elastic agent, when signalled itself, signals each rank's process
-    group again; a data worker that gets one passes it on, see mpp.data.worker_signals), and the checkpoint must land
+    """The first SIGTERM, SIGUSR1, SIGUSR2 or SIGINT asks for a stop at the next step boundary; a second SIGINT (Ctrl-C)
+    exits at once. A repeated SIGTERM, SIGUSR1 or SIGUSR2 changes nothing: schedulers and launchers send them more than
+    once (SLURM signals every process of a job step, and torch's elastic agent, when signalled itself, signals each
+    rank's process group again; a data worker that gets one passes it on, see mpp.data.worker_signals), and the checkpoint must land
     before the kill that follows. After a stop they change nothing until the process exits.
 
     A signal that arrives while the loop waits for data usually finds the batch moments away (being decoded): the
@@ -58,7 +59,8 @@ class StopOnSignal:
     the wait, so it cannot keep the process alive.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+    REPEATED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # the ones schedulers and launchers send again
     # Long enough for a slow remote batch, short beside the 30 s or more a preemption notice gives before the kill.
     WAIT_GRACE_S = 10.0
 
@@ -86,7 +88,7 @@ class StopOnSignal:
         # teardown takes a moment) turned its 75 into death by the signal.
         stopped = self.requested or exc_type is Preempted
         for sig, handler in self.previous.items():
-            ignored = stopped and sig in (signal.SIGTERM, signal.SIGUSR1)
+            ignored = stopped and sig in self.REPEATED
             signal.signal(sig, signal.SIG_IGN if ignored else handler)
         if self.pending is not None and exc_type is None:
             # Every rank posted the last step's all-reduce, so it completes; a process that destroyed its process
@@ -104,7 +106,7 @@ class StopOnSignal:
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested:
-            return  # a repeat of SIGTERM or SIGUSR1 (a second SIGINT meets the default handler)
+            return  # a repeat of SIGTERM, SIGUSR1 or SIGUSR2 (a second SIGINT meets the default handler)
         self.requested = True
         self.signal_name = signal.Signals(signum).name
         signal.signal(signal.SIGINT, signal.SIG_DFL)
