@@ -117,7 +117,8 @@ def test_finetune_on_one_folder_evaluates_on_the_images_it_holds_out(tmp_path, c
     records = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert [sum(r["label"] == c for r in records.values()) for c in range(3)] == [2, 2, 1]
     assert results["val_split"] == {"fraction": 0.25, "seed": 0, "held_out": 5, "trained_on": 15}
-    assert "finetune.val_split=0.25: 5 of the 20 images of data.shards held out to evaluate on" in capsys.readouterr().out
+    assert "finetune.val_split=0.25: 5 of the 20 images of data.shards held out to evaluate on (1-2 of each class), " \
+           "never trained on\n" in capsys.readouterr().out
     assert (tmp_path / "run" / "model.safetensors").is_file()
 
 
@@ -128,7 +129,7 @@ def test_val_split_replaces_the_evaluation_shards_a_config_names(tmp_path, capsy
     # configs/finetune/default.yaml names data.val_shards (Fashion-MNIST's test set, absent here).
     assert launch.main(["finetune", *TINY, f"data.shards={tmp_path / 'train'}", "finetune.val_split=0.25",
                         f"output_dir={tmp_path / 'run'}", "train.steps=2", "train.batch_size=6"]) == 0
-    assert "held out to evaluate on (per class: [1, 1, 1]), never trained on; data.val_shards (data/fmnist/test) is not read" \
+    assert "held out to evaluate on (1 of each class), never trained on; data.val_shards (data/fmnist/test) is not read" \
         in capsys.readouterr().out
     with pytest.raises(ConfigError, match="set data.val_shards, or finetune.val_split=0.1"):
         finetune.run(config(tmp_path), ckpt=None)

@@ -151,9 +151,10 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False
         if cfg.finetune.val_split:
             held_out = hold_out(urls, names, classes, cfg.finetune.val_split, cfg.train.seed, cfg.data.shards)
             counts = list(held_out.trained_counts)
+            fewest, most = min(held_out.held_counts), max(held_out.held_counts)
             accelerator.print(f"finetune.val_split={cfg.finetune.val_split:g}: {sum(held_out.held_counts)} of the "
                               f"{sum(held_out.held_counts) + sum(counts)} images of data.shards held out to evaluate on "
-                              f"(per class: {list(held_out.held_counts)}), never trained on"
+                              f"({fewest if fewest == most else f'{fewest}-{most}'} of each class), never trained on"
                               f"{'' if unread is None else f'; data.val_shards ({unread}) is not read'}")
         else:
             check_evaluation_labels(resolve_shards(cfg.data.val_shards, cfg, accelerator), classes, cfg.data.val_shards, names)
