@@ -265,6 +265,8 @@ class FinetuneConfig(Section):
     eval_every: int = Field(500, gt=0, description="Fine-tuning: evaluate top-1/top-5 on data.val_shards every N steps (and at the end).", json_schema_extra=RESUMABLE)
     pool: Pooling = Field("cls", description="What the linear classifier reads: the [class] token's output (cls, the paper) or the mean of the patch outputs (mean, as BEiT, SimMIM and MAE fine-tune).")
     keep_best: bool = Field(False, description="Keep the weights of the evaluation with the best eval/top1 (an exact tie: the later) in output_dir/best.safetensors, checkpointed with the run (results.json's `best` says which step and score); export and predict take it as --ckpt RUN/best.safetensors. Off: only the last step's weights. Fine-tuning only.", json_schema_extra=RESUMABLE)
+    class_balance: Literal["none", "loss_weights"] = Field("none", description="Imbalanced training labels: none (every image counts once) or loss_weights (each class's cross-entropy weighted by its inverse frequency among the training images, from summary.json's class_counts or the shards' labels, so every class weighs the same in the loss).")
+    val_split: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of each class of data.shards' images (drawn by train.seed; local shards) to evaluate on in place of data.val_shards, never trained on; 0 = off (data.val_shards needed).")
 
 
 class Config(Section):

@@ -30,6 +30,8 @@ EVALUATION = Category("evaluation", order=30, card_rank=0)
 # Tags that more than one module reads (the loop writes them, the report or a test reads them back).
 LR = "train/lr"
 TOP1, TOP5 = "eval/top1", "eval/top5"
+BALANCED_ACC = "eval/balanced_acc"  # the mean of the per-class top-1s (mpp.evaluation.per_class)
+CLASS_TOP1 = "eval/class_top1/"  # + a class id: that class's top-1
 PRETEXT_LOSS = "pretext_loss"  # MPP's loss, train/pretext_loss: its own name, so no chart mixes it with a classification loss
 VAL_LOSS, VAL_PRETEXT_LOSS = "val/loss", f"val/{PRETEXT_LOSS}"
 KNN_TOP1 = "knn/top1"

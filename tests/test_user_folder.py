@@ -48,7 +48,7 @@ def test_a_run_that_cannot_learn_says_it_ended_at_or_below_its_baseline(tmp_path
     out = capsys.readouterr().out
     assert "training at 8 px, 3.0x smaller than the images' median (their short sides are 24-30 px, median 24" in out
     assert results["baselines"]["eval/top1"] == {"majority": pytest.approx(5 / 12), "chance": pytest.approx(1 / 3)}
-    assert results["at_or_below_baseline"] == ["eval/top1"]
+    assert results["at_or_below_baseline"] == ["eval/balanced_acc", "eval/top1"]
     assert f"eval/top1 {results['top1']:.1%} (majority class 41.7%, chance 33.3%)" in out
     warning = next(line for line in out.splitlines() if line.startswith("warning: this run ended at or below its baseline"))
     assert "too few steps for the data: 4 steps of 6 images are 2.0 passes over the 12 training images" in warning

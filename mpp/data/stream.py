@@ -355,6 +355,11 @@ def _raw_or_none(sample: dict) -> int | str | None:
         return None
 
 
+def sample_key(url: str, key: str) -> str:
+    """A sample's key as batches carry it (predictions.json's, finetune.val_split's): its shard file / its key there."""
+    return f"{os.path.basename(url)}/{key}"
+
+
 def label_members(url: str) -> Iterator[dict]:
     """{"__key__": key, label member: bytes} per labelled sample of a unit, as its reader reads them without images."""
     return reader_of(url).label_members(url)
@@ -431,7 +436,7 @@ class ShardStream(IterableDataset):
                  seed: int = 0, resampled: bool = True, shuffle_buffer: int = 0, loop: bool = True,
                  start: dict[int, StreamPosition] | None = None, worker_offset: int = 0,
                  labels: Callable[[dict], int] | None = None, samples_per_shard: float | None = None,
-                 drawn_from: int = 0):
+                 drawn_from: int = 0, keep: Callable[[str], bool] | None = None):
         super().__init__()
         self.urls, self.transform, self.batch_size = urls, transform, batch_size
         self.rank, self.world = rank, world
@@ -439,6 +444,7 @@ class ShardStream(IterableDataset):
         self.resampled, self.shuffle_buffer, self.loop = resampled, shuffle_buffer, loop
         self.start, self.worker_offset, self.labels = start or {}, worker_offset, labels
         self.samples_per_shard = samples_per_shard
+        self.keep = keep
         self.place = {url: i for i, url in enumerate(urls)}
 
     def __iter__(self) -> Iterator[Batch]:
@@ -464,6 +470,8 @@ class ShardStream(IterableDataset):
                 skips.pulled = index
                 if index <= skips.resume_at:
                     continue
+                if self.keep is not None and not self.keep(sample_key(sample["__url__"], sample.get("__key__", "?"))):
+                    continue  # on the other side of finetune.val_split
                 skips.barren.read += 1
                 decoded = self._decoded(sample, random.Random(f"{key}-{index}"), skips)
                 if decoded is None:
@@ -471,7 +479,7 @@ class ShardStream(IterableDataset):
                 got_image = True
                 images.append(decoded[0])
                 labels.append(decoded[1])
-                keys.append(f"{os.path.basename(sample['__url__'])}/{sample.get('__key__', '?')}")
+                keys.append(sample_key(sample["__url__"], sample.get("__key__", "?")))
                 if len(images) == self.batch_size:
                     yield Batch(torch.stack(images), torch.tensor(labels), skips.since_batch.copy(), worker,
                                 StreamPosition(group, index), tuple(keys))
@@ -592,7 +600,7 @@ class StreamSettings(Protocol):
 def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batch_size: int, *, rank: int = 0,
                 world: int = 1, seed: int = 0, one_pass: bool = False, pin_memory: bool = False,
                 state: StreamState | None = None, labels: bool = True, class_names: Sequence[str] | None = None,
-                stored_names: Sequence[str] = ()) -> DataLoader:
+                stored_names: Sequence[str] = (), keep: Callable[[str], bool] | None = None) -> DataLoader:
     """A DataLoader over a ShardStream of `data`'s workers and shuffle buffer; `state` (from a checkpoint) continues
     a stream where it stopped.
 
@@ -600,6 +608,7 @@ def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batc
     once, in order (evaluation). labels=False never reads labels (pretraining without them must not stop on one it
     cannot parse); class names map to ids through `class_names`, by default the shard set's own (`label_names`), and
     integer ids through `stored_names` where they are another set's (`LabelReader`).
+    `keep` (of a sample key, `sample_key`) reads only the samples it accepts: one side of finetune.val_split.
     """
     num_workers, resampled, loop = data.num_workers, data.resampled and not one_pass, not one_pass
     if loop and not resampled:
@@ -615,7 +624,7 @@ def make_loader(urls: list[str], data: StreamSettings, transform: Callable, batc
     stream = ShardStream(urls, transform, batch_size, rank=rank, world=world, seed=seed,
                          resampled=resampled, shuffle_buffer=data.shuffle_buffer, loop=loop, start=state.positions,
                          worker_offset=state.batches % max(num_workers, 1), labels=reader if labels else None,
-                         samples_per_shard=per_shard, drawn_from=state.drawn_from)
+                         samples_per_shard=per_shard, drawn_from=state.drawn_from, keep=keep)
     # Its own generator: starting workers must not draw from the global RNG that drives corruption,
     # or a resumed run (which starts its loader after restoring RNG state) would diverge.
     return WorkerLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,

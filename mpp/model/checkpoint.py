@@ -23,7 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mpp.errors import UserError, command
-from mpp.model.hf import HF_CONFIG, from_hf_state_dict, hf_architecture, hf_class_names, is_hf_vit
+from mpp.model.hf import (HF_CONFIG, from_hf_state_dict, from_timm_state_dict, hf_architecture, hf_class_names,
+                          is_hf_vit, is_timm_vit, timm_extras)
 from mpp.model.vit import VisionTransformer, resolve_variant, resize_position_weights, resnet_stride
 from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
 
@@ -104,6 +105,8 @@ def read_weights(ckpt: str | Path) -> SavedWeights:
         raise CheckpointError(f"cannot read {path} as safetensors ({exc}); pass a model.safetensors written by this project") from None
     if is_hf_vit(tensors):
         return hf_weights(path, tensors)
+    if is_timm_vit(tensors):
+        return timm_weights(path, tensors)
     try:
         about = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
     except ValueError:
@@ -150,6 +153,19 @@ def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
     about = {**architecture, "holds": CLASSIFIER, "pool": "cls"}  # ViTForImageClassification reads the [class] token
     names = hf_class_names(config, ours["head.weight"].shape[0])
     return SavedWeights(path, ours, about if names is None else {**about, "class_names": names})
+
+
+def timm_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
+    """A timm ViT's model.safetensors under our names. Its file says nothing of its attention heads: model.heads (or
+    model.name's variant) gives them."""
+    extras = timm_extras(tensors)
+    if extras:
+        raise CheckpointError(f"{path} holds a timm ViT with {' and '.join(extras)}, which this project's ViT (the "
+                              f"paper's) has not; pass a plain timm ViT (vit_*_patch*: a [class] token, learned position "
+                              f"embeddings, a final LayerNorm) or a Hugging Face ViT directory")
+    ours = from_timm_state_dict(tensors)
+    return SavedWeights(path, ours, {"stem": "patch", "pos_embed": "learned",
+                                     "holds": CLASSIFIER if LINEAR_HEAD <= set(ours) else BACKBONE})
 
 
 def check_finite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -212,8 +228,11 @@ def saved_heads(weights_file: Path) -> int | None:
 
 def attention_heads(saved: SavedWeights, model_cfg) -> int:
     """The head count the file was trained with: its metadata's, else, for files without metadata, that of the run's
-    config.yaml (either way, a different explicit model.heads is refused), else the config's, with a warning."""
+    config.yaml (either way, a different explicit model.heads is refused), else an explicit model.heads, else the
+    config's variant's, with a warning."""
     heads = int(saved.about["heads"]) if "heads" in saved.about else saved_heads(saved.path)
+    if heads is None and model_cfg.heads is not None:  # the file cannot say; the user has
+        return model_cfg.heads
     if heads is None:  # tensor shapes do not show it, and nothing else here says it
         heads = model_cfg.variant.heads
         warnings.warn(f"{saved.path} carries no architecture metadata (an older mpp's file, or another tool's) and no "

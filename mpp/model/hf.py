@@ -10,6 +10,7 @@ token and `ViTModel.from_pretrained(DIR)` loads every weight it expects.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -114,6 +115,44 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             ours.update({f"blocks.{i}.{mine}.{kind}": hf[f"{hf_i}{theirs}.{kind}"] for theirs, mine in HF_BLOCK_NAMES.items()})
     if "classifier.weight" in hf:
         ours.update({"head.weight": hf["classifier.weight"], "head.bias": hf["classifier.bias"]})
+    return ours
+
+
+# timm's ViT (timm.models.vision_transformer) as its model.safetensors names it: our layout (cls_token, pos_embed,
+# blocks.N.norm1 / attn.qkv / attn.proj / norm2, norm, head) but for its patch embedding, a Conv2d as transformers',
+# and its MLP's names. Read here without timm.
+TIMM_MLP_NAMES = {"mlp.fc1": "mlp.0", "mlp.fc2": "mlp.2"}
+# What some timm ViTs add that the paper's has not, by the name of its tensors: refused rather than loaded without it.
+TIMM_EXTRAS = {"reg_token": "register tokens", "fc_norm": "a LayerNorm after mean pooling (global_pool='avg')",
+               "norm_pre": "a LayerNorm before the blocks (CLIP's)", "ls1": "LayerScale", "q_norm": "query-key normalisation",
+               "attn_pool": "attention pooling", "dist_token": "a distillation token (DeiT's)"}
+
+
+def is_timm_vit(tensors: dict[str, torch.Tensor]) -> bool:
+    """Tensors named as timm names a ViT's (its MLP's fc1 is ours mlp.0)."""
+    return "cls_token" in tensors and "blocks.0.mlp.fc1.weight" in tensors
+
+
+def timm_extras(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """What of TIMM_EXTRAS a timm ViT's tensors hold."""
+    parts = {part for key in tensors for part in key.split(".")}
+    return [what for name, what in TIMM_EXTRAS.items() if name in parts]
+
+
+def from_timm_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A timm ViT's weights under our names: the patch Conv2d flattened as our Linear reads a patch, the MLP renamed,
+    and position embeddings without a [class] row (timm's no_embed_class) given a zero one, which adds what they add."""
+    ours = {}
+    for key, tensor in tensors.items():
+        for theirs, mine in TIMM_MLP_NAMES.items():
+            key = key.replace(f".{theirs}.", f".{mine}.")
+        ours[key] = tensor
+    conv = ours["patch_embed.proj.weight"]  # (D, C, P, P)
+    if conv.ndim == 4:
+        ours["patch_embed.proj.weight"] = patchify(conv, conv.shape[-1])[:, 0]
+    positions = ours.get("pos_embed")
+    if positions is not None and positions.ndim == 3 and math.isqrt(positions.shape[1]) ** 2 == positions.shape[1]:
+        ours["pos_embed"] = torch.cat([torch.zeros_like(positions[:, :1]), positions], dim=1)
     return ours
 
 

@@ -307,14 +307,19 @@ class Classification(Objective):
     on the dominant label of each mixed image (the one weighted at least half).
     `class_names` (id = position) name the head's outputs where the training shards name them; the exported
     weights carry them and `pool` (mpp.model.checkpoint.save_weights), so a copied file still says what it predicts.
+    With `class_weights` (K,), each class's cross-entropy is weighted (finetune.class_balance=loss_weights:
+    `balancing_weights`), so a rare class counts as much in the loss as a common one.
     """
 
     def __init__(self, backbone: VisionTransformer, head: nn.Module, *, export_head: bool, pool: str = "cls",
-                 label_smoothing: float = 0.0, mixing: Mixing | None = None, class_names: tuple[str, ...] = ()):
+                 label_smoothing: float = 0.0, mixing: Mixing | None = None, class_names: tuple[str, ...] = (),
+                 class_weights: torch.Tensor | None = None):
         super().__init__()
         self.backbone, self.head, self.export_head = backbone, head, export_head
         self.pool, self.label_smoothing, self.mixing = pool, label_smoothing, mixing
         self.class_names = tuple(class_names)
+        # A buffer follows the model to its device; not persistent: the weights are the run's data, not its state.
+        self.register_buffer("class_weights", class_weights, persistent=False)
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) uint8 -> (B, K)
         return self.head(pool(self.backbone(normalize(images)), self.pool))
@@ -324,7 +329,8 @@ class Classification(Objective):
         if self.mixing is not None and self.training:
             images, targets = self.mixing(images, labels)  # soft targets (B, K)
         logits = self.logits(images).float()
-        loss = F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)  # soft or hard targets alike
+        loss = F.cross_entropy(logits, targets, weight=self.class_weights,  # soft or hard targets alike
+                               label_smoothing=self.label_smoothing)
         dominant = targets.argmax(-1) if targets.is_floating_point() else targets
         return StepOutput(loss, {"accuracy": (logits.argmax(-1) == dominant).float().mean()})
 
@@ -341,7 +347,8 @@ class Classification(Objective):
         if self.mixing is not None:
             alphas = [f"{name} {alpha:g}" for name, alpha in (("mixup", self.mixing.mixup), ("CutMix", self.mixing.cutmix)) if alpha > 0]
             mixed = f", training batches mixed by {' or '.join(alphas)}"
-        return f"classification of the shards' labels from {pooled}{mixed}" + ("" if self.export_head else
+        weighted = "" if self.class_weights is None else ", each class's loss weighted by its inverse frequency"
+        return f"classification of the shards' labels from {pooled}{mixed}{weighted}" + ("" if self.export_head else
                                                                                " (the paper's MLP pretraining head, not exported)")
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -358,6 +365,14 @@ def masked_patch_prediction(backbone: VisionTransformer, cfg, classes: int | Non
     return MaskedPatchPrediction(backbone, target=TARGETS[m.target].build(backbone.patch_size, m),
                                  corrupt_rate=m.corrupt_rate, mask_prob=m.mask_prob, random_prob=m.random_prob,
                                  masking=m.masking, corrupt_in=m.corrupt_in)
+
+
+def balancing_weights(class_counts: list[int]) -> torch.Tensor:
+    """Inverse class frequency, scaled so that the weight of an average training image is 1: images / (classes with
+    images x that class's images), scikit-learn's "balanced" class weights; a class without training images keeps 1."""
+    present = [count for count in class_counts if count]
+    total = sum(present)
+    return torch.tensor([total / (len(present) * count) if count else 1.0 for count in class_counts])
 
 
 def batch_mixing(train, classes: int) -> Mixing | None:

@@ -10,6 +10,7 @@ set reads it in its builder, so a bad evaluation set stops the run before its fi
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,10 +20,12 @@ from accelerate.utils import gather_object
 from torch import nn
 
 from mpp.config import Config
+from mpp.data.split import HeldOut
 from mpp.data.stream import DataError
 from mpp.evaluation.ridge import LabelledImages
 from mpp.evaluation.baselines import class_baselines
-from mpp.metrics import EVALUATION, TOP1, TOP5, Metric
+from mpp.metrics import BALANCED_ACC, CLASS_TOP1, EVALUATION, TOP1, TOP5, Metric
+from mpp.evaluation.per_class import balanced_accuracy, class_recalls
 from mpp.model.objectives import Objective
 from mpp.training.loop import Evaluator
 from mpp.evaluation.pretext import PretextValidation
@@ -50,26 +53,32 @@ class Stage:
     name: str  # "pretrain" or "finetune"
     classes: int | None = None  # the classes the objective is trained on; None: trained without labels
     objective: Objective | None = None  # what it trains (the pretext validation scores its loss)
-    class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
+    held_out: HeldOut | None = None  # the images finetune.val_split holds out of data.shards, scored in place of data.val_shards
 
 
 class TopK:
-    """eval/top1 (and eval/top5 with more than 5 classes) of the classifier being fine-tuned, over one pass of
-    data.val_shards split across processes; counts are summed over processes, so the result is exact however
-    unevenly the shards split. `predictions` holds the last pass's per-image top-1 hit by sample key (gathered from
+    """eval/top1 (and eval/top5 with more than 5 classes), eval/balanced_acc and each class's top-1
+    (eval/class_top1/<id>) of the classifier being fine-tuned, over one pass of data.val_shards (or the images
+    finetune.val_split holds out of data.shards) split across processes; counts are summed over processes, so the
+    result is exact however unevenly the shards split. `predictions` holds the last pass's per-image top-1 hit by sample key (gathered from
     every process): what compare pairs between arms scored on the same images; `classified` its label and top-1
     class."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
-        self.cfg, self.accelerator, self.classes, self.class_counts = cfg, accelerator, stage.classes, stage.class_counts
+        self.cfg, self.accelerator, self.classes, self.held_out = cfg, accelerator, stage.classes, stage.held_out
+        where = "data.val_shards" if self.held_out is None else "the images finetune.val_split holds out"
         self.predictions: dict[str, bool] = {}
         self.classified: dict[str, tuple[int, int]] = {}  # the last pass's (label, top-1 class) by sample key
         self.labels: list[int] = []  # the last pass's labels, from every process (the majority-class baseline)
         # A chart each: with a comparison's runs, top-1 and top-5 on one chart are two bands of lines of the same
         # colours (Custom Scalars colours by run and shows no legend).
-        self.metrics = (Metric(TOP1, EVALUATION, "top-1 on data.val_shards", headline=True, bar="top1", percent=True),
-                        *([Metric(TOP5, EVALUATION, "top-5 on data.val_shards", headline=True, percent=True)]
-                          if self.classes > 5 else []))
+        self.metrics = (Metric(TOP1, EVALUATION, f"top-1 on {where}", headline=True, bar="top1", percent=True),
+                        *([Metric(TOP5, EVALUATION, f"top-5 on {where}", headline=True, percent=True)]
+                          if self.classes > 5 else []),
+                        Metric(BALANCED_ACC, EVALUATION, f"balanced accuracy (the mean of the classes' top-1) on {where}",
+                               headline=True, percent=True),
+                        *(Metric(f"{CLASS_TOP1}{label}", EVALUATION, f"top-1 of each class on {where} (results.json's "
+                                 f"per_class names them)", percent=True) for label in range(self.classes)))
 
     def __call__(self, classifier: nn.Module, step: int) -> dict[str, float]:
         return self.scores(classifier)
@@ -77,22 +86,31 @@ class TopK:
     @torch.no_grad()
     def scores(self, classifier: nn.Module) -> dict[str, float]:
         cfg, accelerator = self.cfg, self.accelerator
-        loader = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers)
+        if self.held_out is None:
+            loader = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers)
+        else:
+            loader = eval_batches(cfg.data.shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers,
+                                  keep=self.held_out.evaluated)
         k = min(5, self.classes)
         counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
+        by_class = torch.zeros(2, self.classes, device=accelerator.device)  # top-1 correct, images, of each class
         keys, top1, labels_seen = [], [], []
         classifier.eval()
-        for batch in labelled(loader, self.classes, f"data.val_shards ({cfg.data.val_shards})"):
+        spec = f"data.val_shards ({cfg.data.val_shards})" if self.held_out is None else f"data.shards ({cfg.data.shards})"
+        for batch in labelled(loader, self.classes, spec):
             labels = batch.labels.to(accelerator.device)
             with accelerator.autocast():
                 logits = classifier.logits(batch.images.to(accelerator.device))
             ranked = logits.topk(k, dim=-1).indices  # (B, k)
             hits = ranked == labels[:, None]
             counts += torch.stack([hits[:, 0].sum(), hits.any(dim=-1).sum(), torch.tensor(len(labels), device=labels.device)]).float()
+            by_class += torch.stack([torch.bincount(labels[hits[:, 0]], minlength=self.classes),
+                                     torch.bincount(labels, minlength=self.classes)]).float()
             keys.extend(batch.keys)
             top1.append(ranked[:, 0])
             labels_seen.append(labels)
         correct, topk, total = accelerator.reduce(counts, reduction="sum").tolist()
+        class_correct, class_images = accelerator.reduce(by_class, reduction="sum").tolist()
         mine = zip(keys, torch.cat(labels_seen).tolist(), torch.cat(top1).tolist()) if top1 else ()  # one host read each
         self.classified = {key: (label, predicted) for part in gather_object([list(mine)]) for key, label, predicted in part}
         self.predictions = {key: label == predicted for key, (label, predicted) in self.classified.items()}
@@ -102,12 +120,20 @@ class TopK:
         scores = {TOP1: correct / total}
         if self.classes > 5:
             scores[TOP5] = topk / total
+        recalls = class_recalls(class_correct, class_images)
+        scores[BALANCED_ACC] = balanced_accuracy(recalls)
+        scores.update({f"{CLASS_TOP1}{label}": recall for label, recall in recalls.items()})
         return scores
 
 
     def baselines(self) -> dict[str, dict[str, float]]:
-        """eval/top1 beside always the training labels' majority class and chance (over the last pass's images)."""
-        return {TOP1: class_baselines(self.class_counts, self.labels, self.classes)}
+        """eval/top1 beside always answering the evaluation images' own largest class (the best a constant answer
+        scores on them, however the training labels are spread) and chance; eval/balanced_acc beside a constant answer
+        (1 / the classes the evaluation images hold) and chance."""
+        seen = Counter(self.labels)
+        balanced = {"majority": 1 / len(seen), "chance": 1 / self.classes} if seen else {"chance": 1 / self.classes}
+        return {TOP1: class_baselines([seen[label] for label in range(self.classes)], self.labels, self.classes),
+                BALANCED_ACC: balanced}
 
 
 class Pretext:
@@ -154,4 +180,4 @@ def build_evaluators(cfg: Config, accelerator: Accelerator, stage: Stage) -> tup
 def stage_evaluators(cfg: Config, accelerator: Accelerator, stage) -> tuple[Evaluator, ...]:
     """The evaluators of a training stage (pipelines.run.stage.TrainingStage): what pretrain and finetune hand
     run_training."""
-    return build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective, stage.class_counts))
+    return build_evaluators(cfg, accelerator, Stage(stage.name, stage.classes, stage.objective, stage.held_out))

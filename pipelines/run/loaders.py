@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -90,29 +90,33 @@ def counted_training_samples(cfg: Config) -> int | None:
         return None
 
 
-def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True):
+def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True,
+                 keep: Callable[[str], bool] | None = None):
+    """The training stream of `urls` from `state`; `keep` (of a sample key) leaves out the images it refuses (those
+    finetune.val_split holds out)."""
     data = cfg.data.model_copy(update={"num_workers": data_workers(cfg.data.num_workers)})  # auto, resolved here
     return make_loader(
         urls, data, train_transform(cfg), cfg.train.batch_size,
         rank=accelerator.process_index, world=accelerator.num_processes, seed=cfg.train.seed,
         pin_memory=accelerator.device.type == "cuda", state=state, labels=labels,
-        class_names=class_names(cfg, accelerator, cfg.data.shards) if labels else None)
+        class_names=class_names(cfg, accelerator, cfg.data.shards) if labels else None, keep=keep)
 
 
 def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: int, *, labelled_by: str | None = None,
-                 labels: bool = True, num_workers: int = 0):
+                 labels: bool = True, num_workers: int = 0, keep: Callable[[str], bool] | None = None):
     """One pass over `spec`, split across processes, no augmentation, no shuffling: the loader of every evaluation,
     its own, so the training stream is not touched.
 
     Labels are read as the class ids of `labelled_by` (default data.shards), matched by name (`label_reader`);
     labels=False never reads them. Without workers (the default) each process reads its shards in
     order, so the first n images are the same at every evaluation; a whole pass may decode in `num_workers`.
+    `keep` (of a sample key) reads only the images it accepts (those finetune.val_split holds out).
     """
     reader = label_reader(cfg, accelerator, spec, labelled_by) if labels else LabelReader()
     data = cfg.data.model_copy(update={"num_workers": num_workers, "shuffle_buffer": 0})
     return make_loader(resolve_shards(spec, cfg, accelerator), data, EvalTransform(cfg.model.image_size), batch_size,
                        rank=accelerator.process_index, world=accelerator.num_processes, one_pass=True, labels=labels,
-                       class_names=reader.class_names, stored_names=reader.stored_names)
+                       class_names=reader.class_names, stored_names=reader.stored_names, keep=keep)
 
 
 class FrozenFeatureSets:

@@ -20,6 +20,7 @@ from accelerate import Accelerator
 
 from mpp.evaluation.baselines import beside, below_baseline, likely_causes, not_above, with_priors
 from mpp.config import Config
+from mpp.data.split import HeldOut
 from mpp.data.stream import Batch, StreamState
 from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
 from mpp.training.trackers import resume_log_lines
@@ -56,7 +57,8 @@ class TrainingStage:
     recording: Callable[[Evaluator], Evaluator] = lambda evaluator: evaluator  # wraps each evaluator (fine-tuning's history)
     checkpointed: tuple = field(default_factory=tuple)  # more state saved with every checkpoint (state_dict/load_state_dict)
     data: ShardSummary | None = None  # the summary.json beside the training shards: their images' sizes, their samples
-    class_counts: list[int] | None = None  # training images per class, where known (the majority-class baseline)
+    class_counts: list[int] | None = None  # training images per class, where known (the labels' likely cause)
+    held_out: HeldOut | None = None  # the images finetune.val_split holds out of the training shards to evaluate on
 
 
 def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluators_of: EvaluatorsOf,

@@ -14,12 +14,15 @@ from torch import nn
 
 from mpp.model.checkpoint import load_backbone, save_weights
 from mpp.config import Config, ConfigError
+from mpp.data.split import hold_out
+from mpp.errors import command
+from mpp.evaluation.per_class import per_class_report
 from mpp.data.stream import BadLabel, DataError, LabelReader, label_members
-from mpp.metrics import TOP1, TOP5
+from mpp.metrics import BALANCED_ACC, TOP1, TOP5
 from mpp.rundir import PREDICTIONS, BEST
 from mpp.data.shardformat import is_remote, shard_summary
 from mpp.model.vit import build_backbone
-from mpp.model.objectives import Classification, batch_mixing, finetuning_head
+from mpp.model.objectives import Classification, balancing_weights, batch_mixing, finetuning_head
 from mpp.training.loop import Evaluator
 from ..run.loaders import class_names, label_reader, labelled, num_classes, resolve_shards, train_loader
 from ..run.run_policy import StartingPoint
@@ -126,15 +129,20 @@ def training_class_counts(urls: list[str], classes: int, names: tuple[str, ...])
     return counts
 
 
-def build_classifier(cfg: Config, ckpt: str | None, classes: int, names: tuple[str, ...] = ()) -> Classification:
+def build_classifier(cfg: Config, ckpt: str | None, classes: int, names: tuple[str, ...] = (),
+                     class_counts: list[int] | None = None) -> Classification:
     """The one difference between fine-tuning and training from scratch is where the backbone comes from. `names`
-    (the training shards' class names) go into the weights it saves, so a copied file still names its classes."""
+    (the training shards' class names) go into the weights it saves, so a copied file still names its classes;
+    `class_counts` (training images per class) weight the loss under finetune.class_balance=loss_weights (scoring
+    a trained classifier needs none)."""
     backbone = load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg.model)
     backbone.set_drop_path(cfg.model.drop_path)
     backbone.grad_checkpointing = cfg.model.grad_checkpointing
+    balanced = cfg.finetune.class_balance == "loss_weights" and class_counts is not None
+    weights = balancing_weights(class_counts) if balanced else None
     return Classification(backbone, finetuning_head(backbone.width, classes), export_head=True, pool=cfg.finetune.pool,
                           label_smoothing=cfg.train.label_smoothing, mixing=batch_mixing(cfg.train, classes),
-                          class_names=names)
+                          class_names=names, class_weights=weights)
 
 
 def check_evaluation_labels(urls: list[str], classes: int, spec: str, reader: LabelReader) -> None:
@@ -156,35 +164,61 @@ def check_evaluation_labels(urls: list[str], classes: int, spec: str, reader: La
 def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False, overwrite: bool = False) -> dict:
     """Fine-tune the backbone in `ckpt` (None: a fresh one, same recipe) and write output_dir/results.json; returns
     what it holds (top1, top5, the evaluation history, ...)."""
-    if cfg.data.val_shards is None:
-        raise ConfigError("fine-tuning needs held-out labelled images to evaluate on; set data.val_shards")
+    if cfg.data.val_shards is None and not cfg.finetune.val_split:
+        raise ConfigError("fine-tuning needs held-out labelled images to evaluate on; set data.val_shards, or "
+                          "finetune.val_split=0.1 to hold out a tenth of each class of data.shards")
+    # A split asked for replaces the evaluation shards a config file names (the default one names Fashion-MNIST's).
+    unread = cfg.data.val_shards if cfg.finetune.val_split else None
+    if unread is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"val_shards": None})})
     history = History()
 
     def stage(run: Run) -> TrainingStage:
         accelerator, cfg = run.accelerator, run.cfg
         urls = resolve_shards(cfg.data.shards, cfg, accelerator)
-        val_urls = resolve_shards(cfg.data.val_shards, cfg, accelerator)
         classes = num_classes(cfg, urls)
         names = class_names(cfg, accelerator, cfg.data.shards)
         if cfg.finetune.keep_best:
             history.keep = BestWeights(accelerator, Path(cfg.output_dir) / BEST)
-        check_evaluation_labels(val_urls, classes, cfg.data.val_shards, label_reader(cfg, accelerator, cfg.data.val_shards))
+        held_out = None
+        if cfg.finetune.val_split:
+            held_out = hold_out(urls, names, classes, cfg.finetune.val_split, cfg.train.seed, cfg.data.shards)
+            counts = list(held_out.trained_counts)
+            fewest, most = min(held_out.held_counts), max(held_out.held_counts)
+            accelerator.print(f"finetune.val_split={cfg.finetune.val_split:g}: {sum(held_out.held_counts)} of the "
+                              f"{sum(held_out.held_counts) + sum(counts)} images of data.shards held out to evaluate on "
+                              f"({fewest if fewest == most else f'{fewest}-{most}'} of each class), never trained on"
+                              f"{'' if unread is None else f'; data.val_shards ({unread}) is not read'}")
+        else:
+            check_evaluation_labels(resolve_shards(cfg.data.val_shards, cfg, accelerator), classes, cfg.data.val_shards,
+                                    label_reader(cfg, accelerator, cfg.data.val_shards))
+            counts = training_class_counts(urls, classes, names)
+        if cfg.finetune.class_balance == "loss_weights" and counts is None:
+            raise DataError(f"finetune.class_balance=loss_weights needs the training images per class, which data.shards "
+                            f"({cfg.data.shards}) does not give (streamed shards without a summary.json with class_counts); "
+                            f"write the shards with `{command('prepare')}`, or set finetune.class_balance=none")
 
         def batches(state):
-            return labelled(train_loader(urls, cfg, accelerator, state), classes, f"data.shards ({cfg.data.shards})")
+            stream = train_loader(urls, cfg, accelerator, state, keep=held_out.trained if held_out else None)
+            return labelled(stream, classes, f"data.shards ({cfg.data.shards})")
 
         def results(final: dict[str, float]) -> dict:
             if accelerator.is_main_process:
                 (Path(cfg.output_dir) / PREDICTIONS).write_text(json.dumps(prediction_records(history.classified)) + "\n")
             best = {"best": {"step": int(history.best[0]), TOP1: history.best[1], "weights": str(Path(cfg.output_dir) / BEST)}} if history.best else {}
+            split = {"val_split": {"fraction": held_out.fraction, "seed": cfg.train.seed, "held_out": sum(held_out.held_counts),
+                                   "trained_on": sum(held_out.trained_counts)}} if held_out else {}
             return {"top1": final[TOP1], **({"top5": final[TOP5]} if TOP5 in final else {}),
-                    "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points, **best}
+                    **({"balanced_acc": final[BALANCED_ACC]} if BALANCED_ACC in final else {}),
+                    "per_class": per_class_report(history.classified.values(), names, classes),
+                    "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points,
+                    **best, **split}
 
         start = "a fresh backbone (no --ckpt)" if ckpt is None else ckpt
-        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes, names), batches, len(urls),
+        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes, names, counts), batches, len(urls),
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
                              recording=history.recording, checkpointed=(history,), data=shard_summary(urls),
-                             class_counts=training_class_counts(urls, classes, names))
+                             class_counts=counts, held_out=held_out)
 
     return run_training(cfg, stage, evaluators_of=stage_evaluators, resume=resume, start=StartingPoint.of(ckpt),
                         overwrite=overwrite)
