@@ -315,6 +315,21 @@ def test_a_resume_that_splits_the_global_batch_into_more_micro_batches_steps_on_
     assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted) < 1e-5
 
 
+def test_a_run_sized_by_its_global_batch_may_split_it_into_other_micro_batches_on_resume(tmp_path, make_shards):
+    # A global batch of 12 in micro-batches of 4 cannot move to 2 processes (6 each); the advice is another
+    # micro_batch_size, which a resume used to refuse as a changed 'train' config (red team round 5, rows 32-33).
+    make_shards([40, 40], size=32)
+    split = ["objective=supervised", "model.num_classes=10", "train.global_batch_size=12", "train.mixed_precision=no",
+             "train.checkpoint_every=3"]
+    pretrain.run(pretrain_config(tmp_path, *split, "train.micro_batch_size=4"))
+    uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
+    shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])  # as if it had died after step 3's checkpoint
+    reset_accelerator()
+    pretrain.run(pretrain_config(tmp_path, *split, "train.micro_batch_size=2"), resume=True)
+    resumed = load_file(tmp_path / "run" / "model.safetensors")
+    assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted) < 1e-5
+
+
 def test_a_resume_shorter_than_its_checkpoint_is_refused(tmp_path, finished_run):
     with pytest.raises(UserError, match=r"step_00000004 is at step 4, past train.steps=3; set train.steps to at least 4"):
         pretrain.run(pretrain_config(tmp_path, "train.steps=3"), resume=True)

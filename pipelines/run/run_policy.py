@@ -165,9 +165,11 @@ def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = No
     trained, source = trained_config(out)
     before, now = dotted(trained), dotted(cfg.model_dump(mode="json"))
     changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
-               # config.yaml holds the per-process batch (and accumulation) derived from train.global_batch_size;
-               # the checkpoint's process count is checked on its own
-               and not (key in ("train.batch_size", "train.grad_accum") and now.get("train.global_batch_size") is not None)]
+               # config.yaml holds the per-process batch (and accumulation) derived from train.global_batch_size, and
+               # how that batch splits into micro-batches changes no step beyond rounding: a run moving to a process
+               # count its old micro-batch does not divide picks another; the process count is checked on its own
+               and not (key in ("train.batch_size", "train.grad_accum", "train.micro_batch_size")
+                        and now.get("train.global_batch_size") is not None)]
     resumable = resumable_keys()
     refused = [key for key in changed if key not in resumable]
     if refused:
