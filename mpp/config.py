@@ -125,6 +125,10 @@ class ModelConfig(Section):
                                  f"({len(self.stem_layers)} stages in model.stem_layers); set model.patch_size={stride} "
                                  f"(or drop it and the number in model.name), or change model.stem_layers")
         if self.image_size % self.patch_size:
+            if self.stem == "resnet":  # the patch is the stem's stride, which the user may never have set
+                raise ValueError(f"model.image_size {self.image_size} is not divisible by the ResNet stem's stride "
+                                 f"{self.patch_size} (model.patch_size, from the {len(self.stem_layers)} stages in "
+                                 f"model.stem_layers); pick a model.image_size that is a multiple of {self.patch_size}")
             raise ValueError(f"model.image_size {self.image_size} is not divisible by model.patch_size {self.patch_size}; pick sizes where it is (e.g. 224 and 16)")
         width, heads = self.variant.width, self.variant.heads
         if self.pos_embed == "learned_2d" and width % 2 or self.pos_embed == "sincos_2d" and width % 4:

@@ -209,7 +209,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):
             message += flag_hint(message.removeprefix("unrecognized arguments:").split(), self.argv)
-        super().error(message)
+        super().error(message.replace(RESUME_AUTO, "--resume auto"))  # as the user wrote it, not as parsed
 
 
 def flag_hint(unknown: list[str], argv: list[str]) -> str:

@@ -61,6 +61,9 @@ def test_mixed_precision_no_is_not_read_as_false(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["train.stpes=3"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
     (["model.image_size=30", "model.patch_size=4"], "not divisible by model.patch_size 4"),
+    # a hybrid's patch is its stem's stride, which the user may never have set
+    (["model.stem=resnet", "model.stem_layers=[1]", "model.image_size=18"],
+     "model.image_size 18 is not divisible by the ResNet stem's stride 4 (model.patch_size, from the 1 stages in model.stem_layers)"),
     (["model.name=vit_b16", "model.patch_size=8"], "implies patch size 16"),
     (["train.batch_size=zero"], "invalid value for 'train.batch_size'"),
     (["mpp.target=edges"], "invalid value for 'mpp.target'"),
@@ -167,6 +170,13 @@ def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsy
 ])
 def test_overrides_are_taken_wherever_they_stand_on_the_line(line):
     assert cli.parse_args(line).overrides == ["train.steps=20", "train.steps=30", "output_dir=runs/a"]  # in order: the last wins
+
+
+def test_resume_auto_is_named_as_written_when_refused_beside_overwrite(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.parse_args(["pretrain", "--resume", "auto", "--overwrite"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "argument --overwrite: not allowed with argument --resume auto" in err, err
 
 
 def test_an_unknown_flag_among_overrides_is_still_refused(capsys):
