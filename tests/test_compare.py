@@ -481,3 +481,75 @@ def test_a_plan_of_one_recipe_names_that_recipe_in_its_report():
     plain = load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["grid=[]", "lrs=[]"])
     text = selection_text({"recipes": recipes(plain), "selection": {}, "select_on_dev": False}, plain, stage_config(plain, "finetune"))
     assert re.match(r"one recipe \(\w+, lr [0-9.e-]+\) for every arm", text), text
+
+
+def test_dry_run_states_the_smallest_gap_the_design_resolves_and_trains_nothing(tmp_path, capsys):
+    import math
+
+    import yaml
+    from pipelines import cli
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(tiny(tmp_path, "target_gap=0.02").model_dump(mode="json")))
+    assert cli.main(["compare", "--config", str(plan), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    # 30 test images, seeds [0, 1], the plan's assumed 20% disagreement and 0.5-point seed spread:
+    # standard error sqrt(0.2 / 30 + 2 x 0.005^2 / 2); x 1.96 for the half-width, x (1.96 + 0.84) at 80% power.
+    error = math.sqrt(0.2 / 30 + 0.005**2)
+    assert f"30 test images and 2 seed(s) per arm" in out
+    assert f"beyond ±{100 * 1.959964 * error:.2f} points is resolved" in out  # 16.03
+    assert f"a true gap of {100 * 2.801585 * error:.2f} points is resolved 4 times in 5" in out  # 22.92
+    # the dev split: 25% of 400 labelled images, 100: 2.8016 x sqrt(0.2 / 100) = 12.53 points
+    assert "The dev images (100) tell two candidates apart, 4 times in 5, when they differ by 12.53 points" in out
+    # 2 points need 0.2 / ((0.02 / 2.8016)^2 - 0.005^2) = 7,703.3 -> 7,704 test images at 2 seeds
+    warning = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert warning == ["warning: this comparison resolves gaps of 22.92 points, wider than its target_gap of 2.00 "
+                       "points; about 7,704 test images at 2 seed(s) would resolve it."]
+    assert not (tmp_path / "cmp").exists()  # nothing split, pretrained or fine-tuned
+    # A seed spread too wide for the target at any test-set size asks for seeds instead: 2 x 0.02^2 / (0.01 / 2.8016)^2 = 62.8
+    assert cli.main(["compare", "--config", str(plan), "--dry-run", "target_gap=0.01", "assumed_seed_std=0.02"]) == 0
+    assert "the seeds' spread alone is too wide for it at 2 seed(s): it needs at least 63 seeds per arm" in capsys.readouterr().out
+    assert cli.main(["compare", "--config", str(plan), "--dry-run", "target_gap=0.3"]) == 0
+    assert "That is within the target_gap of 30.00 points." in capsys.readouterr().out
+
+
+def test_the_report_puts_the_test_sets_baselines_and_balanced_accuracy_beside_top1(tmp_path):
+    # An imbalanced test set of one grey image repeated (20 of class 0, 5 each of classes 1 and 2): a classifier gives
+    # every image the same class, so its balanced accuracy is 1/3 when that class is 0, 1 or 2 and 0 otherwise.
+    uneven_shards(tmp_path / "uneven", {0: 20, 1: 5, 2: 5}, shards=1)
+    val = tmp_path / "uneven" / "shard-000000.tar"
+    report = compare.run(tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[0]", f"finetune.data.val_shards={val}",
+                              f"common.data.val_shards={val}"))
+    assert report["test_set"] == {"baselines": {"majority": 20 / 30, "chance": 0.1}, "images": 30,
+                                  "per_class": {"0": 20, "1": 5, "2": 5}, "imbalanced": True}
+    entry = report["arms"]["scratch"]
+    top1 = entry["test"]["top1"]
+    assert top1 in (20 / 30, 5 / 30, 0.0)
+    assert entry["balanced_accuracy"]["mean"] == pytest.approx(1 / 3 if top1 else 0.0)
+    text = (tmp_path / "cmp" / "report.md").read_text()
+    assert "The test set: 30 images of 3 classes (5 to 20 images per class); a classifier that knows nothing scores " \
+           "majority class 66.67%, chance 10.00% there." in text
+    head = next(line for line in text.splitlines() if line.startswith("| arm |"))
+    assert head.endswith("| top-1 (seed 0; majority class 66.67%, chance 10.00%) | each seed | balanced accuracy (chance 10.00%) |")
+    row = next(line for line in text.splitlines() if line.startswith("| scratch |"))
+    assert row.endswith(f"| {100 * entry['balanced_accuracy']['mean']:.2f}% |")
+    # no better than always answering class 0
+    assert f"> **Warning:** scratch's test top-1 ({100 * top1:.2f}%) is no better than a classifier that knows nothing" in text
+
+
+def test_frozen_scores_at_or_below_the_random_init_backbones_are_flagged_in_words():
+    from pipelines.comparison.report import frozen_flags
+
+    def frozen(knn, shot):
+        return {pool: {"knn": knn, "fewshot": {"5": shot}} for pool in ("cls", "mean")}
+
+    arms = {"mpp": {"pretrain": {"steps": 10}, "frozen": frozen(0.30, 0.50)},
+            "supervised": {"pretrain": {"steps": 10}, "frozen": frozen(0.60, 0.70)},
+            "scratch": {"pretrain": None, "frozen": frozen(0.40, 0.50)}}
+    lines = frozen_flags(arms, [5])
+    assert len([line for line in lines if line]) == 1  # supervised is above the random-init backbone everywhere
+    assert lines[0].startswith("- **mpp's frozen features score at or below a random-init backbone's** (kNN cls 30.00% "
+                               "against 40.00%; kNN mean 30.00% against 40.00%; 5-shot cls 50.00% against 50.00%; "
+                               "5-shot mean 50.00% against 50.00%)")
+    assert "no verdict on it" in lines[0]
+    assert frozen_flags({"mpp": arms["mpp"]}, [5])[0].startswith("No scratch arm in this plan")

@@ -8,6 +8,7 @@
   planned from an assumed disagreement between the arms or read from the one observed.
 - `pick_recipe`: the dev pick that treats differences the dev split cannot resolve as ties.
 - `stratified_folds`: a stratified, key-hashed k-fold assignment.
+- `balanced_accuracy`: the mean per-class recall, top-1's counterpart on a test set whose classes are imbalanced.
 
 docs/statistics.md gives the method, its assumptions and a worked example.
 """
@@ -314,3 +315,16 @@ def stratified_folds(samples: Iterable[tuple[str, int]], k: int) -> list[int]:
             folds[index] = (dealt + rank) % k
         dealt += len(ranked)
     return folds
+
+
+def balanced_accuracy(correct: dict[str, int | bool], labels: dict[str, int]) -> float:
+    """The mean over the test set's classes of each class's recall (the share of its images classified correctly),
+    from per-image correctness and labels keyed alike; a constant guess scores 1 / (classes present) on it, whatever
+    the imbalance."""
+    if set(correct) != set(labels) or not labels:
+        raise ValueError(f"balanced accuracy needs correctness and a label for the same images, got {len(correct)} and "
+                         f"{len(labels)} (of which {len(set(correct) & set(labels))} shared)")
+    right: dict[int, list[int]] = {}
+    for key, label in labels.items():
+        right.setdefault(int(label), []).append(int(correct[key]))
+    return float(np.mean([np.mean(hits) for hits in right.values()]))

@@ -57,6 +57,9 @@ class CompareConfig(Section):
     sensitivity: bool = Field(True, description="Also fine-tune and test each arm's near-best candidates (those the dev split cannot tell from its pick) at every seed, and report whether each gap's verdict would change had each arm taken one of them.")
     checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
     ablate: list[str] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation; names of arms not in `arms` are ignored.")
+    target_gap: float | None = Field(None, gt=0, lt=1, description="The smallest top-1 gap (a fraction: 0.02 is 2 points) the comparison should resolve; where its design resolves only wider gaps, compare says so in one line at its start, in --dry-run and in the report, with the test images and seeds it would need. null: no target.")
+    assumed_disagreement: float = Field(0.2, gt=0, le=1, description="The fraction of test images two arms' runs are assumed to classify differently (typically 0.1-0.25), from which compare states before training the smallest gap its design resolves; the report restates it from the disagreement observed.")
+    assumed_seed_std: float = Field(0.005, ge=0, lt=1, description="The assumed spread (standard deviation, a fraction) of an arm's test top-1 between fine-tuning seeds, for the same statement; the report uses the spread observed where there are several seeds.")
 
     @field_validator("arms")
     @classmethod

@@ -50,7 +50,9 @@ from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.shards import Sample, Source, write_shards
-from mpp.evaluation.stats import Candidate, dev_resolution, mcnemar, paired_bootstrap_gap, pick_recipe, stratified_folds
+from mpp.evaluation.baselines import evaluation_baselines
+from mpp.evaluation.stats import (Candidate, balanced_accuracy, dev_resolution, disagreement, gap_resolution, mcnemar, paired_bootstrap_gap,
+                                 pick_recipe, stratified_folds)
 from mpp.data.tars import ShardEnd, shard_samples
 from . import finetune, pretrain
 from ..evaluations.evaluators import Stage, TopK
@@ -59,7 +61,7 @@ from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
 from ..comparison.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config, arm_plan
 from ..comparison.plots import comparison_figure
-from ..comparison.report import PRETRAIN_CURVES, report_markdown, scalar_history
+from ..comparison.report import PRETRAIN_CURVES, design_lines, design_record, report_markdown, scalar_history, target_needs
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
 from ..run.tracking import COMPARISON_DIR
@@ -86,12 +88,53 @@ def run(cc: CompareConfig) -> dict:
     grid = recipes(cc)
     # First, so a useless split costs no pretraining; useless only where nothing is picked: one recipe at one length.
     selection = Selection.of(cc, base, out, select=len(grid) > 1 or len(cc.lengths) > 1)
+    labels = test_labels(base)
+    dev_images = (selection.info.get("images") or selection.info["dev_images"]) if selection.splits else None
+    design = design_record(cc, len(labels), len(cc.seeds or [base.train.seed]), dev_images)
+    say_design(design)
     naming = COMPARISON_DIR.set(out)
     try:
         arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
     finally:
         COMPARISON_DIR.reset(naming)
-    return collect(cc, base, grid, selection, arms)
+    return collect(cc, base, grid, selection, arms, design, labels)
+
+
+def check(cc: CompareConfig) -> dict:
+    """compare --dry-run: what the plan's design resolves, from its data, without writing or training anything."""
+    base = stage_config(cc, "finetune")
+    select = len(recipes(cc)) > 1 or len(cc.lengths) > 1
+    design = design_record(cc, len(test_labels(base)), len(cc.seeds or [base.train.seed]),
+                           dev_image_count(cc, base) if select else None)
+    say_design(design)
+    return design
+
+
+def say_design(design: dict) -> None:
+    if process_state().is_main_process:
+        for line in design_lines(design):
+            print(line if line.startswith("warning:") else f"[compare] design: {line}", flush=True)
+
+
+def test_labels(base: Config) -> dict[str, int]:
+    """{sample: class id} of every labelled image of the evaluation shards (finetune's data.val_shards), the keys
+    named as the fine-tuning runs' per-image results name them."""
+    val = base.model_copy(update={"data": base.data.model_copy(update={"shards": base.data.val_shards})})
+    labels = {ident: label for ident, _, label in labelled_samples(val)}
+    if not labels:
+        raise CompareError(f"the evaluation shards ({base.data.val_shards}) hold no labelled images, so no arm can be "
+                           f"scored on them; point the plan's finetune data.val_shards at labelled shards")
+    return labels
+
+
+def dev_image_count(cc: CompareConfig, base: Config) -> int:
+    """The images the plan's candidates are scored on, as Selection.of will split them: every labelled image under
+    k-fold, else round(dev_fraction x its images) of each class."""
+    per_class: dict[int, int] = {}
+    for _, _, label in labelled_samples(base):
+        per_class[label] = per_class.get(label, 0) + 1
+    folds = cc.dev_folds if cc.dev_folds != "auto" else auto_folds(base)[0]
+    return sum(per_class.values()) if folds else sum(math.floor(cc.dev_fraction * n + 0.5) for n in per_class.values())
 
 
 # ---------------------------------------------------------------- stages
@@ -507,10 +550,11 @@ def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
 # ---------------------------------------------------------------- collect
 
 
-def gaps(arms: dict[str, dict]) -> list[dict]:
+def gaps(arms: dict[str, dict], cc: CompareConfig) -> list[dict]:
     """Every pair of arms: the difference of mean test top-1, its paired 95% bootstrap interval over the test images
-    and the seeds (mpp.evaluation.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, and whether
-    the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed)."""
+    and the seeds (mpp.evaluation.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, whether
+    the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed), and the resolution
+    the comparison turned out to have (`observed_resolution`)."""
     result = []
     for a, b in itertools.combinations(arms, 2):
         ea, eb = arms[a], arms[b]
@@ -526,8 +570,21 @@ def gaps(arms: dict[str, dict]) -> list[dict]:
         result.append({"arms": [a, b], "gap": ta["top1"] - tb["top1"], **{k: v for k, v in asdict(interval).items() if k != "gap"},
                        "images": len(keys), "mcnemar": per_seed, "spread": spread,
                        "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread,
+                       "resolution": observed_resolution(matrix[a], matrix[b], ta, tb, cc),
                        **({"sensitivity": sensitivity(a, ea, b, eb, keys)} if "near_best" in ea or "near_best" in eb else {})})
     return result
+
+
+def observed_resolution(correct_a: list, correct_b: list, test_a: dict, test_b: dict, cc: CompareConfig) -> dict:
+    """The smallest gap this pair resolved, from the disagreement its runs showed and its seeds' spread (the root mean
+    square of the two arms' standard deviations; the plan's assumed_seed_std where an arm has one seed), with what
+    a missed target_gap would need."""
+    stds = [test["top1_std"] for test in (test_a, test_b)]
+    seed_std = (sum(std**2 for std in stds) / 2) ** 0.5 if None not in stds else cc.assumed_seed_std
+    seeds = min(len(correct_a), len(correct_b))
+    resolution = gap_resolution(len(correct_a[0]), seeds, disagreement(correct_a, correct_b), seed_std)
+    return {**asdict(resolution), "seed_std_assumed": None in stds, "target_gap": cc.target_gap,
+            **target_needs(cc.target_gap, resolution)}
 
 
 def verdict(interval) -> int:
@@ -548,12 +605,26 @@ def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str]) -> list[dic
     return rows
 
 
-def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict]) -> dict:
+def balanced_over_seeds(correct: dict[str, dict[str, int]], labels: dict[str, int]) -> dict:
+    """Balanced accuracy (mean per-class recall) of one arm's runs on the test set: mean over seeds and each seed's."""
+    missing = set(next(iter(correct.values()))) - set(labels)
+    if missing:
+        raise CompareError(f"{len(missing)} of the images the arms were scored on (e.g. {min(missing)}) are not labelled "
+                           f"images of the evaluation shards ({len(labels)}); rerun the comparison in a new output_dir")
+    seeds = {seed: balanced_accuracy(hits, {key: labels[key] for key in hits}) for seed, hits in correct.items()}
+    return {"mean": statistics.fmean(seeds.values()), "seeds": seeds}
+
+
+def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict],
+            design: dict, labels: dict[str, int]) -> dict:
     """results.json, report.md and comparison.png/svg from what every arm ran; returns results.json's content."""
     out = Path(cc.output_dir)
-    report = {"arms": {name: {k: v for k, v in e.items() if k not in ("correct", "history")} for name, e in arms.items()},
+    classes = num_classes(base, resolve_shards(base.data.shards, base, process_state()))
+    report = {"arms": {name: {**{k: v for k, v in e.items() if k not in ("correct", "history")},
+                              "balanced_accuracy": balanced_over_seeds(e["correct"], labels)} for name, e in arms.items()},
               "config": cc.model_dump(mode="json"), "select_on_dev": bool(selection.splits), "dev_folds": selection.folds,
-              "selection": selection.info, "seeds": cc.seeds or [base.train.seed], "recipes": grid, "gaps": gaps(arms)}
+              "selection": selection.info, "seeds": cc.seeds or [base.train.seed], "recipes": grid, "gaps": gaps(arms, cc),
+              "design": design, "test_set": evaluation_baselines(labels.values(), classes)}
     if selection.splits:
         dev_images = selection.info.get("images") or selection.info["dev_images"]
         report["dev_resolution"] = asdict(dev_resolution(dev_images))
