@@ -553,3 +553,46 @@ def test_frozen_scores_at_or_below_the_random_init_backbones_are_flagged_in_word
                                "5-shot mean 50.00% against 50.00%)")
     assert "no verdict on it" in lines[0]
     assert frozen_flags({"mpp": arms["mpp"]}, [5])[0].startswith("No scratch arm in this plan")
+
+
+def test_label_budgets_are_nested_draws_run_per_budget_with_one_pretraining_per_arm(tmp_path, capsys):
+    report = compare.run(tiny(tmp_path, "arms=[mpp,scratch]", "grid=[]", "seeds=[0,1]", "labels_per_class=[4,8]"))
+    out = tmp_path / "cmp"
+    draws = {name: split_keys(out / "budgets" / name) for name in ("4", "8")}
+    for name, keys in draws.items():  # stratified: that many of each of the 10 classes
+        assert sorted(list(keys.values()).count(c) for c in range(10)) == [int(name)] * 10
+    assert set(draws["4"]) < set(draws["8"])  # nested
+    log = capsys.readouterr().out
+    assert log.count("mpp pretraining: running") == 1 and log.count("mpp pretraining: finished before, skipped") == 1
+    assert not list(out.glob("budget-*/pre"))
+    for name in ("4", "8"):
+        for arm in ("mpp", "scratch"):
+            for seed in ("", "-s1"):  # every arm and seed fine-tunes on the budget's own draw
+                cfg = load_config(out / f"budget-{name}" / "ft" / arm / f"base{seed}" / "config.yaml")
+                assert cfg.data.shards == str(out / "budgets" / name)
+        assert load_config(out / f"budget-{name}" / "ft" / "mpp" / "base" / "config.yaml").data.val_shards == \
+            load_config(out / "budget-4" / "ft" / "mpp" / "base" / "config.yaml").data.val_shards  # one test set
+        assert (out / f"budget-{name}" / "report.md").is_file()
+        assert json.loads((out / f"budget-{name}" / "ft" / "scratch" / "base" / "results.json").read_text())["steps"] == 4
+    assert list(report["budgets"]) == ["4", "8"] and report["kind"] == "labels per class"
+    assert [report["budgets"][n]["images"] for n in ("4", "8")] == [40, 80]
+    for budget in report["budgets"].values():
+        (gap,) = budget["gaps"]
+        assert gap["arms"] == ["mpp", "scratch"] and gap["low"] <= gap["gap"] <= gap["high"] and gap["images"] == 30
+        assert set(budget["arms"]["mpp"]["test"]["top1_seeds"]) == {"0", "1"}
+    text = (out / "report.md").read_text()
+    assert text.startswith("# Label efficiency: mpp vs scratch")
+    rows = [line for line in text.splitlines() if line.startswith(("| 4 |", "| 8 |"))]
+    assert len(rows) == 2 and all(re.search(r"\| [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]", row) for row in rows)
+    assert (out / "label_efficiency.png").is_file() and (out / "label_efficiency.svg").is_file()
+
+
+def test_a_label_budget_larger_than_a_class_is_refused_before_any_pretraining(tmp_path):
+    with pytest.raises(compare.CompareError, match=r"labels_per_class 50 needs that many images of every class, and "
+                                                   r"class 0 of .*down has 40; lower the budget to at most 40"):
+        compare.run(tiny(tmp_path, "arms=[mpp,scratch]", "grid=[]", "labels_per_class=[10,50]"))
+    assert not (tmp_path / "cmp" / "pre").exists() and not (tmp_path / "cmp" / "budgets").exists()
+    with pytest.raises(ConfigError, match=r"label budgets must be positive and increase"):
+        tiny(tmp_path, "labels_per_class=[25,10]")
+    with pytest.raises(ConfigError, match=r"both labels_per_class and label_fractions"):
+        tiny(tmp_path, "labels_per_class=[10]", "label_fractions=[0.5]")

@@ -111,6 +111,41 @@ def design_lines(record: dict) -> list[str]:
     return lines
 
 
+def budget_markdown(result: dict, cc: CompareConfig) -> str:
+    """report.md of a plan with label budgets: each arm's test top-1 per budget, each gap at each budget with its
+    paired 95% interval, the design's resolution and the test set's baselines; each budget's full report beside."""
+    budgets, kind = result["budgets"], result["kind"]
+    arms = list(next(iter(budgets.values()))["arms"])
+    seeds = result["seeds"]
+    seeds_note = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    known = beside("", result["test_set"]["baselines"], lambda b: f"{100 * b:.2f}%").strip(" ()")
+    lines = [f"# Label efficiency: {' vs '.join(arms)}", ""]
+    if cc.note:
+        lines += [f"> **Note:** {cc.note}", ""]
+    lines += [f"Each budget ({kind}) is a stratified draw of the labelled images, nested (each smaller draw inside every "
+              f"larger one) and the same for every arm and seed; each arm was pretrained once, and at every budget its "
+              f"recipe, length and seeds were picked and run as in a plan of its own (its report: budget-<budget>/report.md). "
+              f"Test top-1 ({seeds_note}) on the same {result['test_set']['images']:,} test images at every budget; a "
+              f"classifier that knows nothing scores {known} there.", ""]
+    pairs = [g["arms"] for g in next(iter(budgets.values()))["gaps"]]
+    head = ["budget", "labelled images", *arms, *[f"{a} − {b} (95% CI)" for a, b in pairs]]
+    rows = []
+    for name, budget in budgets.items():
+        gaps = {tuple(g["arms"]): g for g in budget["gaps"]}
+        rows.append([name, f"{budget['images']:,}", *[percent_with_spread(budget["arms"][arm]["test"]) for arm in arms],
+                     *[f"{100 * g['gap']:+.2f} [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}]" + (" resolved" if g["excludes_zero"] else "")
+                       for g in (gaps[tuple(pair)] for pair in pairs)]])
+    lines += table(head, rows) + [""]
+    lines += ["A gap is resolved where its interval excludes 0; where it does not, the data cannot tell the arms apart "
+              "at that budget, whatever the sign of the gap.", ""]
+    for a, b in pairs:
+        resolved = [name for name, budget in budgets.items() for g in budget["gaps"] if g["arms"] == [a, b] and g["excludes_zero"]]
+        lines.append(f"- {a} − {b}: resolved at " + (", ".join(f"{name} ({'+' if g['gap'] > 0 else '-'})"
+                     for name in resolved for g in budgets[name]["gaps"] if g["arms"] == [a, b]) if resolved else "no budget") + ".")
+    lines += ["", "## What this comparison can resolve", "", " ".join(design_lines(result["design"])), ""]
+    return "\n".join(lines)
+
+
 def val_shards_name(cfg: Config) -> str:
     return f"data.val_shards ({cfg.data.val_shards})"
 
@@ -292,7 +327,7 @@ def results_lines(report: dict, cc: CompareConfig, base: Config, seeds_note: str
     rows = []
     for arm, e in arms.items():
         pre = e["pretrain"] or {}
-        wall = (training_time(out / "pre" / arm) if pre else 0) + training_time(Path(e["run"]))
+        wall = (training_time(Path(e["pretrain_run"])) if pre else 0) + training_time(Path(e["run"]))
         rows.append([arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", e["recipe"],
                      f"{e['finetune']['images_seen']:,}", f"{wall:.0f}", *([f"{100 * e['dev_top1']:.2f}%"] if on_dev else []),
                      f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values()),

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import get_args
 
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from mpp.model.checkpoint import load_backbone
@@ -59,9 +60,9 @@ from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
-from ..comparison.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config, arm_plan
-from ..comparison.plots import comparison_figure
-from ..comparison.report import PRETRAIN_CURVES, design_lines, design_record, report_markdown, scalar_history, target_needs
+from ..comparison.plan import Arm, CompareConfig, arm_plan, budget_names, pretrain_config, recipes, stage_config
+from ..comparison.plots import comparison_figure, label_efficiency_figure
+from ..comparison.report import PRETRAIN_CURVES, budget_markdown, design_lines, design_record, report_markdown, scalar_history, target_needs
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
 from ..run.tracking import COMPARISON_DIR
@@ -83,6 +84,32 @@ class CompareError(UserError):
 
 def run(cc: CompareConfig) -> dict:
     """Run the plan `cc` (resuming what an earlier invocation left) and write its report; returns results.json."""
+    if cc.labels_per_class or cc.label_fractions:
+        return run_budgets(cc)
+    return run_plan(cc, Path(cc.output_dir) / "pre")
+
+
+def run_budgets(cc: CompareConfig) -> dict:
+    """The plan once per label budget, each on its draw of the labelled images (`budget_stage`) under budget-<name>/,
+    every arm pretrained once under pre/; then the label-efficiency report over the budgets."""
+    out = Path(cc.output_dir)
+    base = stage_config(cc, "finetune")
+    names = budget_names(cc)
+    draws = stage(out / "budgets", f"label budgets of {base.data.shards}",
+                  {"shards": base.data.shards, "labels_per_class": cc.labels_per_class, "label_fractions": cc.label_fractions},
+                  lambda: budget_stage(base, out / "budgets", cc))
+    reports = {}
+    for name in names:
+        finetune = OmegaConf.merge(OmegaConf.create(cc.finetune), {"data": {"shards": draws[name]["shards"]}})
+        plan = cc.model_copy(update={"output_dir": str(out / f"budget-{name}"), "labels_per_class": [],
+                                     "label_fractions": [], "finetune": OmegaConf.to_container(finetune)})
+        print(f"[compare] label budget {name} ({draws[name]['images']} labelled images):", flush=True)
+        reports[name] = run_plan(plan, out / "pre")
+    return collect_budgets(cc, draws, reports)
+
+
+def run_plan(cc: CompareConfig, pre: Path) -> dict:
+    """The plan on its finetune data.shards, every arm pretrained in pre/<arm> (shared by the label budgets)."""
     out = Path(cc.output_dir)
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
@@ -94,7 +121,7 @@ def run(cc: CompareConfig) -> dict:
     say_design(design)
     naming = COMPARISON_DIR.set(out)
     try:
-        arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
+        arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection, pre).run() for arm in cc.arms}
     finally:
         COMPARISON_DIR.reset(naming)
     return collect(cc, base, grid, selection, arms, design, labels)
@@ -364,6 +391,35 @@ def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
             "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
 
 
+def budget_stage(cfg: Config, out: Path, cc: CompareConfig) -> dict:
+    """The plan's label budgets drawn from the labelled images of cfg.data.shards, each written as out/<name>:
+    within each class the images are ordered by a hash of their key (as the dev split orders them) and a budget
+    takes the first n of them (n = labels_per_class, or round(fraction x the class's images), at least 1), so every
+    smaller draw lies inside every larger one and every arm and seed sees the same images. Refuses a budget larger
+    than a class holds, before writing anything."""
+    by_class: dict[int, list[str]] = {}
+    for ident, _, label in labelled_samples(cfg):
+        by_class.setdefault(label, []).append(ident)
+    if not by_class:
+        raise CompareError(f"label budgets need labelled images, and {cfg.data.shards} holds none; point finetune's "
+                           f"data.shards at labelled shards")
+    fewest = min(by_class, key=lambda label: (len(by_class[label]), label))
+    if cc.labels_per_class and cc.labels_per_class[-1] > len(by_class[fewest]):
+        raise CompareError(f"labels_per_class {cc.labels_per_class[-1]} needs that many images of every class, and "
+                           f"class {fewest} of {cfg.data.shards} has {len(by_class[fewest])}; lower the budget to at "
+                           f"most {len(by_class[fewest])}, or give fractions (label_fractions)")
+    ranked = {label: sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i)) for label, idents in by_class.items()}
+    budgets = cc.labels_per_class or cc.label_fractions
+    draws = {}
+    for name, budget in zip(budget_names(cc), budgets):
+        take = {label: budget if cc.labels_per_class else max(1, math.floor(budget * len(idents) + 0.5))
+                for label, idents in ranked.items()}
+        chosen = {ident for label, idents in ranked.items() for ident in idents[:take[label]]}
+        images = write_part(cfg, out / name, lambda ident, chosen=chosen: ident in chosen)
+        draws[name] = {"shards": str(out / name), "images": images, "per_class": {str(k): v for k, v in sorted(take.items())}}
+    return draws
+
+
 def fold_stage(cfg: Config, out: Path, k: int) -> dict:
     """k stratified folds of cfg.data.shards (mpp.evaluation.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
     samples = [(ident, label) for ident, _, label in labelled_samples(cfg)]
@@ -385,9 +441,10 @@ class ArmRun:
     and, for an ablated arm, every recipe and the earlier checkpoints. `run()` -> its entry of results.json, with
     the per-image test hits of its kept recipe at every seed under "correct" (collect pairs them between arms)."""
 
-    def __init__(self, cc: CompareConfig, arm: Arm, base: Config, grid: dict[str, dict], selection: Selection):
+    def __init__(self, cc: CompareConfig, arm: Arm, base: Config, grid: dict[str, dict], selection: Selection, pre: Path):
         self.cc, self.arm, self.base, self.grid, self.selection = cc, arm, base, grid, selection
         self.out = Path(cc.output_dir)
+        self.pre = pre / arm.name  # the arm's pretraining: one for every label budget
         self.seeds = cc.seeds or [base.train.seed]
         self.recipes: dict[str, dict] = dict(grid)  # every recipe run, longer ones included
         self.ckpt: str | None = None
@@ -395,14 +452,14 @@ class ArmRun:
 
     def run(self) -> dict:
         pretrained = self.pretrain()
-        self.ckpt = str(self.out / "pre" / self.arm.name) if pretrained else None
+        self.ckpt = str(self.pre) if pretrained else None
         grid_pick = self.choose({name: recipe for name, recipe in self.grid.items()})
         kept, lengths = self.search_length(grid_pick)
         ablated = self.arm.name in self.cc.ablate
         names = [kept.pick] + ([n for n in self.grid if n != kept.pick] if ablated else [])
         tests = {name: self.tested(name) for name in names}
         test = over_seeds(tests[kept.pick], self.seeds)
-        entry = {"objective": self.arm.summary, "recipe": kept.pick, "grid_pick": grid_pick.pick,
+        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "recipe": kept.pick, "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
                  "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
@@ -423,7 +480,7 @@ class ArmRun:
                                          "correct": {str(seed): result[seed]["correct"] for seed in self.seeds}}
                                   for name in near_best for result in [tests.get(name) or self.tested(name)]}
         if pretrained:
-            entry["pretrain_curves"] = scalar_history(self.out / "pre" / self.arm.name, PRETRAIN_CURVES)
+            entry["pretrain_curves"] = scalar_history(self.pre, PRETRAIN_CURVES)
             if ablated and self.cc.checkpoints:
                 entry["checkpoints"] = self.earlier_checkpoints(kept.pick)
         return entry
@@ -431,8 +488,8 @@ class ArmRun:
     def pretrain(self) -> dict | None:
         if self.arm.objective is None:
             return None
-        cfg = pretrain_config(self.cc, self.arm, output_dir=self.out / "pre" / self.arm.name)
-        return stage(self.out / "pre" / self.arm.name, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
+        cfg = pretrain_config(self.cc, self.arm, output_dir=self.pre)
+        return stage(self.pre, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
 
     def fine_tune(self, run_name: str, recipe: dict, seed: int, train: str, val: str, ckpt: str | None) -> tuple[Path, dict]:
         """The fine-tuning stage ft/<arm>/<run_name>, once per invocation (a candidate's run is also a tested one)."""
@@ -510,7 +567,7 @@ class ArmRun:
     def earlier_checkpoints(self, pick: str) -> dict:
         """The pick fine-tuned from earlier checkpoints of the same pretraining, at every seed, with their frozen
         features: the report's pretraining-length ablation."""
-        pre = self.out / "pre" / self.arm.name
+        pre = self.pre
         points = {}
         for step in self.cc.checkpoints:
             earlier = checkpoint_dir(pre, step)
@@ -639,3 +696,25 @@ def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: S
               f"all runs in TensorBoard: tensorboard --logdir {out}")
     return report
 
+
+
+def collect_budgets(cc: CompareConfig, draws: dict, reports: dict[str, dict]) -> dict:
+    """The label-efficiency results over the budgets (results.json, report.md, label_efficiency.png/svg at the top of
+    output_dir), each budget's own report under budget-<name>/; returns results.json's content."""
+    out = Path(cc.output_dir)
+    first = next(iter(reports.values()))
+    result = {"config": cc.model_dump(mode="json"), "kind": "labels per class" if cc.labels_per_class else "fraction of each class",
+              "design": first["design"], "test_set": first["test_set"], "seeds": first["seeds"],
+              "budgets": {name: {**draws[name], "report": str(out / f"budget-{name}" / "report.md"),
+                                 "arms": {arm: {"test": e["test"], "balanced_accuracy": e["balanced_accuracy"], "recipe": e["recipe"]}
+                                          for arm, e in report["arms"].items()},
+                                 "gaps": [{k: g[k] for k in ("arms", "gap", "low", "high", "excludes_zero", "images")}
+                                          for g in report["gaps"]]}
+                          for name, report in reports.items()}}
+    if process_state().is_main_process:
+        (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "report.md").write_text(budget_markdown(result, cc))
+        label_efficiency_figure(result, out / "label_efficiency.png")
+        print(f"[compare] label-efficiency report in {out / 'report.md'}, its curve in {out / 'label_efficiency.png'} "
+              f"and .svg; each budget's own report in {out}/budget-<budget>/report.md", flush=True)
+    return result
