@@ -423,14 +423,22 @@ def length_lines(arms: dict, base: Config) -> list[str]:
         return []
     lines = ["## Fine-tuning length", "",
              f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
-             f"fell below its best so far; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its "
-             f"name ends in -x<multiple> when longer).", ""]
+             f"fell below its best so far by more than the dev split resolves (McNemar's exact p < 0.05); the kept "
+             f"length, the best dev top-1 (exactly equal: the longer), is in bold (its name ends in -x<multiple> when "
+             f"longer).", ""]
     rows = []
     for arm, e in arms.items():
         rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else
                                              (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == e["length"]
                                               else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
-    return lines + table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
+    lines += table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
+    short = [arm for arm, e in arms.items() if e.get("at_longest_length")]
+    if short:
+        lines += [f"**{', '.join(short)} kept the longest length the plan tries (x{multiples[-1]:g}): "
+                  f"{'its' if len(short) == 1 else 'their'} dev top-1 may still have been rising, so "
+                  f"{'that arm' if len(short) == 1 else 'those arms'} may be short of {'its' if len(short) == 1 else 'their'} "
+                  f"best; add a longer multiple to `lengths` to know.**", ""]
+    return lines
 
 
 def ablation_lines(arms: dict, seeds_note: str) -> list[str]:

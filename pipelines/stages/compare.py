@@ -75,6 +75,7 @@ DEV_MIN_PER_CLASS = 10
 # a 10% dev split of 500 images is 50 images, whose top-1 standard error is up to 7 points.
 SMALL_DOWNSTREAM = 500
 AUTO_FOLDS = 5
+SIGNIFICANCE = 0.05  # a dev difference with McNemar's exact p below this is one the dev split resolves
 WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
 
 
@@ -459,7 +460,9 @@ class ArmRun:
         names = [kept.pick] + ([n for n in self.grid if n != kept.pick] if ablated else [])
         tests = {name: self.tested(name) for name in names}
         test = over_seeds(tests[kept.pick], self.seeds)
-        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "recipe": kept.pick, "grid_pick": grid_pick.pick,
+        # Kept at the plan's longest length: its dev top-1 may still have been rising, so the arm may be short.
+        longest = bool(lengths) and kept.pick == f"{grid_pick.pick}-x{self.cc.lengths[-1]:g}"
+        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
                  "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
@@ -521,8 +524,9 @@ class ArmRun:
         return Choice(pick.pick, pick.top1, pick.tied, pick.tie, pick.p_value)
 
     def search_length(self, grid_pick: Choice) -> tuple[Choice, dict[str, float]]:
-        """The grid's pick fine-tuned at the plan's `lengths` multiples, going on while dev top-1 does not fall below
-        the best so far; the kept length is picked among those tried like a recipe (the best dev top-1)."""
+        """The grid's pick fine-tuned at the plan's `lengths` multiples, going on until a length falls below the best
+        so far by more than the dev split resolves (McNemar's exact test, p < 0.05: one image down is noise, not a
+        reason to stop); the kept length is picked among those tried like a recipe (the best dev top-1)."""
         if len(self.cc.lengths) == 1 or not self.selection.splits:
             return grid_pick, {}
         name = grid_pick.pick
@@ -534,7 +538,7 @@ class ArmRun:
             longer = f"{name}-x{multiple:g}"
             tried[longer] = self.recipes[longer] = {**self.grid[name], "train.steps": round(steps * multiple)}
             choice = self.choose(tried)
-            if choice.top1[longer] < best_so_far:
+            if choice.top1[longer] < best_so_far and choice.p_value[longer] < SIGNIFICANCE:
                 break
         return choice, {(key.rsplit("-x", 1)[1] if "-x" in key else "1"): top1 for key, top1 in choice.top1.items()}
 
