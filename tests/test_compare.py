@@ -610,3 +610,59 @@ def test_the_length_search_goes_on_past_a_drop_the_dev_split_cannot_resolve_and_
     text = (tmp_path / "cmp" / "report.md").read_text().split("## Fine-tuning length")[1]
     assert "**scratch kept the longest length the plan tries (x4): its dev top-1 may still have been rising, so that " \
            "arm may be short of its best; add a longer multiple to `lengths` to know.**" in text
+
+
+def test_a_negative_control_pretrained_on_pure_noise_shows_no_resolved_gain_over_scratch(tmp_path):
+    import numpy as np
+
+    control = "{name: mpp-noise, objective: mpp, control: noise}"
+    report = compare.run(tiny(tmp_path, f"arms=[{control}, scratch]", "grid=[]", "seeds=[0,1]", "noise_images=40"))
+    out = tmp_path / "cmp"
+    pretraining = load_config(out / "pre" / "mpp-noise" / "config.yaml")
+    assert pretraining.data.shards == str(out / "noise") and pretraining.objective == "mpp"
+    from webdataset.tariterators import tarfile_samples
+    images = [s["png"] for s in tarfile_samples({"url": str(u)} for u in sorted((out / "noise").glob("*.tar")))]
+    assert len(images) == 40
+    pixels = np.asarray(Image.open(io.BytesIO(images[0])), dtype=float)
+    assert pixels.shape == (16, 16, 3) and abs(pixels.mean() - 127.5) < 12 and pixels.std() > 65  # uniform noise
+    (gap,) = report["gaps"]
+    assert gap["arms"] == ["mpp-noise", "scratch"] and not gap["excludes_zero"]
+    text = (out / "report.md").read_text().split("## Negative control")[1]
+    assert f"- Negative control: mpp-noise (pretrained on pure noise) - scratch, {100 * gap['gap']:+.2f} points" in text
+    assert "no resolved gain, as there should be none; the comparison is able to say no." in text
+    assert report["arms"]["mpp-noise"]["objective"] == "masked patch prediction (on pure-noise images: a negative control)"
+    with pytest.raises(ConfigError, match="arm 'x' is a noise control without an objective"):
+        tiny(tmp_path, "arms=[{name: x, control: noise}, scratch]")
+
+
+def test_a_negative_control_ahead_of_scratch_warns_that_the_comparison_can_flatter():
+    from pipelines.comparison.report import control_lines
+
+    report = {"arms": {"scratch": {"control": None}, "noise": {"control": "noise"}},
+              "gaps": [{"arms": ["scratch", "noise"], "gap": -0.04, "low": -0.07, "high": -0.01, "excludes_zero": True}]}
+    lines = control_lines(report)
+    assert lines[2] == ("> **Warning:** the negative control noise (pretrained on pure noise) came out ahead of scratch, "
+                        "+4.00 points [+1.00, +7.00]: this comparison can show a gain where there is none to find, so do "
+                        "not trust its other gains over scratch until that is explained (a weak scratch recipe, a short "
+                        "scratch length).")
+
+
+def test_the_semi_supervised_fashion_mnist_plan_loads_and_its_dry_run_checks_it(tmp_path, capsys):
+    # The shipped plan with its data paths pointed at small shards (the real ones need its prepare commands): every
+    # stage's config validates, the dry run counts the test images, checks the budgets and states the resolution.
+    write_test_shards(tmp_path / "train", [500], size=28)  # 50 images per class
+    val = write_test_shards(tmp_path / "test", [200], size=28)
+    (tmp_path / "train" / "summary.json").write_text(json.dumps({"labels": True, "classes": 10}))
+    plan = ROOT / "configs" / "compare" / "fashion_mnist_semi.yaml"
+    data = [f"pretrain.data.shards={tmp_path / 'train'}", f"finetune.data.shards={tmp_path / 'train'}",
+            f"finetune.data.val_shards={val[0]}", f"output_dir={tmp_path / 'cmp'}"]
+    cc = load_compare_config(plan, [*data, "labels_per_class=[10,25]"])
+    assert [arm.control for arm in cc.arms] == [None, None, "noise"] and cc.target_gap == 0.02
+    design = compare.check(cc)
+    assert (design["test_images"], design["seeds"], design["dev_images"]) == (200, 3, None)
+    out = capsys.readouterr().out
+    assert "[compare] design: 200 test images and 3 seed(s) per arm" in out
+    assert "warning: this comparison resolves gaps of" in out and "wider than its target_gap of 2.00 points" in out
+    assert not (tmp_path / "cmp").exists()
+    with pytest.raises(compare.CompareError, match=r"labels_per_class 400 needs that many images of every class"):
+        compare.check(load_compare_config(plan, data))  # the plan's own budgets need the real 6,000 per class

@@ -342,9 +342,34 @@ def results_lines(report: dict, cc: CompareConfig, base: Config, seeds_note: str
             lines += [f"> **Warning:** {arm}'s test top-1 ({100 * e['test']['top1']:.2f}%) is no better than a "
                       f"classifier that knows nothing ({known}): this arm learnt nothing the test set rewards.", ""]
     lines += gap_lines(report, report["seeds"])
+    lines += control_lines(report)
     lines += resolution_lines(report)
     lines += pick_lines(report)
     return lines
+
+
+def control_lines(report: dict) -> list[str]:
+    """Each negative control's verdict against scratch: a pretraining on pure noise must give no resolved gain, or
+    the comparison flatters pretraining."""
+    lines = []
+    for g in report["gaps"]:
+        a, b = g["arms"]
+        controls = [arm for arm in (a, b) if report["arms"][arm].get("control")]
+        if len(controls) != 1 or "scratch" not in (a, b):
+            continue
+        control = controls[0]
+        gain = g["gap"] if control == a else -g["gap"]
+        low, high = (g["low"], g["high"]) if control == a else (-g["high"], -g["low"])
+        shown = f"{100 * gain:+.2f} points [{100 * low:+.2f}, {100 * high:+.2f}]"
+        if g["excludes_zero"] and gain > 0:
+            lines.append(f"> **Warning:** the negative control {control} (pretrained on pure noise) came out ahead of "
+                         f"scratch, {shown}: this comparison can show a gain where there is none to find, so do not "
+                         f"trust its other gains over scratch until that is explained (a weak scratch recipe, a short "
+                         f"scratch length).")
+        else:
+            lines.append(f"- Negative control: {control} (pretrained on pure noise) - scratch, {shown}: no resolved "
+                         f"gain, as there should be none; the comparison is able to say no.")
+    return ["## Negative control", "", *lines, ""] if lines else []
 
 
 def resolution_lines(report: dict) -> list[str]:

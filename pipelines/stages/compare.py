@@ -27,18 +27,22 @@ compiles its own model from a clean dynamo state.
 from __future__ import annotations
 
 import fcntl
+import io
 import itertools
 import json
 import math
 import statistics
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import get_args
 
+import numpy as np
 from omegaconf import OmegaConf
+from PIL import Image
 from safetensors.torch import load_file
 
 from mpp.model.checkpoint import load_backbone
@@ -132,8 +136,11 @@ def check(cc: CompareConfig) -> dict:
     """compare --dry-run: what the plan's design resolves, from its data, without writing or training anything."""
     base = stage_config(cc, "finetune")
     select = len(recipes(cc)) > 1 or len(cc.lengths) > 1
+    budgets = bool(cc.labels_per_class or cc.label_fractions)
+    if budgets:  # each budget's run states its own dev images when it starts
+        check_budgets(cc, base, Counter(label for _, _, label in labelled_samples(base)))
     design = design_record(cc, len(test_labels(base)), len(cc.seeds or [base.train.seed]),
-                           dev_image_count(cc, base) if select else None)
+                           dev_image_count(cc, base) if select and not budgets else None)
     say_design(design)
     return design
 
@@ -392,6 +399,38 @@ def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
             "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
 
 
+def check_budgets(cc: CompareConfig, cfg: Config, per_class: Counter) -> None:
+    """Refuse label budgets the labelled images of cfg.data.shards cannot serve, before anything is written."""
+    if not per_class:
+        raise CompareError(f"label budgets need labelled images, and {cfg.data.shards} holds none; point finetune's "
+                           f"data.shards at labelled shards")
+    fewest = min(per_class, key=lambda label: (per_class[label], label))
+    if cc.labels_per_class and cc.labels_per_class[-1] > per_class[fewest]:
+        raise CompareError(f"labels_per_class {cc.labels_per_class[-1]} needs that many images of every class, and "
+                           f"class {fewest} of {cfg.data.shards} has {per_class[fewest]}; lower the budget to at "
+                           f"most {per_class[fewest]}, or give fractions (label_fractions)")
+
+
+class NoiseImages:
+    """Images start..stop-1 of uniform random RGB pixels, PNG-encoded (lossless, so the noise stays noise), each
+    drawn from its own index: the same images on every run. Picklable, for write_shards' worker processes."""
+
+    def __init__(self, images: int, size: int):
+        self.images, self.size = images, size
+
+    def __call__(self, start: int = 0, stop: int | None = None) -> Iterator[Sample]:
+        for index in range(start, self.images if stop is None else stop):
+            pixels = np.random.default_rng(index).integers(0, 256, size=(self.size, self.size, 3), dtype=np.uint8)
+            encoded = io.BytesIO()
+            Image.fromarray(pixels).save(encoded, format="PNG")
+            yield Sample(f"noise{index:07d}", encoded.getvalue(), "png")
+
+
+def noise_source(images: int, size: int) -> Source:
+    """The negative control's pretraining data: `images` pure-noise images of size x size pixels, unlabelled."""
+    return Source(f"pure noise ({images} images, {size} px)", images, NoiseImages(images, size), indexed=True)
+
+
 def budget_stage(cfg: Config, out: Path, cc: CompareConfig) -> dict:
     """The plan's label budgets drawn from the labelled images of cfg.data.shards, each written as out/<name>:
     within each class the images are ordered by a hash of their key (as the dev split orders them) and a budget
@@ -401,14 +440,7 @@ def budget_stage(cfg: Config, out: Path, cc: CompareConfig) -> dict:
     by_class: dict[int, list[str]] = {}
     for ident, _, label in labelled_samples(cfg):
         by_class.setdefault(label, []).append(ident)
-    if not by_class:
-        raise CompareError(f"label budgets need labelled images, and {cfg.data.shards} holds none; point finetune's "
-                           f"data.shards at labelled shards")
-    fewest = min(by_class, key=lambda label: (len(by_class[label]), label))
-    if cc.labels_per_class and cc.labels_per_class[-1] > len(by_class[fewest]):
-        raise CompareError(f"labels_per_class {cc.labels_per_class[-1]} needs that many images of every class, and "
-                           f"class {fewest} of {cfg.data.shards} has {len(by_class[fewest])}; lower the budget to at "
-                           f"most {len(by_class[fewest])}, or give fractions (label_fractions)")
+    check_budgets(cc, cfg, Counter({label: len(idents) for label, idents in by_class.items()}))
     ranked = {label: sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i)) for label, idents in by_class.items()}
     budgets = cc.labels_per_class or cc.label_fractions
     draws = {}
@@ -462,7 +494,7 @@ class ArmRun:
         test = over_seeds(tests[kept.pick], self.seeds)
         # Kept at the plan's longest length: its dev top-1 may still have been rising, so the arm may be short.
         longest = bool(lengths) and kept.pick == f"{grid_pick.pick}-x{self.cc.lengths[-1]:g}"
-        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
+        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "control": self.arm.control, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
                  "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
@@ -491,7 +523,15 @@ class ArmRun:
     def pretrain(self) -> dict | None:
         if self.arm.objective is None:
             return None
-        cfg = pretrain_config(self.cc, self.arm, output_dir=self.pre)
+        data = {}
+        if self.arm.control == "noise":
+            size = stage_config(self.cc, "pretrain").model.image_size
+            where = self.pre.parent.parent / "noise"  # beside pre/, shared by the label budgets
+            noise = stage(where, f"{self.cc.noise_images} pure-noise images", {"images": self.cc.noise_images, "size": size},
+                          lambda: {"shards": str(where), "images": write_shards(noise_source(self.cc.noise_images, size), where,
+                                                                                 overwrite=True)["samples"]})
+            data = {"data.shards": noise["shards"], "data.val_shards": noise["shards"]}
+        cfg = pretrain_config(self.cc, self.arm, output_dir=self.pre, **data)
         return stage(self.pre, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
 
     def fine_tune(self, run_name: str, recipe: dict, seed: int, train: str, val: str, ckpt: str | None) -> tuple[Path, dict]:
