@@ -13,6 +13,10 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
     test/<arm>/<run>              each of those runs scored on the evaluation shards, image by image
     frozen/<arm>                  kNN and few-shot accuracy of the frozen backbone
     ft/<arm>/<kept>-p<step>...    for ablated arms, the pick from earlier pretraining checkpoints (`checkpoints`)
+    noise/                        the pure-noise images a negative-control arm (control: noise) pretrains on
+
+With label budgets (`labels_per_class`, `label_fractions`), budgets/<n> holds each budget's draw of the labelled
+images and budget-<n>/ everything above but pre/ and noise/ (one pretraining per arm, at the top) for that budget.
 
 Collecting writes results.json, report.md (every gap with its paired 95% interval) and comparison.png/svg. A
 finished stage leaves stage.json and is skipped when the command is repeated; an interrupted training stage resumes
