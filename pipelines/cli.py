@@ -281,6 +281,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
     compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)")
     compare.add_argument("--print-config", action="store_true", help="print the plan as loaded (the file, then the overrides) and exit")
+    compare.add_argument("--dry-run", action="store_true", help="check the plan and its data, say the smallest gap its design can resolve (and whether that meets target_gap), and exit without training")
     compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
 
     add_prepare(stages)
@@ -403,6 +404,9 @@ def run_stage(args: argparse.Namespace, cfg: Config | None) -> None:
         cc = plan.load_compare_config(config_file("compare", args.config), args.overrides)
         if args.print_config:
             print(OmegaConf.to_yaml(cc.model_dump(mode="json")), end="")
+            return
+        if args.dry_run:
+            compare.check(cc)
             return
         compare.run(cc)
     elif args.stage == "prepare":

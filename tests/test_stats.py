@@ -6,8 +6,8 @@ import torch
 
 from mpp.evaluation.baselines import likely_causes
 from mpp.errors import UserError
-from mpp.evaluation.stats import (Candidate, FoldError, dev_resolution, mcnemar, mcnemar_p, paired_bootstrap_gap, pick_recipe,
-                       stratified_folds)
+from mpp.evaluation.stats import (Candidate, FoldError, dev_resolution, disagreement, gap_resolution, mcnemar, mcnemar_p,
+                                 paired_bootstrap_gap, pick_recipe, seeds_needed, stratified_folds, images_to_resolve)
 
 
 def shifted(images: int, right: int, shift: int, seeds: int = 1, noise: int = 0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -99,6 +99,46 @@ def test_dev_resolution_of_64_images_at_half_accuracy():
     assert dev_resolution(10_000, 0.9).standard_error == pytest.approx(0.003)
     with pytest.raises(ValueError):
         dev_resolution(0)
+
+
+def test_a_designs_resolution_matches_the_known_power_figures():
+    # sqrt(d / n) per image pair (shared/REFERENCE.md): 1,131 test images at 20% disagreement give +-2.6 points at 95%.
+    plain = gap_resolution(1131, seeds=1, disagreement=0.2)
+    assert plain.standard_error == pytest.approx(math.sqrt(0.2 / 1131))
+    assert plain.half_width == pytest.approx(0.0261, abs=1e-4)
+    assert plain.resolvable == pytest.approx((1.959964 + 0.841621) * math.sqrt(0.2 / 1131))  # 80% power: 3.7 points
+    # ... and resolving +2 points with 80% power needs roughly 4,000 test images: 2.8016^2 x 0.2 / 0.02^2 = 3,924.4.
+    assert images_to_resolve(0.02, seeds=3, disagreement=0.2) == 3925
+    # Seeds add 2 x seed_std^2 / seeds: at a 0.5-point seed spread and 3 seeds, 0.2 / ((0.02 / 2.8016)^2 - 2 x 0.005^2 / 3).
+    assert images_to_resolve(0.02, seeds=3, disagreement=0.2, seed_std=0.005) == 5832
+    assert gap_resolution(5832, 3, 0.2, 0.005).resolvable == pytest.approx(0.02, rel=1e-3)
+    # A seed spread of 1 point leaves no room for a 1-point gap at one seed, whatever the test set; 16 seeds do.
+    assert images_to_resolve(0.01, seeds=1, disagreement=0.2, seed_std=0.01) is None
+    assert seeds_needed(0.01, seed_std=0.01) == 16 and images_to_resolve(0.01, 16, 0.2, 0.01) is not None
+    assert images_to_resolve(0.01, 15, 0.2, 0.01) is None
+
+
+def test_the_planned_half_width_is_the_paired_bootstraps_on_a_constructed_case():
+    # 2,000 images on which the arms disagree on 400 (20%), 200 each way: gap 0, bootstrap half-width 1.96 sqrt(0.2 / 2000).
+    a = np.zeros(2000, dtype=bool)
+    b = np.zeros(2000, dtype=bool)
+    a[:1000] = b[:1000] = True
+    a[1000:1200] = True
+    b[1200:1400] = True
+    assert disagreement(a, b) == pytest.approx(0.2)
+    interval = paired_bootstrap_gap(a, b)
+    planned = gap_resolution(2000, 1, disagreement(a, b))
+    assert (interval.high - interval.low) / 2 == pytest.approx(planned.half_width, rel=0.08)
+
+
+def test_disagreement_averages_every_pair_of_seeds():
+    a = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=bool)
+    b = np.array([[1, 1, 1, 0]], dtype=bool)
+    # seed 0 of A differs from B on 1 image of 4, seed 1 on 2: (1 + 2) / (2 x 4).
+    assert disagreement(a, b) == pytest.approx(3 / 8)
+    assert disagreement(a[:1], a[:1]) == 0.0
+    with pytest.raises(ValueError, match="different test sets"):
+        disagreement(a, b[:, :3])
 
 
 def dev(right: list[int], images: int = 64) -> np.ndarray:

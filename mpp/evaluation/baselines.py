@@ -15,6 +15,9 @@ PRIOR = "_prior"  # the suffix of a metric's prior, logged beside it by the part
 NAMES = {"prior": "prior", "majority": "majority class", "chance": "chance"}
 MIN_PASSES = 10  # fewer passes over the training images than this is named as a cause
 RESOLUTION_RATIO = 2  # images whose median short side is this many times the training size are named as a cause
+# A test set whose largest class holds more than this many times its smallest's images is imbalanced: top-1 then
+# rewards the large classes, and balanced accuracy (mean per-class recall) is shown beside it.
+IMBALANCE_RATIO = 1.2
 
 
 def class_baselines(train_counts: Iterable[int] | None, eval_labels: Iterable[int], classes: int) -> dict[str, float]:
@@ -29,6 +32,18 @@ def class_baselines(train_counts: Iterable[int] | None, eval_labels: Iterable[in
         total = sum(seen.values())
         baselines = {"majority": seen[majority] / total if total else counts[majority] / sum(counts), **baselines}
     return baselines
+
+
+def evaluation_baselines(labels: Iterable[int], classes: int) -> dict:
+    """What a classifier that knows nothing scores on a test set of these labels: {'majority': the share of its most
+    frequent class (the best constant guess, chosen knowing the test set), 'chance': 1 / classes}, with the per-class
+    counts and whether they are imbalanced (IMBALANCE_RATIO)."""
+    seen = Counter(int(label) for label in labels)
+    counts = [seen.get(label, 0) for label in range(max(classes, max(seen, default=-1) + 1))]
+    present = [n for n in counts if n]
+    return {"baselines": class_baselines(counts, seen.elements(), classes), "images": sum(counts),
+            "per_class": {str(label): n for label, n in enumerate(counts) if n},
+            "imbalanced": bool(present) and max(present) > IMBALANCE_RATIO * min(present)}
 
 
 def lower_is_better(tag: str) -> bool:

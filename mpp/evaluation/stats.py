@@ -4,8 +4,11 @@
   test images and fine-tuning seeds.
 - `mcnemar`: the exact McNemar test for two runs scored on the same images.
 - `dev_resolution`: what a dev split of n images can resolve.
+- `gap_resolution`, `images_to_resolve`, `disagreement`: the smallest gap a design (test images, seeds) resolves,
+  planned from an assumed disagreement between the arms or read from the one observed.
 - `pick_recipe`: the dev pick that treats differences the dev split cannot resolve as ties.
 - `stratified_folds`: a stratified, key-hashed k-fold assignment.
+- `balanced_accuracy`: the mean per-class recall, top-1's counterpart on a test set whose classes are imbalanced.
 
 docs/statistics.md gives the method, its assumptions and a worked example.
 """
@@ -16,6 +19,7 @@ import math
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -150,6 +154,79 @@ def dev_resolution(images: int, accuracy: float = 0.5) -> Resolution:
 
 
 @dataclass(frozen=True)
+class GapResolution:
+    """What a comparison of two arms on `test_images` shared test images, fine-tuned at `seeds` seeds each, can resolve
+    (fractions of 1), given the fraction of test images one run of each arm classify differently (`disagreement`)
+    and the spread of an arm's top-1 between fine-tuning seeds (`seed_std`)."""
+
+    test_images: int
+    seeds: int
+    disagreement: float
+    seed_std: float
+    standard_error: float  # of the gap: sqrt(disagreement / test_images + 2 seed_std^2 / seeds)
+    half_width: float  # z(confidence) x standard_error: an observed gap larger than this has an interval that excludes 0
+    resolvable: float  # (z(confidence) + z(power)) x standard_error: a true gap this large is resolved with that power
+    confidence: float
+    power: float
+
+
+def gap_scale(confidence: float, power: float) -> float:
+    """z of the two-sided `confidence` plus z of `power`: 1.96 + 0.84 = 2.80 for 95% and 80%."""
+    if not 0 < confidence < 1 or not 0 < power < 1:
+        raise ValueError(f"confidence and power must be in (0, 1), got {confidence} and {power}")
+    return NormalDist().inv_cdf((1 + confidence) / 2) + NormalDist().inv_cdf(power)
+
+
+def gap_resolution(test_images: int, seeds: int, disagreement: float, seed_std: float = 0.0, *,
+                   confidence: float = 0.95, power: float = 0.8) -> GapResolution:
+    """The smallest top-1 gap a paired comparison resolves (docs/statistics.md, "What a design resolves").
+
+    The gap's variance has two parts. The test images: each image's difference between the arms is -1, 0 or +1, so
+    its variance is at most the fraction of images the arms disagree on, and the mean over n images has variance
+    disagreement / n (an upper bound: averaging seeds only smooths it). The seeds: each arm's mean top-1 over `seeds`
+    fine-tunings varies by seed_std^2 / seeds, twice over for two arms. A gap of `half_width` is where its interval
+    starts to exclude 0; a true gap of `resolvable` is resolved with probability `power`.
+    """
+    if test_images < 1 or seeds < 1:
+        raise ValueError(f"a comparison needs at least one test image and one seed, got {test_images} and {seeds}")
+    if not 0 <= disagreement <= 1 or seed_std < 0:
+        raise ValueError(f"disagreement must be in [0, 1] and seed_std >= 0, got {disagreement} and {seed_std}")
+    error = math.sqrt(disagreement / test_images + 2 * seed_std**2 / seeds)
+    return GapResolution(test_images, seeds, disagreement, seed_std, error,
+                         NormalDist().inv_cdf((1 + confidence) / 2) * error, gap_scale(confidence, power) * error,
+                         confidence, power)
+
+
+def images_to_resolve(gap: float, seeds: int, disagreement: float, seed_std: float = 0.0, *,
+                       confidence: float = 0.95, power: float = 0.8) -> int | None:
+    """The fewest test images with which `gap_resolution` resolves `gap`; None when the seeds' spread alone is wider
+    than `gap` allows, so that no number of test images is enough (more seeds are)."""
+    if gap <= 0:
+        raise ValueError(f"the gap to resolve must be positive, got {gap}")
+    room = (gap / gap_scale(confidence, power)) ** 2 - 2 * seed_std**2 / seeds  # the variance left for the images
+    if room <= 0:
+        return None
+    return max(1, math.ceil(disagreement / room))
+
+
+def seeds_needed(gap: float, seed_std: float, *, confidence: float = 0.95, power: float = 0.8) -> int:
+    """The fewest seeds per arm whose spread alone leaves room to resolve `gap` (with test images enough)."""
+    return math.floor(2 * seed_std**2 / (gap / gap_scale(confidence, power)) ** 2) + 1
+
+
+def disagreement(correct_a: Correct, correct_b: Correct) -> float:
+    """The fraction of test images on which a run of arm A and a run of arm B differ (one right, the other wrong),
+    averaged over every pair of A's and B's seeds."""
+    a, b = correct_matrix(correct_a, "correct_a"), correct_matrix(correct_b, "correct_b")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"the arms were scored on different test sets ({a.shape[1]} and {b.shape[1]} images)")
+    # Per image, the pairs that differ: A right and B wrong, or A wrong and B right.
+    right_a, right_b = a.sum(axis=0), b.sum(axis=0)
+    differ = right_a * (b.shape[0] - right_b) + (a.shape[0] - right_a) * right_b
+    return float(differ.sum() / (a.shape[0] * b.shape[0] * a.shape[1]))
+
+
+@dataclass(frozen=True)
 class Candidate:
     """A recipe scored on the dev split: its per-image correctness (the dev images, in one order for every
     candidate) and its cost (training steps, say)."""
@@ -238,3 +315,16 @@ def stratified_folds(samples: Iterable[tuple[str, int]], k: int) -> list[int]:
             folds[index] = (dealt + rank) % k
         dealt += len(ranked)
     return folds
+
+
+def balanced_accuracy(correct: dict[str, int | bool], labels: dict[str, int]) -> float:
+    """The mean over the test set's classes of each class's recall (the share of its images classified correctly),
+    from per-image correctness and labels keyed alike; a constant guess scores 1 / (classes present) on it, whatever
+    the imbalance."""
+    if set(correct) != set(labels) or not labels:
+        raise ValueError(f"balanced accuracy needs correctness and a label for the same images, got {len(correct)} and "
+                         f"{len(labels)} (of which {len(set(correct) & set(labels))} shared)")
+    right: dict[int, list[int]] = {}
+    for key, label in labels.items():
+        right.setdefault(int(label), []).append(int(correct[key]))
+    return float(np.mean([np.mean(hits) for hits in right.values()]))

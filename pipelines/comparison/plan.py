@@ -30,6 +30,7 @@ class Arm(Section):
     name: str = Field(description="The arm's name in the report and its directories (pre/<name>, ft/<name>/...).")
     objective: str | None = Field(None, description="The pretraining objective (a registered one); null: no pretraining (scratch).")
     pretrain: dict[str, Any] = Field({}, description="Run-config keys on top of the plan's pretrain section, for this arm only (mpp.target: pixels).")
+    control: Literal["noise"] | None = Field(None, description="A negative control: noise pretrains this arm (with its objective) on images of uniform random pixels that compare makes (noise_images of them), in place of the plan's pretraining data, so the report shows whether the comparison can say no: such an arm must not come out ahead of scratch.")
     model: dict[str, Any] = Field({}, description="model.* keys of this arm's every run, its pretraining and all its fine-tuning (a scratch arm's too), on top of common's: the network an arm pretrains is the one it fine-tunes ({stem: resnet}, {pos_embed: sincos_2d}).")
 
     @property
@@ -37,7 +38,8 @@ class Arm(Section):
         network = ", ".join(f"model.{k}={v}" for k, v in dotted(self.model).items())
         if self.objective is None:
             return "none (random init)" + (f" ({network})" if network else "")
-        variant = ", ".join([f"{k}={v}" for k, v in dotted(self.pretrain).items()] + ([network] if network else []))
+        variant = ", ".join([f"{k}={v}" for k, v in dotted(self.pretrain).items()] + ([network] if network else [])
+                            + (["on pure-noise images: a negative control"] if self.control == "noise" else []))
         return OBJECTIVES[self.objective].summary + (f" ({variant})" if variant else "")
 
 
@@ -57,6 +59,12 @@ class CompareConfig(Section):
     sensitivity: bool = Field(True, description="Also fine-tune and test each arm's near-best candidates (those the dev split cannot tell from its pick) at every seed, and report whether each gap's verdict would change had each arm taken one of them.")
     checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
     ablate: list[str] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation; names of arms not in `arms` are ignored.")
+    noise_images: int = Field(2000, gt=0, description="How many pure-noise images (uniform random RGB pixels at model.image_size) a negative-control arm (control: noise) pretrains on.")
+    labels_per_class: list[int] = Field([], description="Label budgets: for each, a stratified draw of that many labelled images of every class from finetune's data.shards, nested (the smaller among the larger) and the same for every arm and seed, and the whole fine-tuning side (picks, lengths, seeds, tests) run on it, each under budget-<n>/; pretraining runs once per arm. The report is then a label-efficiency curve. Empty: all the labelled images.")
+    label_fractions: list[float] = Field([], description="Label budgets as fractions of every class's labelled images instead of labels_per_class (e.g. [0.01, 0.1, 1.0]), drawn and run the same way.")
+    target_gap: float | None = Field(None, gt=0, lt=1, description="The smallest top-1 gap (a fraction: 0.02 is 2 points) the comparison should resolve; where its design resolves only wider gaps, compare says so in one line at its start, in --dry-run and in the report, with the test images and seeds it would need. null: no target.")
+    assumed_disagreement: float = Field(0.2, gt=0, le=1, description="The fraction of test images two arms' runs are assumed to classify differently (typically 0.1-0.25), from which compare states before training the smallest gap its design resolves; the report restates it from the disagreement observed.")
+    assumed_seed_std: float = Field(0.005, ge=0, lt=1, description="The assumed spread (standard deviation, a fraction) of an arm's test top-1 between fine-tuning seeds, for the same statement; the report uses the spread observed where there are several seeds.")
 
     @field_validator("arms")
     @classmethod
@@ -66,6 +74,9 @@ class CompareConfig(Section):
         for arm in resolved:
             if not PLAIN_NAME.fullmatch(arm.name) or names.count(arm.name) > 1:
                 raise ValueError(f"arm name '{arm.name}' is taken or not a plain name; give each arm a distinct name of letters, digits, '-', '_' or '.'")
+            if arm.control and arm.objective is None:
+                raise ValueError(f"arm '{arm.name}' is a {arm.control} control without an objective; give it one "
+                                 f"(objective: mpp) to pretrain on the noise")
             if arm.objective is not None and arm.name == SCRATCH:
                 raise ValueError(f"arm name '{SCRATCH}' is the fresh backbone's, and this arm pretrains with "
                                  f"{arm.objective}; give it another name")
@@ -78,8 +89,8 @@ class CompareConfig(Section):
     @field_serializer("arms")
     def _arms_as_written(self, arms: list[Arm]) -> list[str | dict]:
         """An arm that is just an objective's name (or scratch) is written back as that name."""
-        return [arm.name if not arm.pretrain and not arm.model and arm.objective in (arm.name, None) else arm.model_dump()
-                for arm in arms]
+        return [arm.name if not arm.pretrain and not arm.model and not arm.control and arm.objective in (arm.name, None)
+                else arm.model_dump() for arm in arms]
 
     @model_validator(mode="after")
     def _check(self) -> CompareConfig:
@@ -87,6 +98,12 @@ class CompareConfig(Section):
             raise ValueError(f"lengths must start at 1 (the plan's train.steps) and increase, got {self.lengths}; e.g. [1, 2, 4]")
         if self.grid and self.lrs:
             raise ValueError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
+        if self.labels_per_class and self.label_fractions:
+            raise ValueError("a comparison plan sets both labels_per_class and label_fractions; keep one kind of budget")
+        budgets = self.labels_per_class or self.label_fractions
+        if any(b <= a for a, b in zip(budgets, budgets[1:])) or any(b <= 0 for b in budgets) or any(f > 1 for f in self.label_fractions):
+            raise ValueError(f"label budgets must be positive and increase (fractions at most 1), got {budgets}; e.g. "
+                             f"labels_per_class: [10, 25, 100]")
         if isinstance(self.dev_folds, int) and (self.dev_folds == 1 or self.dev_folds < 0):
             raise ValueError(f"dev_folds {self.dev_folds} is no cross-validation; use dev_folds 0 (one dev split), at least 2, or auto")
         repeats = {"seeds": "the same fine-tuning counted twice, which shrinks the spread the report gives (0.00 for [0, 0])",
@@ -98,6 +115,12 @@ class CompareConfig(Section):
                 raise ValueError(f"{key} {values} repeats {', '.join(f'{v:g}' for v in repeated)}: {meaning}; give "
                                  f"distinct {key}")
         return self
+
+
+def budget_names(cc: CompareConfig) -> list[str]:
+    """Each label budget's name, as its directory budget-<name> and the report call it: '10' labels per class, or
+    '0.1' of each class."""
+    return [f"{b:d}" for b in cc.labels_per_class] or [f"{f:g}" for f in cc.label_fractions]
 
 
 def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareConfig:

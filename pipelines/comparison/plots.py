@@ -119,3 +119,51 @@ def comparison_figure(finetune: Mapping[str, Mapping[object, Curve]], pretrainin
     for file in written:
         figure.savefig(file, dpi=120)
     return written
+
+
+def label_efficiency_figure(result: Mapping, path: str | Path) -> tuple[Path, Path]:
+    """The label-efficiency curve of a plan with label budgets (results.json's content): (a) each arm's test top-1
+    against the budget, the mean over seeds with the min-max band over seeds; (b) each gap against the budget with its
+    paired 95% interval as an error bar, a line at 0. Written as path.png and path.svg."""
+    budgets = result["budgets"]
+    names = list(budgets)
+    x = np.arange(len(names))
+    arms = list(budgets[names[0]]["arms"])
+    colours = arm_colours(arms)
+    figure = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    curve, gaps = figure.subplots(1, 2)
+    for arm in arms:
+        tests = [budgets[name]["arms"][arm]["test"] for name in names]
+        seeds = [np.array(list(test["top1_seeds"].values())) for test in tests]
+        curve.plot(x, [100 * test["top1"] for test in tests], marker="o", color=colours[arm], label=arm)
+        if any(len(s) > 1 for s in seeds):
+            curve.fill_between(x, [100 * s.min() for s in seeds], [100 * s.max() for s in seeds], color=colours[arm],
+                               alpha=0.2, linewidth=0)
+    curve.set_xticks(x, names)
+    curve.set_xlabel(f"label budget ({result['kind']})")
+    curve.set_ylabel("test top-1 (%)")
+    curve.set_title("(a) test top-1 per label budget, band: min-max over seeds")
+    curve.grid(alpha=0.3)
+    curve.legend(fontsize="small")
+    pairs = [g["arms"] for g in budgets[names[0]]["gaps"]]
+    for i, pair in enumerate(pairs):
+        found = [next(g for g in budgets[name]["gaps"] if g["arms"] == pair) for name in names]
+        gap = np.array([100 * g["gap"] for g in found])
+        low, high = np.array([100 * g["low"] for g in found]), np.array([100 * g["high"] for g in found])
+        offset = (i - (len(pairs) - 1) / 2) * 0.08  # pairs side by side at each budget
+        gaps.errorbar(x + offset, gap, yerr=[gap - low, high - gap], fmt="o", capsize=4, label=f"{pair[0]} − {pair[1]}")
+    gaps.axhline(0, color="grey", linewidth=1)
+    gaps.set_xticks(x, names)
+    gaps.set_xlabel(f"label budget ({result['kind']})")
+    gaps.set_ylabel("test top-1 gap (points)")
+    gaps.set_title("(b) gaps with their paired 95% intervals")
+    gaps.grid(alpha=0.3)
+    if pairs:
+        gaps.legend(fontsize="small")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = path.with_suffix(".png"), path.with_suffix(".svg")
+    for file in written:
+        figure.savefig(file, dpi=120)
+    return written

@@ -3,11 +3,14 @@ and the paper's numbers for reference, from the results compare.run gathered (th
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mpp.config import Config
+from mpp.evaluation.baselines import beside, not_above
+from mpp.evaluation.stats import gap_resolution, images_to_resolve, seeds_needed
 from mpp.metrics import KNN_TOP1, LR, VAL_LOSS, VAL_PRETEXT_LOSS
 from .plan import CompareConfig
 
@@ -56,12 +59,106 @@ def last_quarter_change(curve: list[list[float]]) -> float | None:
     return last - before[-1] if before else None
 
 
+def design_record(cc: CompareConfig, test_images: int, seeds: int, dev_images: int | None) -> dict:
+    """What the plan's design resolves before it trains (results.json's `design`): its test images and seeds under the
+    plan's assumed disagreement and seed spread, what its dev split resolves between candidates, and what a missed
+    `target_gap` would need."""
+    planned = gap_resolution(test_images, seeds, cc.assumed_disagreement, cc.assumed_seed_std)
+    record = {"test_images": test_images, "seeds": seeds, "dev_images": dev_images, "target_gap": cc.target_gap,
+              "planned": asdict(planned),
+              # A candidate is one run scored on the dev images: the images alone, no seed term.
+              "dev_resolvable": gap_resolution(dev_images, 1, cc.assumed_disagreement).resolvable if dev_images else None}
+    return {**record, **target_needs(cc.target_gap, planned)}
+
+
+def target_needs(target: float | None, resolution) -> dict:
+    """Whether `resolution` reaches `target`, and where it does not, the test images (at its seeds) or seeds it needs."""
+    if target is None:
+        return {}
+    images = images_to_resolve(target, resolution.seeds, resolution.disagreement, resolution.seed_std)
+    return {"meets_target": resolution.resolvable <= target, "images_needed": images,
+            "seeds_needed": None if images is not None else seeds_needed(target, resolution.seed_std)}
+
+
+def target_line(record: dict, resolvable: float) -> str | None:
+    """The one line of a design (or an observed comparison) that resolves only gaps wider than its target."""
+    if record.get("meets_target", True):
+        return None
+    target = 100 * record["target_gap"]
+    need = (f"about {record['images_needed']:,} test images at {record['seeds']} seed(s) would resolve it"
+            if record["images_needed"] is not None else
+            f"the seeds' spread alone is too wide for it at {record['seeds']} seed(s): it needs at least "
+            f"{record['seeds_needed']} seeds per arm, and then enough test images")
+    return (f"this comparison resolves gaps of {100 * resolvable:.2f} points, wider than its target_gap of "
+            f"{target:.2f} points; {need}.")
+
+
+def design_lines(record: dict) -> list[str]:
+    """The design's resolution in words: printed at compare's start and by --dry-run, and in the report."""
+    planned = record["planned"]
+    lines = [f"{record['test_images']:,} test images and {record['seeds']} seed(s) per arm; assuming two arms' runs "
+             f"disagree on {planned['disagreement']:.0%} of the test images and an arm's top-1 moves by "
+             f"{100 * planned['seed_std']:.2f} points (std) between seeds, an observed gap beyond "
+             f"±{100 * planned['half_width']:.2f} points is resolved (its 95% interval excludes 0), and a true gap of "
+             f"{100 * planned['resolvable']:.2f} points is resolved 4 times in 5 (80% power)."]
+    if record["dev_images"]:
+        lines.append(f"The dev images ({record['dev_images']:,}) tell two candidates apart, 4 times in 5, when they "
+                     f"differ by {100 * record['dev_resolvable']:.2f} points or more (at the same disagreement).")
+    if line := target_line(record, planned["resolvable"]):
+        lines.append(f"warning: {line}")
+    elif record["target_gap"] is not None:
+        lines.append(f"That is within the target_gap of {100 * record['target_gap']:.2f} points.")
+    return lines
+
+
+def budget_markdown(result: dict, cc: CompareConfig) -> str:
+    """report.md of a plan with label budgets: each arm's test top-1 per budget, each gap at each budget with its
+    paired 95% interval, the design's resolution and the test set's baselines; each budget's full report beside."""
+    budgets, kind = result["budgets"], result["kind"]
+    arms = list(next(iter(budgets.values()))["arms"])
+    seeds = result["seeds"]
+    seeds_note = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    known = beside("", result["test_set"]["baselines"], lambda b: f"{100 * b:.2f}%").strip(" ()")
+    lines = [f"# Label efficiency: {' vs '.join(arms)}", ""]
+    if cc.note:
+        lines += [f"> **Note:** {cc.note}", ""]
+    lines += [f"Each budget ({kind}) is a stratified draw of the labelled images, nested (each smaller draw inside every "
+              f"larger one) and the same for every arm and seed; each arm was pretrained once, and at every budget its "
+              f"recipe, length and seeds were picked and run as in a plan of its own (its report: budget-<budget>/report.md). "
+              f"Test top-1 ({seeds_note}) on the same {result['test_set']['images']:,} test images at every budget; a "
+              f"classifier that knows nothing scores {known} there.", ""]
+    pairs = [g["arms"] for g in next(iter(budgets.values()))["gaps"]]
+    head = ["budget", "labelled images", *arms, *[f"{a} − {b} (95% CI)" for a, b in pairs]]
+    rows = []
+    for name, budget in budgets.items():
+        gaps = {tuple(g["arms"]): g for g in budget["gaps"]}
+        rows.append([name, f"{budget['images']:,}", *[percent_with_spread(budget["arms"][arm]["test"]) for arm in arms],
+                     *[f"{100 * g['gap']:+.2f} [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}]" + (" resolved" if g["excludes_zero"] else "")
+                       for g in (gaps[tuple(pair)] for pair in pairs)]])
+    lines += table(head, rows) + [""]
+    lines += ["A gap is resolved where its interval excludes 0; where it does not, the data cannot tell the arms apart "
+              "at that budget, whatever the sign of the gap.", ""]
+    for a, b in pairs:
+        resolved = [name for name, budget in budgets.items() for g in budget["gaps"] if g["arms"] == [a, b] and g["excludes_zero"]]
+        lines.append(f"- {a} − {b}: resolved at " + (", ".join(f"{name} ({'+' if g['gap'] > 0 else '-'})"
+                     for name in resolved for g in budgets[name]["gaps"] if g["arms"] == [a, b]) if resolved else "no budget") + ".")
+    lines += ["", "## What this comparison can resolve", "", " ".join(design_lines(result["design"])), ""]
+    return "\n".join(lines)
+
+
 def val_shards_name(cfg: Config) -> str:
     return f"data.val_shards ({cfg.data.val_shards})"
 
 
 def percent_with_spread(test: dict) -> str:
     return f"{100 * test['top1']:.2f}%" + (f" ± {100 * test['top1_std']:.2f}" if test["top1_std"] is not None else "")
+
+
+def test_set_counts(test_set: dict) -> str:
+    """'30 to 32 images per class', or 'N images per class' when every class has as many."""
+    counts = test_set["per_class"].values()
+    return (f"{min(counts):,} images per class" if min(counts) == max(counts)
+            else f"{min(counts):,} to {max(counts):,} images per class")
 
 
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -215,23 +312,83 @@ def results_lines(report: dict, cc: CompareConfig, base: Config, seeds_note: str
         if flagged := never_learned(e["pretrain"]):
             lines += [f"> **Warning:** the {arm} pretraining ended with {'; '.join(flagged)}: it never beat a guess that "
                       f"knows nothing, so this arm says nothing about its objective. Pretrain longer or check its data.", ""]
+    test_set = report["test_set"]
+    baseline = test_set["baselines"]
+    known = beside("", baseline, lambda b: f"{100 * b:.2f}%").strip(" ()")
     lines += [f"Fine-tuning: {base.train.steps} steps at batch {base.train.batch_size}, warmup {base.train.warmup_steps}, "
               f"then cosine; {selection_text(report, cc, base)}",
-              f"Top-1 on {val_shards_name(base)}: the picked recipe fine-tuned with {seeds_note}.", ""]
+              f"Top-1 on {val_shards_name(base)}: the picked recipe fine-tuned with {seeds_note}. The test set: "
+              f"{test_set['images']:,} images of {len(test_set['per_class'])} classes "
+              f"({test_set_counts(test_set)}); a classifier that knows nothing scores {known} there.", ""]
+    balanced = test_set["imbalanced"]
     head = ["arm", "pretraining objective", "pretraining images seen", "fine-tuning recipe", "fine-tuning images seen",
-            "wall time (s)", *(["dev top-1"] if on_dev else []), f"top-1 ({seeds_note})", "each seed"]
+            "wall time (s)", *(["dev top-1"] if on_dev else []), f"top-1 ({seeds_note}; {known})", "each seed",
+            *([f"balanced accuracy (chance {100 * baseline['chance']:.2f}%)"] if balanced else [])]
     rows = []
     for arm, e in arms.items():
         pre = e["pretrain"] or {}
-        wall = (training_time(out / "pre" / arm) if pre else 0) + training_time(Path(e["run"]))
+        wall = (training_time(Path(e["pretrain_run"])) if pre else 0) + training_time(Path(e["run"]))
         rows.append([arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", e["recipe"],
                      f"{e['finetune']['images_seen']:,}", f"{wall:.0f}", *([f"{100 * e['dev_top1']:.2f}%"] if on_dev else []),
-                     f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values())])
+                     f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values()),
+                     *([f"{100 * e['balanced_accuracy']['mean']:.2f}%"] if balanced else [])])
     lines += table(head, rows)
     lines.append("")
+    if balanced:
+        lines += ["The test set's classes are imbalanced, so top-1 rewards the large classes: balanced accuracy (the "
+                  "mean of each class's recall, on which any constant guess scores chance or less) is beside it.", ""]
+    for arm, e in arms.items():
+        if not_above("top1", e["test"]["top1"], baseline):
+            lines += [f"> **Warning:** {arm}'s test top-1 ({100 * e['test']['top1']:.2f}%) is no better than a "
+                      f"classifier that knows nothing ({known}): this arm learnt nothing the test set rewards.", ""]
     lines += gap_lines(report, report["seeds"])
+    lines += control_lines(report)
+    lines += resolution_lines(report)
     lines += pick_lines(report)
     return lines
+
+
+def control_lines(report: dict) -> list[str]:
+    """Each negative control's verdict against scratch: a pretraining on pure noise must give no resolved gain, or
+    the comparison flatters pretraining."""
+    lines = []
+    for g in report["gaps"]:
+        a, b = g["arms"]
+        controls = [arm for arm in (a, b) if report["arms"][arm].get("control")]
+        if len(controls) != 1 or "scratch" not in (a, b):
+            continue
+        control = controls[0]
+        gain = g["gap"] if control == a else -g["gap"]
+        low, high = (g["low"], g["high"]) if control == a else (-g["high"], -g["low"])
+        shown = f"{100 * gain:+.2f} points [{100 * low:+.2f}, {100 * high:+.2f}]"
+        if g["excludes_zero"] and gain > 0:
+            lines.append(f"> **Warning:** the negative control {control} (pretrained on pure noise) came out ahead of "
+                         f"scratch, {shown}: this comparison can show a gain where there is none to find, so do not "
+                         f"trust its other gains over scratch until that is explained (a weak scratch recipe, a short "
+                         f"scratch length).")
+        else:
+            lines.append(f"- Negative control: {control} (pretrained on pure noise) - scratch, {shown}: no resolved "
+                         f"gain, as there should be none; the comparison is able to say no.")
+    return ["## Negative control", "", *lines, ""] if lines else []
+
+
+def resolution_lines(report: dict) -> list[str]:
+    """What the design was planned to resolve, and what each gap's comparison resolved (docs/statistics.md)."""
+    design = report["design"]
+    planned = design_lines(design)
+    lines = ["## What this comparison can resolve", "",
+             "Planned, before any training: " + " ".join(line for line in planned if not line.startswith("warning: ")), "",
+             *(f"> **Warning:** {line.removeprefix('warning: ')}\n" for line in planned if line.startswith("warning: "))]
+    for g in report["gaps"]:
+        a, b = g["arms"]
+        r = g["resolution"]
+        spread = (f"the plan's assumed seed spread of {100 * r['seed_std']:.2f} points (one seed: none observed)"
+                  if r["seed_std_assumed"] else f"a seed spread of {100 * r['seed_std']:.2f} points (std)")
+        lines.append(f"- {a} - {b}, observed: their runs disagree on {r['disagreement']:.1%} of the {r['test_images']:,} "
+                     f"test images, with {spread}: an observed gap beyond ±{100 * r['half_width']:.2f} points is "
+                     f"resolved, a true gap of {100 * r['resolvable']:.2f} points 4 times in 5."
+                     + (f" **Short of the target:** {line}" if (line := target_line(r, r["resolvable"])) else ""))
+    return lines + [""]
 
 
 def frozen_lines(arms: dict, base: Config, shots: list[int]) -> list[str]:
@@ -244,7 +401,27 @@ def frozen_lines(arms: dict, base: Config, shots: list[int]) -> list[str]:
                      *[f"{100 * e['frozen'][pool]['fewshot'][str(n)]:.1f}%" for n in shots for pool in ("cls", "mean")]]
                     for arm, e in arms.items()])
     lines.append("")
-    return lines
+    return lines + frozen_flags(arms, shots)
+
+
+def frozen_flags(arms: dict, shots: list[int]) -> list[str]:
+    """Each pretrained arm's frozen-feature score at or below the random-init backbone's (the scratch arm's), in words."""
+    fresh = next((e["frozen"] for e in arms.values() if e["pretrain"] is None), None)
+    if fresh is None:
+        return ["No scratch arm in this plan, so no random-init backbone to hold these scores against.", ""]
+    scores = {f"kNN {pool}": lambda f, pool=pool: f[pool]["knn"] for pool in ("cls", "mean")}
+    scores.update({f"{n}-shot {pool}": lambda f, pool=pool, n=n: f[pool]["fewshot"][str(n)] for n in shots for pool in ("cls", "mean")})
+    lines = []
+    for arm, e in arms.items():
+        if e["pretrain"] is None:
+            continue
+        below = [f"{name} {100 * score(e['frozen']):.2f}% against {100 * score(fresh):.2f}%" for name, score in scores.items()
+                 if score(e["frozen"]) <= score(fresh)]
+        if below:
+            lines.append(f"- **{arm}'s frozen features score at or below a random-init backbone's** ({'; '.join(below)}): "
+                         f"by these measures its pretraining gave the frozen network nothing. kNN and probes understate "
+                         f"masked-image pretraining, so this is no verdict on it; fine-tuned top-1 above is.")
+    return lines + [""] if lines else []
 
 
 def curve_lines(arms: dict) -> list[str]:
@@ -271,14 +448,22 @@ def length_lines(arms: dict, base: Config) -> list[str]:
         return []
     lines = ["## Fine-tuning length", "",
              f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
-             f"fell below its best so far; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its "
-             f"name ends in -x<multiple> when longer).", ""]
+             f"fell below its best so far by more than the dev split resolves (McNemar's exact p < 0.05); the kept "
+             f"length, the best dev top-1 (exactly equal: the longer), is in bold (its name ends in -x<multiple> when "
+             f"longer).", ""]
     rows = []
     for arm, e in arms.items():
         rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else
                                              (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == e["length"]
                                               else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
-    return lines + table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
+    lines += table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
+    short = [arm for arm, e in arms.items() if e.get("at_longest_length")]
+    if short:
+        lines += [f"**{', '.join(short)} kept the longest length the plan tries (x{multiples[-1]:g}): "
+                  f"{'its' if len(short) == 1 else 'their'} dev top-1 may still have been rising, so "
+                  f"{'that arm' if len(short) == 1 else 'those arms'} may be short of {'its' if len(short) == 1 else 'their'} "
+                  f"best; add a longer multiple to `lengths` to know.**", ""]
+    return lines
 
 
 def ablation_lines(arms: dict, seeds_note: str) -> list[str]:

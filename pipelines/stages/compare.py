@@ -13,6 +13,10 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
     test/<arm>/<run>              each of those runs scored on the evaluation shards, image by image
     frozen/<arm>                  kNN and few-shot accuracy of the frozen backbone
     ft/<arm>/<kept>-p<step>...    for ablated arms, the pick from earlier pretraining checkpoints (`checkpoints`)
+    noise/                        the pure-noise images a negative-control arm (control: noise) pretrains on
+
+With label budgets (`labels_per_class`, `label_fractions`), budgets/<n> holds each budget's draw of the labelled
+images and budget-<n>/ everything above but pre/ and noise/ (one pretraining per arm, at the top) for that budget.
 
 Collecting writes results.json, report.md (every gap with its paired 95% interval) and comparison.png/svg. A
 finished stage leaves stage.json and is skipped when the command is repeated; an interrupted training stage resumes
@@ -27,17 +31,22 @@ compiles its own model from a clean dynamo state.
 from __future__ import annotations
 
 import fcntl
+import io
 import itertools
 import json
 import math
 import statistics
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import get_args
 
+import numpy as np
+from omegaconf import OmegaConf
+from PIL import Image
 from safetensors.torch import load_file
 
 from mpp.model.checkpoint import load_backbone
@@ -50,16 +59,18 @@ from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.shards import Sample, Source, write_shards
-from mpp.evaluation.stats import Candidate, dev_resolution, mcnemar, paired_bootstrap_gap, pick_recipe, stratified_folds
+from mpp.evaluation.baselines import evaluation_baselines
+from mpp.evaluation.stats import (Candidate, balanced_accuracy, dev_resolution, disagreement, gap_resolution, mcnemar, paired_bootstrap_gap,
+                                 pick_recipe, stratified_folds)
 from mpp.data.tars import ShardEnd, shard_samples
 from . import finetune, pretrain
 from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
-from ..comparison.plan import Arm, CompareConfig, pretrain_config, recipes, stage_config, arm_plan
-from ..comparison.plots import comparison_figure
-from ..comparison.report import PRETRAIN_CURVES, report_markdown, scalar_history
+from ..comparison.plan import Arm, CompareConfig, arm_plan, budget_names, pretrain_config, recipes, stage_config
+from ..comparison.plots import comparison_figure, label_efficiency_figure
+from ..comparison.report import PRETRAIN_CURVES, budget_markdown, design_lines, design_record, report_markdown, scalar_history, target_needs
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
 from ..run.tracking import COMPARISON_DIR
@@ -72,6 +83,7 @@ DEV_MIN_PER_CLASS = 10
 # a 10% dev split of 500 images is 50 images, whose top-1 standard error is up to 7 points.
 SMALL_DOWNSTREAM = 500
 AUTO_FOLDS = 5
+SIGNIFICANCE = 0.05  # a dev difference with McNemar's exact p below this is one the dev split resolves
 WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
 
 
@@ -81,17 +93,87 @@ class CompareError(UserError):
 
 def run(cc: CompareConfig) -> dict:
     """Run the plan `cc` (resuming what an earlier invocation left) and write its report; returns results.json."""
+    if cc.labels_per_class or cc.label_fractions:
+        return run_budgets(cc)
+    return run_plan(cc, Path(cc.output_dir) / "pre")
+
+
+def run_budgets(cc: CompareConfig) -> dict:
+    """The plan once per label budget, each on its draw of the labelled images (`budget_stage`) under budget-<name>/,
+    every arm pretrained once under pre/; then the label-efficiency report over the budgets."""
+    out = Path(cc.output_dir)
+    base = stage_config(cc, "finetune")
+    names = budget_names(cc)
+    draws = stage(out / "budgets", f"label budgets of {base.data.shards}",
+                  {"shards": base.data.shards, "labels_per_class": cc.labels_per_class, "label_fractions": cc.label_fractions},
+                  lambda: budget_stage(base, out / "budgets", cc))
+    reports = {}
+    for name in names:
+        finetune = OmegaConf.merge(OmegaConf.create(cc.finetune), {"data": {"shards": draws[name]["shards"]}})
+        plan = cc.model_copy(update={"output_dir": str(out / f"budget-{name}"), "labels_per_class": [],
+                                     "label_fractions": [], "finetune": OmegaConf.to_container(finetune)})
+        print(f"[compare] label budget {name} ({draws[name]['images']} labelled images):", flush=True)
+        reports[name] = run_plan(plan, out / "pre")
+    return collect_budgets(cc, draws, reports)
+
+
+def run_plan(cc: CompareConfig, pre: Path) -> dict:
+    """The plan on its finetune data.shards, every arm pretrained in pre/<arm> (shared by the label budgets)."""
     out = Path(cc.output_dir)
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
     # First, so a useless split costs no pretraining; useless only where nothing is picked: one recipe at one length.
     selection = Selection.of(cc, base, out, select=len(grid) > 1 or len(cc.lengths) > 1)
+    labels = test_labels(base)
+    dev_images = (selection.info.get("images") or selection.info["dev_images"]) if selection.splits else None
+    design = design_record(cc, len(labels), len(cc.seeds or [base.train.seed]), dev_images)
+    say_design(design)
     naming = COMPARISON_DIR.set(out)
     try:
-        arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection).run() for arm in cc.arms}
+        arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection, pre).run() for arm in cc.arms}
     finally:
         COMPARISON_DIR.reset(naming)
-    return collect(cc, base, grid, selection, arms)
+    return collect(cc, base, grid, selection, arms, design, labels)
+
+
+def check(cc: CompareConfig) -> dict:
+    """compare --dry-run: what the plan's design resolves, from its data, without writing or training anything."""
+    base = stage_config(cc, "finetune")
+    select = len(recipes(cc)) > 1 or len(cc.lengths) > 1
+    budgets = bool(cc.labels_per_class or cc.label_fractions)
+    if budgets:  # each budget's run states its own dev images when it starts
+        check_budgets(cc, base, Counter(label for _, _, label in labelled_samples(base)))
+    design = design_record(cc, len(test_labels(base)), len(cc.seeds or [base.train.seed]),
+                           dev_image_count(cc, base) if select and not budgets else None)
+    say_design(design)
+    return design
+
+
+def say_design(design: dict) -> None:
+    if process_state().is_main_process:
+        for line in design_lines(design):
+            print(line if line.startswith("warning:") else f"[compare] design: {line}", flush=True)
+
+
+def test_labels(base: Config) -> dict[str, int]:
+    """{sample: class id} of every labelled image of the evaluation shards (finetune's data.val_shards), the keys
+    named as the fine-tuning runs' per-image results name them."""
+    val = base.model_copy(update={"data": base.data.model_copy(update={"shards": base.data.val_shards})})
+    labels = {ident: label for ident, _, label in labelled_samples(val)}
+    if not labels:
+        raise CompareError(f"the evaluation shards ({base.data.val_shards}) hold no labelled images, so no arm can be "
+                           f"scored on them; point the plan's finetune data.val_shards at labelled shards")
+    return labels
+
+
+def dev_image_count(cc: CompareConfig, base: Config) -> int:
+    """The images the plan's candidates are scored on, as Selection.of will split them: every labelled image under
+    k-fold, else round(dev_fraction x its images) of each class."""
+    per_class: dict[int, int] = {}
+    for _, _, label in labelled_samples(base):
+        per_class[label] = per_class.get(label, 0) + 1
+    folds = cc.dev_folds if cc.dev_folds != "auto" else auto_folds(base)[0]
+    return sum(per_class.values()) if folds else sum(math.floor(cc.dev_fraction * n + 0.5) for n in per_class.values())
 
 
 # ---------------------------------------------------------------- stages
@@ -321,6 +403,60 @@ def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
             "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
 
 
+def check_budgets(cc: CompareConfig, cfg: Config, per_class: Counter) -> None:
+    """Refuse label budgets the labelled images of cfg.data.shards cannot serve, before anything is written."""
+    if not per_class:
+        raise CompareError(f"label budgets need labelled images, and {cfg.data.shards} holds none; point finetune's "
+                           f"data.shards at labelled shards")
+    fewest = min(per_class, key=lambda label: (per_class[label], label))
+    if cc.labels_per_class and cc.labels_per_class[-1] > per_class[fewest]:
+        raise CompareError(f"labels_per_class {cc.labels_per_class[-1]} needs that many images of every class, and "
+                           f"class {fewest} of {cfg.data.shards} has {per_class[fewest]}; lower the budget to at "
+                           f"most {per_class[fewest]}, or give fractions (label_fractions)")
+
+
+class NoiseImages:
+    """Images start..stop-1 of uniform random RGB pixels, PNG-encoded (lossless, so the noise stays noise), each
+    drawn from its own index: the same images on every run. Picklable, for write_shards' worker processes."""
+
+    def __init__(self, images: int, size: int):
+        self.images, self.size = images, size
+
+    def __call__(self, start: int = 0, stop: int | None = None) -> Iterator[Sample]:
+        for index in range(start, self.images if stop is None else stop):
+            pixels = np.random.default_rng(index).integers(0, 256, size=(self.size, self.size, 3), dtype=np.uint8)
+            encoded = io.BytesIO()
+            Image.fromarray(pixels).save(encoded, format="PNG")
+            yield Sample(f"noise{index:07d}", encoded.getvalue(), "png")
+
+
+def noise_source(images: int, size: int) -> Source:
+    """The negative control's pretraining data: `images` pure-noise images of size x size pixels, unlabelled."""
+    return Source(f"pure noise ({images} images, {size} px)", images, NoiseImages(images, size), indexed=True)
+
+
+def budget_stage(cfg: Config, out: Path, cc: CompareConfig) -> dict:
+    """The plan's label budgets drawn from the labelled images of cfg.data.shards, each written as out/<name>:
+    within each class the images are ordered by a hash of their key (as the dev split orders them) and a budget
+    takes the first n of them (n = labels_per_class, or round(fraction x the class's images), at least 1), so every
+    smaller draw lies inside every larger one and every arm and seed sees the same images. Refuses a budget larger
+    than a class holds, before writing anything."""
+    by_class: dict[int, list[str]] = {}
+    for ident, _, label in labelled_samples(cfg):
+        by_class.setdefault(label, []).append(ident)
+    check_budgets(cc, cfg, Counter({label: len(idents) for label, idents in by_class.items()}))
+    ranked = {label: sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i)) for label, idents in by_class.items()}
+    budgets = cc.labels_per_class or cc.label_fractions
+    draws = {}
+    for name, budget in zip(budget_names(cc), budgets):
+        take = {label: budget if cc.labels_per_class else max(1, math.floor(budget * len(idents) + 0.5))
+                for label, idents in ranked.items()}
+        chosen = {ident for label, idents in ranked.items() for ident in idents[:take[label]]}
+        images = write_part(cfg, out / name, lambda ident, chosen=chosen: ident in chosen)
+        draws[name] = {"shards": str(out / name), "images": images, "per_class": {str(k): v for k, v in sorted(take.items())}}
+    return draws
+
+
 def fold_stage(cfg: Config, out: Path, k: int) -> dict:
     """k stratified folds of cfg.data.shards (mpp.evaluation.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
     samples = [(ident, label) for ident, _, label in labelled_samples(cfg)]
@@ -342,9 +478,10 @@ class ArmRun:
     and, for an ablated arm, every recipe and the earlier checkpoints. `run()` -> its entry of results.json, with
     the per-image test hits of its kept recipe at every seed under "correct" (collect pairs them between arms)."""
 
-    def __init__(self, cc: CompareConfig, arm: Arm, base: Config, grid: dict[str, dict], selection: Selection):
+    def __init__(self, cc: CompareConfig, arm: Arm, base: Config, grid: dict[str, dict], selection: Selection, pre: Path):
         self.cc, self.arm, self.base, self.grid, self.selection = cc, arm, base, grid, selection
         self.out = Path(cc.output_dir)
+        self.pre = pre / arm.name  # the arm's pretraining: one for every label budget
         self.seeds = cc.seeds or [base.train.seed]
         self.recipes: dict[str, dict] = dict(grid)  # every recipe run, longer ones included
         self.ckpt: str | None = None
@@ -352,14 +489,16 @@ class ArmRun:
 
     def run(self) -> dict:
         pretrained = self.pretrain()
-        self.ckpt = str(self.out / "pre" / self.arm.name) if pretrained else None
+        self.ckpt = str(self.pre) if pretrained else None
         grid_pick = self.choose({name: recipe for name, recipe in self.grid.items()})
         kept, lengths = self.search_length(grid_pick)
         ablated = self.arm.name in self.cc.ablate
         names = [kept.pick] + ([n for n in self.grid if n != kept.pick] if ablated else [])
         tests = {name: self.tested(name) for name in names}
         test = over_seeds(tests[kept.pick], self.seeds)
-        entry = {"objective": self.arm.summary, "recipe": kept.pick, "grid_pick": grid_pick.pick,
+        # Kept at the plan's longest length: its dev top-1 may still have been rising, so the arm may be short.
+        longest = bool(lengths) and kept.pick == f"{grid_pick.pick}-x{self.cc.lengths[-1]:g}"
+        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "control": self.arm.control, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
                  "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
@@ -380,7 +519,7 @@ class ArmRun:
                                          "correct": {str(seed): result[seed]["correct"] for seed in self.seeds}}
                                   for name in near_best for result in [tests.get(name) or self.tested(name)]}
         if pretrained:
-            entry["pretrain_curves"] = scalar_history(self.out / "pre" / self.arm.name, PRETRAIN_CURVES)
+            entry["pretrain_curves"] = scalar_history(self.pre, PRETRAIN_CURVES)
             if ablated and self.cc.checkpoints:
                 entry["checkpoints"] = self.earlier_checkpoints(kept.pick)
         return entry
@@ -388,8 +527,16 @@ class ArmRun:
     def pretrain(self) -> dict | None:
         if self.arm.objective is None:
             return None
-        cfg = pretrain_config(self.cc, self.arm, output_dir=self.out / "pre" / self.arm.name)
-        return stage(self.out / "pre" / self.arm.name, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
+        data = {}
+        if self.arm.control == "noise":
+            size = stage_config(self.cc, "pretrain").model.image_size
+            where = self.pre.parent.parent / "noise"  # beside pre/, shared by the label budgets
+            noise = stage(where, f"{self.cc.noise_images} pure-noise images", {"images": self.cc.noise_images, "size": size},
+                          lambda: {"shards": str(where), "images": write_shards(noise_source(self.cc.noise_images, size), where,
+                                                                                 overwrite=True)["samples"]})
+            data = {"data.shards": noise["shards"], "data.val_shards": noise["shards"]}
+        cfg = pretrain_config(self.cc, self.arm, output_dir=self.pre, **data)
+        return stage(self.pre, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
 
     def fine_tune(self, run_name: str, recipe: dict, seed: int, train: str, val: str, ckpt: str | None) -> tuple[Path, dict]:
         """The fine-tuning stage ft/<arm>/<run_name>, once per invocation (a candidate's run is also a tested one)."""
@@ -421,8 +568,9 @@ class ArmRun:
         return Choice(pick.pick, pick.top1, pick.tied, pick.tie, pick.p_value)
 
     def search_length(self, grid_pick: Choice) -> tuple[Choice, dict[str, float]]:
-        """The grid's pick fine-tuned at the plan's `lengths` multiples, going on while dev top-1 does not fall below
-        the best so far; the kept length is picked among those tried like a recipe (the best dev top-1)."""
+        """The grid's pick fine-tuned at the plan's `lengths` multiples, going on until a length falls below the best
+        so far by more than the dev split resolves (McNemar's exact test, p < 0.05: one image down is noise, not a
+        reason to stop); the kept length is picked among those tried like a recipe (the best dev top-1)."""
         if len(self.cc.lengths) == 1 or not self.selection.splits:
             return grid_pick, {}
         name = grid_pick.pick
@@ -434,7 +582,7 @@ class ArmRun:
             longer = f"{name}-x{multiple:g}"
             tried[longer] = self.recipes[longer] = {**self.grid[name], "train.steps": round(steps * multiple)}
             choice = self.choose(tried)
-            if choice.top1[longer] < best_so_far:
+            if choice.top1[longer] < best_so_far and choice.p_value[longer] < SIGNIFICANCE:
                 break
         return choice, {(key.rsplit("-x", 1)[1] if "-x" in key else "1"): top1 for key, top1 in choice.top1.items()}
 
@@ -467,7 +615,7 @@ class ArmRun:
     def earlier_checkpoints(self, pick: str) -> dict:
         """The pick fine-tuned from earlier checkpoints of the same pretraining, at every seed, with their frozen
         features: the report's pretraining-length ablation."""
-        pre = self.out / "pre" / self.arm.name
+        pre = self.pre
         points = {}
         for step in self.cc.checkpoints:
             earlier = checkpoint_dir(pre, step)
@@ -507,10 +655,11 @@ def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
 # ---------------------------------------------------------------- collect
 
 
-def gaps(arms: dict[str, dict]) -> list[dict]:
+def gaps(arms: dict[str, dict], cc: CompareConfig) -> list[dict]:
     """Every pair of arms: the difference of mean test top-1, its paired 95% bootstrap interval over the test images
-    and the seeds (mpp.evaluation.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, and whether
-    the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed)."""
+    and the seeds (mpp.evaluation.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, whether
+    the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed), and the resolution
+    the comparison turned out to have (`observed_resolution`)."""
     result = []
     for a, b in itertools.combinations(arms, 2):
         ea, eb = arms[a], arms[b]
@@ -526,8 +675,21 @@ def gaps(arms: dict[str, dict]) -> list[dict]:
         result.append({"arms": [a, b], "gap": ta["top1"] - tb["top1"], **{k: v for k, v in asdict(interval).items() if k != "gap"},
                        "images": len(keys), "mcnemar": per_seed, "spread": spread,
                        "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread,
+                       "resolution": observed_resolution(matrix[a], matrix[b], ta, tb, cc),
                        **({"sensitivity": sensitivity(a, ea, b, eb, keys)} if "near_best" in ea or "near_best" in eb else {})})
     return result
+
+
+def observed_resolution(correct_a: list, correct_b: list, test_a: dict, test_b: dict, cc: CompareConfig) -> dict:
+    """The smallest gap this pair resolved, from the disagreement its runs showed and its seeds' spread (the root mean
+    square of the two arms' standard deviations; the plan's assumed_seed_std where an arm has one seed), with what
+    a missed target_gap would need."""
+    stds = [test["top1_std"] for test in (test_a, test_b)]
+    seed_std = (sum(std**2 for std in stds) / 2) ** 0.5 if None not in stds else cc.assumed_seed_std
+    seeds = min(len(correct_a), len(correct_b))
+    resolution = gap_resolution(len(correct_a[0]), seeds, disagreement(correct_a, correct_b), seed_std)
+    return {**asdict(resolution), "seed_std_assumed": None in stds, "target_gap": cc.target_gap,
+            **target_needs(cc.target_gap, resolution)}
 
 
 def verdict(interval) -> int:
@@ -548,12 +710,26 @@ def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str]) -> list[dic
     return rows
 
 
-def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict]) -> dict:
+def balanced_over_seeds(correct: dict[str, dict[str, int]], labels: dict[str, int]) -> dict:
+    """Balanced accuracy (mean per-class recall) of one arm's runs on the test set: mean over seeds and each seed's."""
+    missing = set(next(iter(correct.values()))) - set(labels)
+    if missing:
+        raise CompareError(f"{len(missing)} of the images the arms were scored on (e.g. {min(missing)}) are not labelled "
+                           f"images of the evaluation shards ({len(labels)}); rerun the comparison in a new output_dir")
+    seeds = {seed: balanced_accuracy(hits, {key: labels[key] for key in hits}) for seed, hits in correct.items()}
+    return {"mean": statistics.fmean(seeds.values()), "seeds": seeds}
+
+
+def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict],
+            design: dict, labels: dict[str, int]) -> dict:
     """results.json, report.md and comparison.png/svg from what every arm ran; returns results.json's content."""
     out = Path(cc.output_dir)
-    report = {"arms": {name: {k: v for k, v in e.items() if k not in ("correct", "history")} for name, e in arms.items()},
+    classes = num_classes(base, resolve_shards(base.data.shards, base, process_state()))
+    report = {"arms": {name: {**{k: v for k, v in e.items() if k not in ("correct", "history")},
+                              "balanced_accuracy": balanced_over_seeds(e["correct"], labels)} for name, e in arms.items()},
               "config": cc.model_dump(mode="json"), "select_on_dev": bool(selection.splits), "dev_folds": selection.folds,
-              "selection": selection.info, "seeds": cc.seeds or [base.train.seed], "recipes": grid, "gaps": gaps(arms)}
+              "selection": selection.info, "seeds": cc.seeds or [base.train.seed], "recipes": grid, "gaps": gaps(arms, cc),
+              "design": design, "test_set": evaluation_baselines(labels.values(), classes)}
     if selection.splits:
         dev_images = selection.info.get("images") or selection.info["dev_images"]
         report["dev_resolution"] = asdict(dev_resolution(dev_images))
@@ -568,3 +744,25 @@ def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: S
               f"all runs in TensorBoard: tensorboard --logdir {out}")
     return report
 
+
+
+def collect_budgets(cc: CompareConfig, draws: dict, reports: dict[str, dict]) -> dict:
+    """The label-efficiency results over the budgets (results.json, report.md, label_efficiency.png/svg at the top of
+    output_dir), each budget's own report under budget-<name>/; returns results.json's content."""
+    out = Path(cc.output_dir)
+    first = next(iter(reports.values()))
+    result = {"config": cc.model_dump(mode="json"), "kind": "labels per class" if cc.labels_per_class else "fraction of each class",
+              "design": first["design"], "test_set": first["test_set"], "seeds": first["seeds"],
+              "budgets": {name: {**draws[name], "report": str(out / f"budget-{name}" / "report.md"),
+                                 "arms": {arm: {"test": e["test"], "balanced_accuracy": e["balanced_accuracy"], "recipe": e["recipe"]}
+                                          for arm, e in report["arms"].items()},
+                                 "gaps": [{k: g[k] for k in ("arms", "gap", "low", "high", "excludes_zero", "images")}
+                                          for g in report["gaps"]]}
+                          for name, report in reports.items()}}
+    if process_state().is_main_process:
+        (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "report.md").write_text(budget_markdown(result, cc))
+        label_efficiency_figure(result, out / "label_efficiency.png")
+        print(f"[compare] label-efficiency report in {out / 'report.md'}, its curve in {out / 'label_efficiency.png'} "
+              f"and .svg; each budget's own report in {out}/budget-<budget>/report.md", flush=True)
+    return result
