@@ -1,5 +1,6 @@
 """prepare with several worker processes, from an archive, and with another prepare on the same --out."""
 
+import contextlib
 import gzip
 import io
 import json
@@ -281,3 +282,64 @@ def test_a_killed_worker_ends_the_others_with_one_line(tmp_path):
         shards.write_shards(shards.Source("killed source", 8, KillingReader(), indexed=True), tmp_path / "out",
                             samples_per_shard=2, workers=2)
     assert not multiprocessing.active_children() and not (tmp_path / "out").exists()
+
+
+def start_prepare_writing(out: Path) -> subprocess.Popen:
+    """A prepare with two workers in its own process group, as a scheduler starts a job, once its workers write."""
+    writer = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "prepare", "synthetic", "--out", str(out),
+                               "--overwrite", "--count", "100000", "--size", "64", "--samples-per-shard", "200",
+                               "--workers", "2"], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".partial-shards-*/inputs-*.part")):
+        assert writer.poll() is None and time.monotonic() < deadline, writer.communicate()
+        time.sleep(0.2)
+    return writer
+
+
+def group_ends(group: int, within_s: float = 30) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to-the-process", "to-the-group"])
+def test_sigterm_stops_the_workers_and_leaves_out_as_it_was(tmp_path, to_group):
+    out = tmp_path / "out"
+    prepare.run("synthetic", str(out), count=4, size=16, samples_per_shard=2, workers=1)
+    before = files_of(out)
+    writer = start_prepare_writing(out)
+    try:
+        (os.killpg if to_group else os.kill)(writer.pid, signal.SIGTERM)  # as timeout, systemd or a scheduler send it
+        _, err = writer.communicate(timeout=60)
+        assert group_ends(writer.pid), "processes of the stopped prepare are still running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(writer.pid, signal.SIGKILL)
+    assert writer.returncode == 143 and err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM; the partial shards were removed and {out} is as it was (prepare does not resume: run it "
+        f"again to write the shards)"), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == sorted(before) and files_of(out) == before
+
+
+def test_a_killed_prepare_takes_its_workers_along_and_the_next_removes_what_it_left(tmp_path):
+    out = tmp_path / "out"
+    writer = start_prepare_writing(out)
+    try:
+        os.kill(writer.pid, signal.SIGKILL)  # the process alone, as the kernel's out-of-memory killer does
+        writer.communicate(timeout=60)
+        assert group_ends(writer.pid), "the workers of a killed prepare are still running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(writer.pid, signal.SIGKILL)
+    assert len(list(out.glob(".partial-shards-*"))) == 1
+    with pytest.warns(UserWarning, match=r"removed 1 folder\(s\) of partial shards \(\.partial-shards-\w+, \.\.\.\) "
+                                         rf"that a prepare killed before it finished left in {out}"):
+        assert prepare.run("synthetic", str(out), count=4, size=16, workers=1)["samples"] == 4
+    assert sorted(p.name for p in out.iterdir()) == ["shard-000000.tar", "summary.json"]

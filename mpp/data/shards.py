@@ -26,6 +26,7 @@ import signal
 import sys
 import tarfile
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sized
 from dataclasses import dataclass, replace
@@ -38,7 +39,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mpp.data.stream import SIXTEEN_BIT_MODES, upright
-from mpp.errors import UserError
+from mpp.errors import Terminated, UserError
 from mpp.data.shardformat import IMAGE_EXTS, SUMMARY
 from mpp.rundir import too_long
 from mpp.data.synthetic import CLASS_NAMES, synthetic_image
@@ -158,26 +159,35 @@ def write_shards(
     Sample i lands in shard i // samples_per_shard, in order, whatever `workers` is. With several workers an indexed
     source is split into shard-sized ranges of inputs, each read, encoded and written as a whole by one of `workers`
     processes. The shards are written into a hidden folder inside out_dir and moved into place only once all are
-    complete, so a failure on the way (a full disk, a bad sample, Ctrl-C) leaves out_dir as it was. One prepare at a
-    time may write into out_dir: a second is refused. overwrite=True replaces the shards an earlier write recorded in
-    summary.json, and summary.json; other files in out_dir stay.
+    complete, so a failure on the way (a full disk, a bad sample, Ctrl-C, SIGTERM) leaves out_dir as it was. One
+    prepare at a time may write into out_dir: a second is refused, and the first to hold it removes the hidden folders
+    a killed prepare left. overwrite=True replaces the shards an earlier write recorded in summary.json, and
+    summary.json; other files in out_dir stay.
     """
     if samples_per_shard < 1:
-        raise SourceError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
+        raise SourceError(f"the number of samples per shard must be at least 1, got {samples_per_shard} (--samples-per-shard)")
     if workers < 1:
         raise SourceError(f"the number of worker processes must be at least 1, got {workers} (--workers)")
     out = Path(out_dir)
     check_writable_dir(out)
     source = samples if isinstance(samples, Source) else Source("samples", len(samples) if isinstance(samples, Sized) else 0,
                                                                 lambda: iter(samples))
+    with _sigterm_raises():
+        return _staged_write(source, out, samples_per_shard, prefix, overwrite, progress, workers)
+
+
+def _staged_write(source: Source, out: Path, samples_per_shard: int, prefix: str, overwrite: bool, progress: bool,
+                  workers: int) -> dict:
+    """write_shards' work, once its arguments hold: staged in a hidden folder of out, then moved into place."""
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     lock, staging = _OutputLock(out), None
     bar = tqdm(total=len(source) or None, disable=not progress, unit="img", desc="writing shards")
     try:
         lock.acquire()
+        _remove_left_staging(out)
         stale = _stale_outputs(out, prefix, overwrite)
-        staging = Path(tempfile.mkdtemp(prefix=".partial-shards-", dir=out))
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=out))
         summary = _summary(source, staging, *_write_all(source, staging, prefix, samples_per_shard, workers, bar))
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         files = summary["files"]
@@ -192,19 +202,70 @@ def write_shards(
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
             raise SourceError(f"cannot write the shards in {out} ({exc.strerror}); the partial shards were removed and "
                               f"{out} is as it was: free some space or choose another output directory (--out)") from None
+        if isinstance(exc, Terminated):
+            raise Terminated(f"stopped by SIGTERM; the partial shards were removed and {out} is as it was (prepare "
+                             f"does not resume: run it again to write the shards)") from None
         raise
     bar.close()
     # Renames only from here on, which need no space. The old summary goes first and the new one comes last:
-    # a directory caught half way must not look complete.
-    try:
-        for path in stale:
-            path.unlink(missing_ok=True)
-        for file in [*files, SUMMARY]:
-            os.replace(staging / file, out / file)
-        shutil.rmtree(staging)  # holds only the range files the shards were packed from, if any
-    finally:
-        lock.release()
+    # a directory caught half way must not look complete. A SIGTERM now is ignored: the moves take milliseconds,
+    # and a finished set is worth more than a stop half way through them.
+    with _ignoring_sigterm():
+        try:
+            for path in stale:
+                path.unlink(missing_ok=True)
+            for file in [*files, SUMMARY]:
+                os.replace(staging / file, out / file)
+            shutil.rmtree(staging)  # holds only the range files the shards were packed from, if any
+        finally:
+            lock.release()
     return summary
+
+
+_STAGING = ".partial-shards-"  # the hidden folder of out_dir a write stages its shards in
+
+
+def _remove_left_staging(out: Path) -> None:
+    """Remove the staging folders a killed prepare left in out (its lock is held here, so no live prepare owns one),
+    saying so."""
+    left = sorted(out.glob(f"{_STAGING}*"))
+    for folder in left:
+        shutil.rmtree(folder, ignore_errors=True)
+    if left:
+        warnings.warn(f"removed {len(left)} folder(s) of partial shards ({left[0].name}, ...) that a prepare killed "
+                      f"before it finished left in {out}", stacklevel=3)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raised as Terminated wherever this (the main) thread is, so the cleanup a Ctrl-C gets (workers ended,
+    staging folder and lock removed) runs for `timeout`, systemd or a scheduler too; by default the process would
+    die at once and leave its workers writing. Elsewhere than the main thread nothing changes (Python delivers
+    signals only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated("stopped by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _ignoring_sigterm() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _summary(source: Source, staging: Path, count: int, labels: set[int], files: list[str], skipped: int) -> dict:
@@ -392,8 +453,9 @@ def _tally(tars: Iterable[Path]) -> dict:
 class _RangeWorkers:
     """Worker processes writing ranges of a source, each range as a whole, with one progress bar here.
 
-    Workers ignore SIGINT: Ctrl-C (sent to the whole process group) reaches this process, which ends them all. An
-    error in one ends them all too, and comes back here as one line.
+    Workers ignore SIGINT and SIGTERM: Ctrl-C (sent to the whole process group) and a SIGTERM (to this process or
+    its group) reach this process, which ends them all; if it is killed outright, they end themselves
+    (_end_with_parent). An error in one ends them all too, and comes back here as one line.
     """
 
     POLL_S = 0.2
@@ -408,23 +470,18 @@ class _RangeWorkers:
 
     def write(self, ranges: int) -> list[_Range]:
         tasks, results, inputs = self.context.Queue(), self.context.Queue(), self.context.Value("q", 0)
-        for index in range(ranges):
-            tasks.put(index)
-        for _ in range(self.workers):
-            tasks.put(None)
         processes = [self.context.Process(target=_range_worker, daemon=True, name=f"prepare worker {i}",
                                           args=(self.payload, self.staging, self.per_shard, tasks, results, inputs))
                      for i in range(self.workers)]
         done: dict[int, _Range] = {}
         try:
-            # Ctrl-C held while the workers start: one raised inside start() can leave a forked worker this process
-            # has no pid of, which the cleanup below cannot end and which writes on, holding the terminal's output.
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
+            with _signals_held(signal.SIGINT, signal.SIGTERM):
                 for process in processes:
                     process.start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C that came meanwhile is raised here
+            for index in range(ranges):  # only now: the queue's feeder thread starts with the first put
+                tasks.put(index)
+            for _ in range(self.workers):
+                tasks.put(None)
             while len(done) < ranges:
                 try:
                     outcome = results.get(timeout=self.POLL_S)
@@ -455,6 +512,26 @@ class _RangeWorkers:
         return [done[index] for index in range(ranges)]
 
 
+@contextlib.contextmanager
+def _signals_held(*signals: signal.Signals) -> Iterator[None]:
+    """`signals` noted and raised only at the end (by their handlers as they were), for starting workers: an
+    exception raised inside Process.start() can leave a forked worker this process has no pid of, which no cleanup
+    can end and which writes on (and prints a traceback once its queues are gone). A handler, not a signal mask:
+    Python runs a handler in the main thread whichever thread the signal reached, and tqdm's monitor has one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {number: signal.signal(number, lambda number, frame: came.append(number)) for number in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if came:
+            signal.raise_signal(came[0])
+
+
 def _worker_error(kind: str, message: str, number: int | None, reason: str | None) -> BaseException:
     """An error a worker reported, raised here as it was raised there (a full disk as an OSError)."""
     if kind == "os" and number in _DISK_FULL:
@@ -478,8 +555,21 @@ def _keep_freed_memory() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
 
 
+def _end_with_parent() -> None:
+    """End this worker as soon as the prepare that started it is gone, killed outright (SIGKILL, out of memory):
+    else it writes on, unseen, into a folder nobody will move into place. A thread waits on the sentinel
+    multiprocessing gives a child of its parent; the forkserver, this process's parent in the kernel's eyes, stays
+    alive while its children hold its pipe, so the kernel's parent-death signal would never come."""
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), name="end with parent", daemon=True).start()
+
+
 def _range_worker(payload: bytes, staging: Path, per_shard: int, tasks, results, inputs) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # this process's parent handles Ctrl-C and ends the workers
+    # This process's parent handles Ctrl-C and SIGTERM (sent to the group, or to it alone) and ends the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_with_parent()
     _keep_freed_memory()
     source = pickle.loads(payload)
 
