@@ -34,6 +34,12 @@ def files_of(out: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture
+def small_sources_use_workers(monkeypatch):
+    """Worker processes for the few inputs a test has (a real source needs INPUTS_PER_WORKER per worker)."""
+    monkeypatch.setattr(shards, "INPUTS_PER_WORKER", 1)
+
+
+@pytest.fixture
 def range_writes(monkeypatch):
     """How many times worker processes were asked to write ranges (so a test knows it took that path)."""
     calls = []
@@ -47,7 +53,7 @@ def range_writes(monkeypatch):
     return calls
 
 
-def test_shards_are_byte_identical_whatever_the_number_of_workers(tmp_path, range_writes):
+def test_shards_are_byte_identical_whatever_the_number_of_workers(tmp_path, range_writes, small_sources_use_workers):
     datasets = pytest.importorskip("datasets")
     folder = tmp_path / "images"
     for i in range(11):
@@ -72,7 +78,7 @@ def test_shards_are_byte_identical_whatever_the_number_of_workers(tmp_path, rang
         assert one == two and one["shards"] >= 3, name
         assert files_of(tmp_path / name / "1") == files_of(tmp_path / name / "2"), name
     assert range_writes == [2] * len(runs)
-    assert json.loads((tmp_path / "folder" / "2" / "summary.json").read_text())["skipped"] == 1
+    assert json.loads((tmp_path / "folder" / "2" / "summary.json").read_text())["unreadable"] == [str(folder / "dog" / "broken.jpg")]
     assert [label_of(s) for s in read_shards(tmp_path / "folder-classes" / "2").values()].count(1) == 4  # the 4 cats
 
 
@@ -97,7 +103,7 @@ def class_tar(name: str, count: int, colour) -> bytes:
 COLOURS = {"n01440764": (220, 20, 20), "n01443537": (20, 220, 20), "n01484850": (20, 20, 220)}
 
 
-def test_imagenet_training_archive_is_read_in_place_and_a_damaged_inner_tar_is_skipped(tmp_path, capsys):
+def test_imagenet_training_archive_is_read_in_place_and_a_damaged_inner_tar_is_skipped(tmp_path, capsys, small_sources_use_workers):
     # ILSVRC2012_img_train.tar's layout: one uncompressed tar per class, named by its WordNet id, holding JPEGs.
     archive = tmp_path / "ILSVRC2012_img_train.tar"
     damaged = bytearray(class_tar("n01443537", 4, COLOURS["n01443537"]))
@@ -137,7 +143,7 @@ def test_imagenet_training_archive_is_read_in_place_and_a_damaged_inner_tar_is_s
         prepare.run(str(tmp_path / "train.tar.gz"), str(tmp_path / "gz"))
 
 
-def test_an_error_in_one_worker_ends_them_all_with_one_line(tmp_path, capsys):
+def test_an_error_in_one_worker_ends_them_all_with_one_line(tmp_path, capsys, small_sources_use_workers):
     folder = tmp_path / "images"
     for i in range(8):
         (folder / f"class{i % 4}").mkdir(parents=True, exist_ok=True)
@@ -219,7 +225,7 @@ def test_a_full_disk_in_a_worker_leaves_out_as_it_was(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
 
     result = subprocess.run([sys.executable, str(ROOT / "launch.py"), "prepare", "synthetic", "--out", str(out),
-                             "--overwrite", "--count", "80", "--size", "64", "--samples-per-shard", "40", "--workers", "2"],
+                             "--overwrite", "--count", "2000", "--size", "64", "--samples-per-shard", "40", "--workers", "2"],
                             cwd=ROOT, preexec_fn=small_files, capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert result.returncode == 2 and errors == [
@@ -256,7 +262,7 @@ class FailingReader:
             yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2, f"/data/k{i}.png")
 
 
-def test_an_unexpected_error_in_a_worker_is_one_line_naming_the_input(tmp_path, monkeypatch, capsys):
+def test_an_unexpected_error_in_a_worker_is_one_line_naming_the_input(tmp_path, monkeypatch, capsys, small_sources_use_workers):
     monkeypatch.setattr(prepare, "SOURCES", [(lambda r: r.source == "failing",
                                               lambda r: shards.Source("failing source", 8, FailingReader(), indexed=True)),
                                              *prepare.SOURCES])
@@ -276,7 +282,7 @@ class KillingReader:
             yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2)
 
 
-def test_a_killed_worker_ends_the_others_with_one_line(tmp_path):
+def test_a_killed_worker_ends_the_others_with_one_line(tmp_path, small_sources_use_workers):
     with pytest.raises(SourceError, match=r"a prepare worker process was killed by signal 9 \(out of memory, if it was "
                                           r"SIGKILL\) while writing killed source; no shard was kept: run prepare again"):
         shards.write_shards(shards.Source("killed source", 8, KillingReader(), indexed=True), tmp_path / "out",
@@ -343,3 +349,34 @@ def test_a_killed_prepare_takes_its_workers_along_and_the_next_removes_what_it_l
                                          rf"that a prepare killed before it finished left in {out}"):
         assert prepare.run("synthetic", str(out), count=4, size=16, workers=1)["samples"] == 4
     assert sorted(p.name for p in out.iterdir()) == ["shard-000000.tar", "summary.json"]
+
+
+def test_macos_metadata_and_extras_in_an_imagenet_archive_are_not_damage(tmp_path, capsys):
+    # As an archive packed on a Mac arrives: `._NAME` AppleDouble files beside the class tars and the images, plus
+    # the files that come with ImageNet (a README, the synset list, an empty placeholder tar).
+    archive = tmp_path / "ILSVRC2012_img_train.tar"
+    inner = io.BytesIO()
+    with tarfile.open(fileobj=inner, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        add(tar, "n01443537_0.JPEG", jpeg_bytes(COLOURS["n01443537"]))
+        add(tar, "._n01443537_0.JPEG", b"\x00\x05\x16\x07 AppleDouble")
+    with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as tar:
+        add(tar, "._n01440764.tar", b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(100))
+        add(tar, "n01440764.tar", class_tar("n01440764", 2, COLOURS["n01440764"]))
+        add(tar, "n01443537.tar", inner.getvalue())
+        add(tar, "README.txt", b"ImageNet")
+        add(tar, "LOC_synset_mapping.txt", b"n01440764 tench, Tinca tinca\nn01443537 goldfish, Carassius auratus\n")
+        add(tar, "devkit.tar", b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of damage
+        summary = prepare.run(str(archive), str(tmp_path / "out"), workers=1)
+    assert summary["samples"] == 3 and summary["skipped"] == 0 and summary["class_names"] == ["n01440764", "n01443537"]
+
+
+def test_a_small_folder_is_written_without_starting_workers(tmp_path, range_writes):
+    folder = tmp_path / "images"
+    for i in range(150):  # the size of folder that took 25-30 s on a busy machine, most of it starting workers
+        (folder / f"class{i % 3}").mkdir(parents=True, exist_ok=True)
+        synthetic_image(i, 16)[0].save(folder / f"class{i % 3}" / f"{i}.jpg")
+    summary = prepare.run(str(folder), str(tmp_path / "out"), samples_per_shard=5, workers=2)
+    assert summary["samples"] == 150 and summary["shards"] == 30
+    assert range_writes == [] and not multiprocessing.active_children()

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sized
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 
@@ -38,7 +38,7 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
-from mpp.data.stream import SIXTEEN_BIT_MODES, upright
+from mpp.data.images import SIXTEEN_BIT_MODES, to_rgb, upright
 from mpp.errors import Terminated, UserError
 from mpp.data.shardformat import IMAGE_EXTS, SUMMARY
 from mpp.rundir import too_long
@@ -107,7 +107,7 @@ class Source:
             if stored is not None:
                 yield stored
             elif found is None or sample is not None:  # unreadable (not merely left out by a step)
-                tally.skipped += 1
+                tally.unreadable.append(found.origin or found.key if found else f"input {tally.start + tally.inputs - 1}")
             tally.current = ""
 
     def _encoded(self, sample: Sample) -> Sample | None:
@@ -128,7 +128,7 @@ class _Tally:
 
     start: int = 0
     inputs: int = 0
-    skipped: int = 0
+    unreadable: list[str] = field(default_factory=list)  # where each unreadable input lies (its path), in order
     current: str = ""
     on_input: Callable[[], None] | None = None
 
@@ -158,7 +158,7 @@ def write_shards(
 
     Sample i lands in shard i // samples_per_shard, in order, whatever `workers` is. With several workers an indexed
     source is split into shard-sized ranges of inputs, each read, encoded and written as a whole by one of `workers`
-    processes. The shards are written into a hidden folder inside out_dir and moved into place only once all are
+    processes (at most one per INPUTS_PER_WORKER inputs: a small source is written in this process). The shards are written into a hidden folder inside out_dir and moved into place only once all are
     complete, so a failure on the way (a full disk, a bad sample, Ctrl-C, SIGTERM) leaves out_dir as it was. One
     prepare at a time may write into out_dir: a second is refused, and the first to hold it removes the hidden folders
     a killed prepare left. overwrite=True replaces the shards an earlier write recorded in summary.json, and
@@ -268,10 +268,10 @@ def _ignoring_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _summary(source: Source, staging: Path, count: int, labels: set[int], files: list[str], skipped: int) -> dict:
+def _summary(source: Source, staging: Path, count: int, labels: set[int], files: list[str], unreadable: list[str]) -> dict:
     """summary.json of the shards written into staging; a source that gave no image is refused."""
     if not count:
-        raise SourceError(source.nothing_kept if source.nothing_kept and count + skipped < len(source) else
+        raise SourceError(source.nothing_kept if source.nothing_kept and count + len(unreadable) < len(source) else
                           f"{source.name} holds no readable images; point the source at images or a non-empty dataset")
     summary = {
         "samples": count,
@@ -280,7 +280,8 @@ def _summary(source: Source, staging: Path, count: int, labels: set[int], files:
         "shards": len(files),
         "bytes": sum((staging / file).stat().st_size for file in files),
         "source": source.name,
-        "skipped": skipped,
+        "skipped": len(unreadable),
+        "unreadable": unreadable,
         "files": files,
     }
     if source.class_names is not None:
@@ -328,16 +329,23 @@ class _OutputLock:
             self.fd = None
 
 
+# Inputs that pay for starting a worker process: the forkserver loads webdataset (and with it torch) and each worker
+# unpickles the source, a few seconds in all on a busy machine, where one process checks or re-encodes a small image
+# in a few milliseconds. Measured: 150 small JPEGs took 6-8 s with 2 workers and 4.8 s in one process (docs/benchmarks.md).
+INPUTS_PER_WORKER = 1000
+
+
 def _write_all(source: Source, staging: Path, prefix: str, per_shard: int, workers: int,
-               bar: tqdm) -> tuple[int, set[int], list[str], int]:
-    """Write the shards into staging; returns the sample count, the distinct labels, the shard files and the count of
-    unreadable inputs."""
+               bar: tqdm) -> tuple[int, set[int], list[str], list[str]]:
+    """Write the shards into staging; returns the sample count, the distinct labels, the shard files and where the
+    unreadable inputs lie."""
     pattern = staging / f"{prefix}-%06d.tar"
     ranges = -(-len(source) // per_shard)
-    if workers > 1 and source.indexed and ranges > 1:
+    workers = min(workers, ranges, len(source) // INPUTS_PER_WORKER)
+    if workers > 1 and source.indexed:
         payload = _picklable(source)
         if payload is not None:
-            parts = _RangeWorkers(source.name, payload, staging, per_shard, min(workers, ranges), bar).write(ranges)
+            parts = _RangeWorkers(source.name, payload, staging, per_shard, workers, bar).write(ranges)
             if all(part.samples == per_shard for part in parts[:-1]):  # nothing dropped: range i is shard i already
                 files = []
                 for i, part in enumerate(parts):
@@ -348,28 +356,21 @@ def _write_all(source: Source, staging: Path, prefix: str, per_shard: int, worke
             else:  # some inputs were unreadable or left out: pack the ranges' samples into full shards
                 count, labels, files = _write_tars(chain.from_iterable(_tar_samples(staging / p.file) for p in parts),
                                                    pattern, per_shard)
-            skipped = sum(part.skipped for part in parts)
-            if skipped:
-                _warn_skipping(source)
-            return count, labels, files, skipped
+            unreadable = [name for part in parts for name in part.unreadable]
+            _warn_skipped(source, unreadable)
+            return count, labels, files, unreadable
     tally = _Tally(on_input=lambda: bar.update(1))
-    warned = [False]
-
-    def stored() -> Iterator[Sample]:
-        for sample in _named_errors(source, tally, source.stored(tally)):
-            if tally.skipped and not warned[0]:
-                warned[0] = True
-                _warn_skipping(source)
-            yield sample
-
-    count, labels, files = _write_tars(stored(), pattern, per_shard)
-    if tally.skipped and not warned[0]:
-        _warn_skipping(source)
-    return count, labels, files, tally.skipped
+    count, labels, files = _write_tars(_named_errors(source, tally, source.stored(tally)), pattern, per_shard)
+    _warn_skipped(source, tally.unreadable)
+    return count, labels, files, tally.unreadable
 
 
-def _warn_skipping(source: Source) -> None:
-    warnings.warn(f"skipping unreadable images in {source.name}; the count is in summary.json", stacklevel=4)
+def _warn_skipped(source: Source, unreadable: list[str]) -> None:
+    """One warning naming the first unreadable inputs, so they can be found in a big folder."""
+    if unreadable:
+        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+        warnings.warn(f"skipped {len(unreadable)} unreadable image(s) in {source.name}: {', '.join(unreadable[:3])}"
+                      f"{more}; summary.json lists them all (unreadable)", stacklevel=4)
 
 
 def _named_errors(source: Source, tally: _Tally, samples: Iterator[Sample]) -> Iterator[Sample]:
@@ -402,7 +403,7 @@ class _Range:
     file: str
     samples: int
     labels: set[int]
-    skipped: int
+    unreadable: list[str]
 
 
 def _write_range(source: Source, index: int, per_shard: int, staging: Path, tally: _Tally) -> _Range:
@@ -415,7 +416,7 @@ def _write_range(source: Source, index: int, per_shard: int, staging: Path, tall
             count += 1
             if sample.label is not None:
                 labels.add(sample.label)
-    return _Range(index, file, count, labels, tally.skipped)
+    return _Range(index, file, count, labels, tally.unreadable)
 
 
 def _tar_samples(path: Path) -> Iterator[Sample]:
@@ -679,10 +680,10 @@ def is_saved_dataset(path: str | os.PathLike) -> bool:
 
 
 def _jpeg(image: Image.Image, quality: int) -> bytes:
-    """`image` as an RGB JPEG, upright (EXIF orientation applied, since the tag is not carried over) and with
-    16-bit greys scaled rather than clipped."""
+    """`image` as an RGB JPEG, upright (EXIF orientation applied, since the tag is not carried over), with 16-bit
+    and floating-point greys scaled rather than clipped and transparency over mpp.data.images.BACKGROUND."""
     buffer = io.BytesIO()
-    upright(image).convert("RGB").save(buffer, "JPEG", quality=quality)
+    to_rgb(upright(image)).save(buffer, "JPEG", quality=quality)
     return buffer.getvalue()
 
 
@@ -766,7 +767,7 @@ def _bounded(image: Image.Image, short_side: int, quality: int) -> bytes:
     image = upright(image)  # the re-encoded JPEG carries no EXIF orientation, so apply it to the pixels
     scale = short_side / min(image.size)
     size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
-    return _jpeg(image.convert("RGB").resize(size, Image.LANCZOS), quality)
+    return _jpeg(to_rgb(image).resize(size, Image.LANCZOS), quality)
 
 
 def _safe_keys(names: list[str]) -> list[str]:
@@ -815,9 +816,8 @@ class _Files:
         for path, key, label in self.entries[start:stop]:
             try:
                 data = path.read_bytes()
-            except OSError:  # a dangling link, no permission: unreadable like a corrupt file, so skipped and counted
-                yield None
-                continue
+            except OSError:  # a dangling link, no permission: unreadable like a corrupt file, so skipped and named
+                data = b""
             yield Sample(key, data, AS_FOUND, label, str(path))
 
 
@@ -973,15 +973,19 @@ class _Window(io.RawIOBase):
 
 def _tar_files(file, size: int, where: str, damaged: list[str]) -> Iterator[tuple[tarfile.TarInfo, int]]:
     """(member, offset of its data in `file`) for each regular file of the tar in `file` (size bytes), from its
-    headers alone. A damaged header or a member cut short ends the listing: it is warned about and noted in `damaged`."""
+    headers alone. A damaged header or a member cut short ends the listing: it is warned about and noted in `damaged`.
+    Not listed, as not data: macOS's AppleDouble files (`._NAME`, the metadata its tar adds beside each file); an
+    empty file (a placeholder .tar) holds none."""
     listed, reason = 0, None
+    if size == 0:
+        return
     try:
         tar = tarfile.open(fileobj=file, mode="r:")
         while (member := tar.next()) is not None:
             if member.offset_data + member.size > size:
                 reason = f"{member.name} is cut short"
                 break
-            if member.isfile():
+            if member.isfile() and not Path(member.name).name.startswith("._"):
                 listed += 1
                 yield member, member.offset_data
         else:
