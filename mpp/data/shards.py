@@ -329,9 +329,10 @@ class _OutputLock:
             self.fd = None
 
 
-# Inputs that pay for starting a worker process: the forkserver loads webdataset (and with it torch) and each worker
-# unpickles the source, a few seconds in all on a busy machine, where one process checks or re-encodes a small image
-# in a few milliseconds. Measured: 150 small JPEGs took 6-8 s with 2 workers and 4.8 s in one process (docs/benchmarks.md).
+# Inputs that pay for starting a worker process: the worker server loads webdataset (and with it torch), 1.1 s idle and
+# several times that on a busy machine, and each worker unpickles the source, where one process checks a small JPEG in
+# about a millisecond and downsizes a photo in 4-9 (docs/benchmarks.md, `prepare`: 150 small JPEGs, 5.3 s with two
+# workers, 3.8 s without).
 INPUTS_PER_WORKER = 1000
 
 
