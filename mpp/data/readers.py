@@ -45,6 +45,7 @@ class Reader(ABC):
     """One on-disk format of a data set (the module's docstring gives the contract)."""
 
     errors: tuple[type[BaseException], ...] = READ_ERRORS
+    units: str = "shards"  # what its units are, for a run's start line ("on 12 shards", "on 1500 images")
 
     @abstractmethod
     def claims(self, spec: str) -> bool: ...
@@ -161,6 +162,8 @@ class ImageFolderReader(Reader):
     name of the folder it is in (class = sub-folder). Each image is a unit of one sample, so ranks and workers split
     the images themselves; its key is its folder's name and its file name without the suffix."""
 
+    units = "images"
+
     def claims(self, spec: str) -> bool:
         return os.path.isdir(spec) and not _holds_shards(spec) and bool(self._images(spec))
 
@@ -208,6 +211,8 @@ class ParquetReader(Reader):
     sets: an image column (`image` or `img`, else the only binary one) holding the encoded image as bytes or as a
     {bytes, path} struct, and optionally a label column (`label`, `labels`, `fine_label` or `cls`) of class ids or
     names. Each file is a unit; its samples are its rows, keyed by their index in the file."""
+
+    units = "Parquet files"
 
     BATCH_ROWS = 256  # rows decoded from Parquet at a time
 
@@ -285,6 +290,11 @@ def reader_for(spec: str) -> Reader:
 def reader_of(url: str) -> Reader:
     """The reader of one unit."""
     return next(reader for reader in READERS.values() if reader.reads(url))
+
+
+def counted(urls: list[str]) -> str:
+    """What a data set's units are, counted: "12 shards", "1500 images", "3 Parquet files"."""
+    return f"{len(urls)} {reader_of(urls[0]).units if urls else Reader.units}"
 
 
 def expand_shards(spec: str) -> list[str]:

@@ -19,6 +19,7 @@ from mpp.config import Config, ConfigError
 from mpp.data.stream import BadLabel, DataError, LabelReader, label_members
 from mpp.metrics import TOP1, TOP5
 from mpp.rundir import PREDICTIONS, BEST
+from mpp.data.readers import counted
 from mpp.data.shardformat import is_remote, shard_summary
 from mpp.model.vit import build_backbone
 from mpp.model.objectives import Classification, batch_mixing, finetuning_head
@@ -148,7 +149,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False
                     "ckpt": None if ckpt is None else str(ckpt), "num_classes": classes, "history": history.points, **best}
 
         start = "a fresh backbone (no --ckpt)" if ckpt is None else ckpt
-        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes), batches, len(urls),
+        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes), batches, counted(urls),
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
                              recording=history.recording, checkpointed=(history,), data=shard_summary(urls),
                              class_counts=training_class_counts(urls, classes, names))
