@@ -518,16 +518,22 @@ class _RangeWorkers:
 def _signals_held(*signals: signal.Signals) -> Iterator[None]:
     """`signals` noted and raised only at the end (by their handlers as they were), for starting workers: an
     exception raised inside Process.start() can leave a forked worker this process has no pid of, which no cleanup
-    can end and which writes on (and prints a traceback once its queues are gone). A handler, not a signal mask:
-    Python runs a handler in the main thread whichever thread the signal reached, and tqdm's monitor has one."""
+    can end and which writes on (and prints a traceback once its queues are gone). Python runs a handler in the main
+    thread whichever thread the signal reached (tqdm's monitor is one), so a handler notes them; the main thread
+    blocks them too, so the worker server spawned now starts with them blocked, and with it every worker: a Ctrl-C
+    to the group cannot end the server while it imports, and this process alone ends the workers. A signal this
+    process ignores (a prepare started in the background) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     came: list[int] = []
-    previous = {number: signal.signal(number, lambda number, frame: came.append(number)) for number in signals}
+    previous = {number: signal.signal(number, lambda number, frame: came.append(number))
+                for number in signals if signal.getsignal(number) is not signal.SIG_IGN}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for number, handler in previous.items():
             signal.signal(number, handler)
         if came:
