@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     cores = default_workers()
+    # The workers' throughput at this size, which prepare itself writes in one process below INPUTS_PER_WORKER per worker.
+    shards.INPUTS_PER_WORKER = 1
     work = Path(tempfile.mkdtemp(prefix="prepare-bench-"))
     try:
         originals = {size: [jpeg(photo_like(*size, seed), args.quality) for seed in range(args.distinct)] for size in SIZES}

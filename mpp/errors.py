@@ -15,6 +15,15 @@ class DataError(UserError):
     """A user-facing problem with the shard set; the message names it and the fix."""
 
 
+class Terminated(BaseException):
+    """SIGTERM (from `timeout`, systemd, a scheduler) met by work that cleans up on the way out, raised where the
+    process is, as Ctrl-C raises KeyboardInterrupt (so no `except Exception` swallows it); the message says what was
+    left. The command line prints it and exits TERMINATED_STATUS."""
+
+
+TERMINATED_STATUS = 143  # 128 + SIGTERM, as a shell reports a command a SIGTERM ended
+
+
 def program(argv0: str | None = None) -> str:
     """How the user started mpp's command line (default: this process): `python launch.py` for a checkout's script
     (as typed), `python -m mpp.pipelines` for the installed package run as a module (what `accelerate launch -m`

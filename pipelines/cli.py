@@ -25,7 +25,7 @@ from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 import mpp  # noqa: E402
 from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
-from mpp.errors import UserError, command  # noqa: E402
+from mpp.errors import TERMINATED_STATUS, Terminated, UserError, command  # noqa: E402
 
 
 def shipped_configs() -> Path:
@@ -367,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stop:  # saved; a later SIGTERM, SIGUSR1 or SIGUSR2 no longer stops it (mpp.training.preemption.StopOnSignal)
         print(stop, file=sys.stderr)
         return STOPPED
+    except Terminated as stop:  # SIGTERM to work that is not resumable (prepare): what it cleaned up
+        print(stop, file=sys.stderr)
+        return TERMINATED_STATUS
     except Exception as err:
         if lost := peer_lost(err):
             print(f"(rank {os.environ.get('RANK', '0')}) stopped: another process of this run has ended ({lost}); its "

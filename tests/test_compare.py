@@ -498,7 +498,7 @@ def test_dry_run_states_the_smallest_gap_the_design_resolves_and_trains_nothing(
     # 30 test images, seeds [0, 1], the plan's assumed 20% disagreement and 0.5-point seed spread:
     # standard error sqrt(0.2 / 30 + 2 x 0.005^2 / 2); x 1.96 for the half-width, x (1.96 + 0.84) at 80% power.
     error = math.sqrt(0.2 / 30 + 0.005**2)
-    assert f"30 test images and 2 seed(s) per arm" in out
+    assert "30 test images and 2 seed(s) per arm" in out
     assert f"beyond ±{100 * 1.959964 * error:.2f} points is resolved" in out  # 16.03
     assert f"a true gap of {100 * 2.801585 * error:.2f} points is resolved 4 times in 5" in out  # 22.92
     # the dev split: 25% of 400 labelled images, 100: 2.8016 x sqrt(0.2 / 100) = 12.53 points

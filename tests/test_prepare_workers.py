@@ -1,5 +1,6 @@
 """prepare with several worker processes, from an archive, and with another prepare on the same --out."""
 
+import contextlib
 import gzip
 import io
 import json
@@ -33,6 +34,12 @@ def files_of(out: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture
+def small_sources_use_workers(monkeypatch):
+    """Worker processes for the few inputs a test has (a real source needs INPUTS_PER_WORKER per worker)."""
+    monkeypatch.setattr(shards, "INPUTS_PER_WORKER", 1)
+
+
+@pytest.fixture
 def range_writes(monkeypatch):
     """How many times worker processes were asked to write ranges (so a test knows it took that path)."""
     calls = []
@@ -46,7 +53,7 @@ def range_writes(monkeypatch):
     return calls
 
 
-def test_shards_are_byte_identical_whatever_the_number_of_workers(tmp_path, range_writes):
+def test_shards_are_byte_identical_whatever_the_number_of_workers(tmp_path, range_writes, small_sources_use_workers):
     datasets = pytest.importorskip("datasets")
     folder = tmp_path / "images"
     for i in range(11):
@@ -71,7 +78,7 @@ def test_shards_are_byte_identical_whatever_the_number_of_workers(tmp_path, rang
         assert one == two and one["shards"] >= 3, name
         assert files_of(tmp_path / name / "1") == files_of(tmp_path / name / "2"), name
     assert range_writes == [2] * len(runs)
-    assert json.loads((tmp_path / "folder" / "2" / "summary.json").read_text())["skipped"] == 1
+    assert json.loads((tmp_path / "folder" / "2" / "summary.json").read_text())["unreadable"] == [str(folder / "dog" / "broken.jpg")]
     assert [label_of(s) for s in read_shards(tmp_path / "folder-classes" / "2").values()].count(1) == 4  # the 4 cats
 
 
@@ -96,7 +103,7 @@ def class_tar(name: str, count: int, colour) -> bytes:
 COLOURS = {"n01440764": (220, 20, 20), "n01443537": (20, 220, 20), "n01484850": (20, 20, 220)}
 
 
-def test_imagenet_training_archive_is_read_in_place_and_a_damaged_inner_tar_is_skipped(tmp_path, capsys):
+def test_imagenet_training_archive_is_read_in_place_and_a_damaged_inner_tar_is_skipped(tmp_path, capsys, small_sources_use_workers):
     # ILSVRC2012_img_train.tar's layout: one uncompressed tar per class, named by its WordNet id, holding JPEGs.
     archive = tmp_path / "ILSVRC2012_img_train.tar"
     damaged = bytearray(class_tar("n01443537", 4, COLOURS["n01443537"]))
@@ -136,7 +143,7 @@ def test_imagenet_training_archive_is_read_in_place_and_a_damaged_inner_tar_is_s
         prepare.run(str(tmp_path / "train.tar.gz"), str(tmp_path / "gz"))
 
 
-def test_an_error_in_one_worker_ends_them_all_with_one_line(tmp_path, capsys):
+def test_an_error_in_one_worker_ends_them_all_with_one_line(tmp_path, capsys, small_sources_use_workers):
     folder = tmp_path / "images"
     for i in range(8):
         (folder / f"class{i % 4}").mkdir(parents=True, exist_ok=True)
@@ -218,7 +225,7 @@ def test_a_full_disk_in_a_worker_leaves_out_as_it_was(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
 
     result = subprocess.run([sys.executable, str(ROOT / "launch.py"), "prepare", "synthetic", "--out", str(out),
-                             "--overwrite", "--count", "80", "--size", "64", "--samples-per-shard", "40", "--workers", "2"],
+                             "--overwrite", "--count", "2000", "--size", "64", "--samples-per-shard", "40", "--workers", "2"],
                             cwd=ROOT, preexec_fn=small_files, capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert result.returncode == 2 and errors == [
@@ -255,7 +262,7 @@ class FailingReader:
             yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2, f"/data/k{i}.png")
 
 
-def test_an_unexpected_error_in_a_worker_is_one_line_naming_the_input(tmp_path, monkeypatch, capsys):
+def test_an_unexpected_error_in_a_worker_is_one_line_naming_the_input(tmp_path, monkeypatch, capsys, small_sources_use_workers):
     monkeypatch.setattr(prepare, "SOURCES", [(lambda r: r.source == "failing",
                                               lambda r: shards.Source("failing source", 8, FailingReader(), indexed=True)),
                                              *prepare.SOURCES])
@@ -275,9 +282,101 @@ class KillingReader:
             yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2)
 
 
-def test_a_killed_worker_ends_the_others_with_one_line(tmp_path):
+def test_a_killed_worker_ends_the_others_with_one_line(tmp_path, small_sources_use_workers):
     with pytest.raises(SourceError, match=r"a prepare worker process was killed by signal 9 \(out of memory, if it was "
                                           r"SIGKILL\) while writing killed source; no shard was kept: run prepare again"):
         shards.write_shards(shards.Source("killed source", 8, KillingReader(), indexed=True), tmp_path / "out",
                             samples_per_shard=2, workers=2)
     assert not multiprocessing.active_children() and not (tmp_path / "out").exists()
+
+
+def start_prepare_writing(out: Path) -> subprocess.Popen:
+    """A prepare with two workers in its own process group, as a scheduler starts a job, once its workers write."""
+    writer = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "prepare", "synthetic", "--out", str(out),
+                               "--overwrite", "--count", "100000", "--size", "64", "--samples-per-shard", "200",
+                               "--workers", "2"], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".partial-shards-*/inputs-*.part")):
+        assert writer.poll() is None and time.monotonic() < deadline, writer.communicate()
+        time.sleep(0.2)
+    return writer
+
+
+def group_ends(group: int, within_s: float = 30) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to-the-process", "to-the-group"])
+def test_sigterm_stops_the_workers_and_leaves_out_as_it_was(tmp_path, to_group):
+    out = tmp_path / "out"
+    prepare.run("synthetic", str(out), count=4, size=16, samples_per_shard=2, workers=1)
+    before = files_of(out)
+    writer = start_prepare_writing(out)
+    try:
+        (os.killpg if to_group else os.kill)(writer.pid, signal.SIGTERM)  # as timeout, systemd or a scheduler send it
+        _, err = writer.communicate(timeout=60)
+        assert group_ends(writer.pid), "processes of the stopped prepare are still running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(writer.pid, signal.SIGKILL)
+    assert writer.returncode == 143 and err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM; the partial shards were removed and {out} is as it was (prepare does not resume: run it "
+        f"again to write the shards)"), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == sorted(before) and files_of(out) == before
+
+
+def test_a_killed_prepare_takes_its_workers_along_and_the_next_removes_what_it_left(tmp_path):
+    out = tmp_path / "out"
+    writer = start_prepare_writing(out)
+    try:
+        os.kill(writer.pid, signal.SIGKILL)  # the process alone, as the kernel's out-of-memory killer does
+        writer.communicate(timeout=60)
+        assert group_ends(writer.pid), "the workers of a killed prepare are still running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(writer.pid, signal.SIGKILL)
+    assert len(list(out.glob(".partial-shards-*"))) == 1
+    with pytest.warns(UserWarning, match=r"removed 1 folder\(s\) of partial shards \(\.partial-shards-\w+, \.\.\.\) "
+                                         rf"that a prepare killed before it finished left in {out}"):
+        assert prepare.run("synthetic", str(out), count=4, size=16, workers=1)["samples"] == 4
+    assert sorted(p.name for p in out.iterdir()) == ["shard-000000.tar", "summary.json"]
+
+
+def test_macos_metadata_and_extras_in_an_imagenet_archive_are_not_damage(tmp_path, capsys):
+    # As an archive packed on a Mac arrives: `._NAME` AppleDouble files beside the class tars and the images, plus
+    # the files that come with ImageNet (a README, the synset list, an empty placeholder tar).
+    archive = tmp_path / "ILSVRC2012_img_train.tar"
+    inner = io.BytesIO()
+    with tarfile.open(fileobj=inner, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        add(tar, "n01443537_0.JPEG", jpeg_bytes(COLOURS["n01443537"]))
+        add(tar, "._n01443537_0.JPEG", b"\x00\x05\x16\x07 AppleDouble")
+    with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as tar:
+        add(tar, "._n01440764.tar", b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(100))
+        add(tar, "n01440764.tar", class_tar("n01440764", 2, COLOURS["n01440764"]))
+        add(tar, "n01443537.tar", inner.getvalue())
+        add(tar, "README.txt", b"ImageNet")
+        add(tar, "LOC_synset_mapping.txt", b"n01440764 tench, Tinca tinca\nn01443537 goldfish, Carassius auratus\n")
+        add(tar, "devkit.tar", b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of damage
+        summary = prepare.run(str(archive), str(tmp_path / "out"), workers=1)
+    assert summary["samples"] == 3 and summary["skipped"] == 0 and summary["class_names"] == ["n01440764", "n01443537"]
+
+
+def test_a_small_folder_is_written_without_starting_workers(tmp_path, range_writes):
+    folder = tmp_path / "images"
+    for i in range(150):  # the size of folder that took 25-30 s on a busy machine, most of it starting workers
+        (folder / f"class{i % 3}").mkdir(parents=True, exist_ok=True)
+        synthetic_image(i, 16)[0].save(folder / f"class{i % 3}" / f"{i}.jpg")
+    summary = prepare.run(str(folder), str(tmp_path / "out"), samples_per_shard=5, workers=2)
+    assert summary["samples"] == 150 and summary["shards"] == 30
+    assert range_writes == [] and not multiprocessing.active_children()

@@ -133,13 +133,14 @@ def test_plain_bytes_image_column_is_read(tmp_path):
     assert batch.images.shape == (5, 3, 8, 8) and batch.keys[0] == "train-00000-of-00001.parquet/00000000"
 
 
-def test_supervised_pretraining_reads_an_image_folder_without_prepare(tmp_path):
+def test_supervised_pretraining_reads_an_image_folder_without_prepare(tmp_path, capsys):
     # data.shards=<a folder of class sub-folders>: the labels are the folder names, no prepare, no summary.json.
     folder = image_folder(tmp_path / "folder", 24)
     results = pretrain.run(load_config(None, [f"data.shards={folder}", f"output_dir={tmp_path / 'run'}", *TINY,
                                               "objective=supervised", "train.steps=2", "train.warmup_steps=1",
                                               "train.batch_size=4"]))
     assert "train/accuracy" in results["final"]
+    assert "params) on 24 images with 1 process(es)" in capsys.readouterr().out  # the start line: 24 units, each an image
 
 
 def test_parquet_float_labels_are_class_ids(tmp_path):

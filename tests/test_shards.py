@@ -67,11 +67,13 @@ def test_folder_round_trip(tmp_path):
     (root / "cat" / "notes.txt").write_text("not an image")
 
     out = tmp_path / "shards"
-    with pytest.warns(UserWarning, match="skipping unreadable images"):
+    with pytest.warns(UserWarning, match=rf"skipped 1 unreadable image\(s\) in folder {root}: {root}/dog/broken.jpg; "
+                                         r"summary.json lists them all \(unreadable\)"):
         summary = prepare.run(str(root), str(out), samples_per_shard=2)
 
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary == {"samples": 5, "classes": 2, "labels": True, "shards": 3, "skipped": 1,
+                       "unreadable": [str(root / "dog" / "broken.jpg")],
                        "bytes": sum(p.stat().st_size for p in out.glob("*.tar")),
                        "source": f"folder {root}", "class_names": ["cat", "dog"],
                        "files": ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"],
@@ -502,10 +504,10 @@ def test_folder_links_are_followed_once_and_never_in_a_loop(tmp_path):
         summary = prepare.run(str(root), str(tmp_path / "shards"))
     said = [str(w.message) for w in warned]
     assert len(said) == 2 and re.search(r"not following 4 folder link\(s\) under .* \(first: cat/dogs\)", said[0])
-    assert said[1].startswith("skipping unreadable images")
+    assert said[1].startswith(f"skipped 1 unreadable image(s) in folder {root}: {root}/dog/gone.png;")
     labels = {key: label_of(sample) for key, sample in read_shards(tmp_path / "shards").items()}
     assert labels == {"bird_c": 0, "cat_a": 1, "cat_d": 1, "dog_b": 2}  # classes bird, cat, dog
-    assert summary["samples"] == 4 and summary["skipped"] == 1
+    assert summary["samples"] == 4 and summary["unreadable"] == [str(root / "dog" / "gone.png")]
 
 
 def test_a_full_disk_leaves_the_output_directory_as_it_was(tmp_path, monkeypatch, capsys):
@@ -540,3 +542,23 @@ def test_an_output_name_longer_than_the_file_system_allows_is_one_line(tmp_path,
     assert "error: output directory" in capsys.readouterr().err
     with pytest.raises(SourceError, match=r"its name x{24}\.\.\. has 300 bytes, more than the 255 its file system allows"):
         prepare.run("synthetic", str(tmp_path / ("x" * 300)))
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--quality", "0"], "the JPEG quality must be 1-100, got 0 (--quality)"),  # without --short-side too
+    (["--samples-per-shard", "0"], "the number of samples per shard must be at least 1, got 0 (--samples-per-shard)"),
+])
+def test_out_of_range_flags_are_one_line_naming_the_flag(tmp_path, capsys, flags, said):
+    assert launch.main(["prepare", "synthetic", "--count", "4", "--size", "16", "--out", str(tmp_path / "out"), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {said}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_of_parquet_files_is_one_line_saying_a_run_reads_it_as_it_is(tmp_path, capsys):
+    from test_readers import parquet_files
+
+    folder = parquet_files(tmp_path / "pq", [3])
+    assert launch.main(["prepare", folder, "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {folder} holds Parquet files, which a run reads as they are "
+                                               f"(data.shards={folder}), so it needs no prepare; point prepare at a "
+                                               f"folder of images instead")

@@ -47,6 +47,7 @@ class Reader(ABC):
     """One on-disk format of a data set (the module's docstring gives the contract)."""
 
     errors: tuple[type[BaseException], ...] = READ_ERRORS
+    units: str = "shards"  # what its units are, for a run's start line ("on 12 shards", "on 1500 images")
 
     @abstractmethod
     def claims(self, spec: str) -> bool: ...
@@ -167,6 +168,8 @@ class ImageFolderReader(Reader):
     A unit is named `<directory>//<path under it>`: the doubled separator, which a walked path never holds, marks where
     the directory ends, so a unit alone (in a data worker, in a checkpoint's stream position) tells its class."""
 
+    units = "images"
+
     def claims(self, spec: str) -> bool:
         return os.path.isdir(spec) and not _holds_shards(spec) and bool(self._images(spec))
 
@@ -277,6 +280,8 @@ class ParquetReader(Reader):
     {bytes, path} struct, and optionally a label column (`label`, `labels`, `fine_label` or `cls`) of class ids or
     names. Each file is a unit; its samples are its rows, keyed by their index in the file."""
 
+    units = "Parquet files"
+
     BATCH_ROWS = 256  # rows decoded from Parquet at a time
 
     @property
@@ -359,6 +364,11 @@ def reader_for(spec: str) -> Reader:
 def reader_of(url: str) -> Reader:
     """The reader of one unit."""
     return next(reader for reader in READERS.values() if reader.reads(url))
+
+
+def counted(urls: list[str]) -> str:
+    """What a data set's units are, counted: "12 shards", "1500 images", "3 Parquet files"."""
+    return f"{len(urls)} {reader_of(urls[0]).units if urls else Reader.units}"
 
 
 def expand_shards(spec: str) -> list[str]:

@@ -26,9 +26,10 @@ import signal
 import sys
 import tarfile
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Sized
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 
@@ -38,8 +39,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from mpp.data.readers import class_folder_name, image_files
-from mpp.data.stream import SIXTEEN_BIT_MODES, upright
-from mpp.errors import UserError
+from mpp.data.images import SIXTEEN_BIT_MODES, to_rgb, upright
+from mpp.errors import Terminated, UserError
 from mpp.data.shardformat import IMAGE_EXTS, SUMMARY
 from mpp.rundir import too_long
 from mpp.data.synthetic import CLASS_NAMES, synthetic_image
@@ -108,7 +109,7 @@ class Source:
             if stored is not None:
                 yield stored
             elif found is None or sample is not None:  # unreadable (not merely left out by a step)
-                tally.skipped += 1
+                tally.unreadable.append(found.origin or found.key if found else f"input {tally.start + tally.inputs - 1}")
             tally.current = ""
 
     def _encoded(self, sample: Sample) -> Sample | None:
@@ -129,7 +130,7 @@ class _Tally:
 
     start: int = 0
     inputs: int = 0
-    skipped: int = 0
+    unreadable: list[str] = field(default_factory=list)  # where each unreadable input lies (its path), in order
     current: str = ""
     on_input: Callable[[], None] | None = None
 
@@ -159,27 +160,36 @@ def write_shards(
 
     Sample i lands in shard i // samples_per_shard, in order, whatever `workers` is. With several workers an indexed
     source is split into shard-sized ranges of inputs, each read, encoded and written as a whole by one of `workers`
-    processes. The shards are written into a hidden folder inside out_dir and moved into place only once all are
-    complete, so a failure on the way (a full disk, a bad sample, Ctrl-C) leaves out_dir as it was. One prepare at a
-    time may write into out_dir: a second is refused. overwrite=True replaces the shards an earlier write recorded in
-    summary.json, and summary.json; other files in out_dir stay.
+    processes (at most one per INPUTS_PER_WORKER inputs: a small source is written in this process). The shards are written into a hidden folder inside out_dir and moved into place only once all are
+    complete, so a failure on the way (a full disk, a bad sample, Ctrl-C, SIGTERM) leaves out_dir as it was. One
+    prepare at a time may write into out_dir: a second is refused, and the first to hold it removes the hidden folders
+    a killed prepare left. overwrite=True replaces the shards an earlier write recorded in summary.json, and
+    summary.json; other files in out_dir stay.
     """
     if samples_per_shard < 1:
-        raise SourceError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
+        raise SourceError(f"the number of samples per shard must be at least 1, got {samples_per_shard} (--samples-per-shard)")
     if workers < 1:
         raise SourceError(f"the number of worker processes must be at least 1, got {workers} (--workers)")
     out = Path(out_dir)
     check_writable_dir(out)
     source = samples if isinstance(samples, Source) else Source("samples", len(samples) if isinstance(samples, Sized) else 0,
                                                                 lambda: iter(samples))
+    with _sigterm_raises():
+        return _staged_write(source, out, samples_per_shard, prefix, overwrite, progress, workers)
+
+
+def _staged_write(source: Source, out: Path, samples_per_shard: int, prefix: str, overwrite: bool, progress: bool,
+                  workers: int) -> dict:
+    """write_shards' work, once its arguments hold: staged in a hidden folder of out, then moved into place."""
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     lock, staging = _OutputLock(out), None
     bar = tqdm(total=len(source) or None, disable=not progress, unit="img", desc="writing shards")
     try:
         lock.acquire()
+        _remove_left_staging(out)
         stale = _stale_outputs(out, prefix, overwrite)
-        staging = Path(tempfile.mkdtemp(prefix=".partial-shards-", dir=out))
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=out))
         summary = _summary(source, staging, *_write_all(source, staging, prefix, samples_per_shard, workers, bar))
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         files = summary["files"]
@@ -194,25 +204,76 @@ def write_shards(
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
             raise SourceError(f"cannot write the shards in {out} ({exc.strerror}); the partial shards were removed and "
                               f"{out} is as it was: free some space or choose another output directory (--out)") from None
+        if isinstance(exc, Terminated):
+            raise Terminated(f"stopped by SIGTERM; the partial shards were removed and {out} is as it was (prepare "
+                             f"does not resume: run it again to write the shards)") from None
         raise
     bar.close()
     # Renames only from here on, which need no space. The old summary goes first and the new one comes last:
-    # a directory caught half way must not look complete.
-    try:
-        for path in stale:
-            path.unlink(missing_ok=True)
-        for file in [*files, SUMMARY]:
-            os.replace(staging / file, out / file)
-        shutil.rmtree(staging)  # holds only the range files the shards were packed from, if any
-    finally:
-        lock.release()
+    # a directory caught half way must not look complete. A SIGTERM now is ignored: the moves take milliseconds,
+    # and a finished set is worth more than a stop half way through them.
+    with _ignoring_sigterm():
+        try:
+            for path in stale:
+                path.unlink(missing_ok=True)
+            for file in [*files, SUMMARY]:
+                os.replace(staging / file, out / file)
+            shutil.rmtree(staging)  # holds only the range files the shards were packed from, if any
+        finally:
+            lock.release()
     return summary
 
 
-def _summary(source: Source, staging: Path, count: int, labels: set[int], files: list[str], skipped: int) -> dict:
+_STAGING = ".partial-shards-"  # the hidden folder of out_dir a write stages its shards in
+
+
+def _remove_left_staging(out: Path) -> None:
+    """Remove the staging folders a killed prepare left in out (its lock is held here, so no live prepare owns one),
+    saying so."""
+    left = sorted(out.glob(f"{_STAGING}*"))
+    for folder in left:
+        shutil.rmtree(folder, ignore_errors=True)
+    if left:
+        warnings.warn(f"removed {len(left)} folder(s) of partial shards ({left[0].name}, ...) that a prepare killed "
+                      f"before it finished left in {out}", stacklevel=3)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raised as Terminated wherever this (the main) thread is, so the cleanup a Ctrl-C gets (workers ended,
+    staging folder and lock removed) runs for `timeout`, systemd or a scheduler too; by default the process would
+    die at once and leave its workers writing. Elsewhere than the main thread nothing changes (Python delivers
+    signals only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated("stopped by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _ignoring_sigterm() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _summary(source: Source, staging: Path, count: int, labels: set[int], files: list[str], unreadable: list[str]) -> dict:
     """summary.json of the shards written into staging; a source that gave no image is refused."""
     if not count:
-        raise SourceError(source.nothing_kept if source.nothing_kept and count + skipped < len(source) else
+        raise SourceError(source.nothing_kept if source.nothing_kept and count + len(unreadable) < len(source) else
                           f"{source.name} holds no readable images; point the source at images or a non-empty dataset")
     summary = {
         "samples": count,
@@ -221,7 +282,8 @@ def _summary(source: Source, staging: Path, count: int, labels: set[int], files:
         "shards": len(files),
         "bytes": sum((staging / file).stat().st_size for file in files),
         "source": source.name,
-        "skipped": skipped,
+        "skipped": len(unreadable),
+        "unreadable": unreadable,
         "files": files,
     }
     if source.class_names is not None:
@@ -269,16 +331,24 @@ class _OutputLock:
             self.fd = None
 
 
+# Inputs that pay for starting a worker process: the worker server loads webdataset (and with it torch), 1.1 s idle and
+# several times that on a busy machine, and each worker unpickles the source, where one process checks a small JPEG in
+# about a millisecond and downsizes a photo in 4-9 (docs/benchmarks.md, `prepare`: 150 small JPEGs, 5.3 s with two
+# workers, 3.8 s without).
+INPUTS_PER_WORKER = 1000
+
+
 def _write_all(source: Source, staging: Path, prefix: str, per_shard: int, workers: int,
-               bar: tqdm) -> tuple[int, set[int], list[str], int]:
-    """Write the shards into staging; returns the sample count, the distinct labels, the shard files and the count of
-    unreadable inputs."""
+               bar: tqdm) -> tuple[int, set[int], list[str], list[str]]:
+    """Write the shards into staging; returns the sample count, the distinct labels, the shard files and where the
+    unreadable inputs lie."""
     pattern = staging / f"{prefix}-%06d.tar"
     ranges = -(-len(source) // per_shard)
-    if workers > 1 and source.indexed and ranges > 1:
+    workers = min(workers, ranges, len(source) // INPUTS_PER_WORKER)
+    if workers > 1 and source.indexed:
         payload = _picklable(source)
         if payload is not None:
-            parts = _RangeWorkers(source.name, payload, staging, per_shard, min(workers, ranges), bar).write(ranges)
+            parts = _RangeWorkers(source.name, payload, staging, per_shard, workers, bar).write(ranges)
             if all(part.samples == per_shard for part in parts[:-1]):  # nothing dropped: range i is shard i already
                 files = []
                 for i, part in enumerate(parts):
@@ -289,28 +359,21 @@ def _write_all(source: Source, staging: Path, prefix: str, per_shard: int, worke
             else:  # some inputs were unreadable or left out: pack the ranges' samples into full shards
                 count, labels, files = _write_tars(chain.from_iterable(_tar_samples(staging / p.file) for p in parts),
                                                    pattern, per_shard)
-            skipped = sum(part.skipped for part in parts)
-            if skipped:
-                _warn_skipping(source)
-            return count, labels, files, skipped
+            unreadable = [name for part in parts for name in part.unreadable]
+            _warn_skipped(source, unreadable)
+            return count, labels, files, unreadable
     tally = _Tally(on_input=lambda: bar.update(1))
-    warned = [False]
-
-    def stored() -> Iterator[Sample]:
-        for sample in _named_errors(source, tally, source.stored(tally)):
-            if tally.skipped and not warned[0]:
-                warned[0] = True
-                _warn_skipping(source)
-            yield sample
-
-    count, labels, files = _write_tars(stored(), pattern, per_shard)
-    if tally.skipped and not warned[0]:
-        _warn_skipping(source)
-    return count, labels, files, tally.skipped
+    count, labels, files = _write_tars(_named_errors(source, tally, source.stored(tally)), pattern, per_shard)
+    _warn_skipped(source, tally.unreadable)
+    return count, labels, files, tally.unreadable
 
 
-def _warn_skipping(source: Source) -> None:
-    warnings.warn(f"skipping unreadable images in {source.name}; the count is in summary.json", stacklevel=4)
+def _warn_skipped(source: Source, unreadable: list[str]) -> None:
+    """One warning naming the first unreadable inputs, so they can be found in a big folder."""
+    if unreadable:
+        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+        warnings.warn(f"skipped {len(unreadable)} unreadable image(s) in {source.name}: {', '.join(unreadable[:3])}"
+                      f"{more}; summary.json lists them all (unreadable)", stacklevel=4)
 
 
 def _named_errors(source: Source, tally: _Tally, samples: Iterator[Sample]) -> Iterator[Sample]:
@@ -343,7 +406,7 @@ class _Range:
     file: str
     samples: int
     labels: set[int]
-    skipped: int
+    unreadable: list[str]
 
 
 def _write_range(source: Source, index: int, per_shard: int, staging: Path, tally: _Tally) -> _Range:
@@ -356,7 +419,7 @@ def _write_range(source: Source, index: int, per_shard: int, staging: Path, tall
             count += 1
             if sample.label is not None:
                 labels.add(sample.label)
-    return _Range(index, file, count, labels, tally.skipped)
+    return _Range(index, file, count, labels, tally.unreadable)
 
 
 def _tar_samples(path: Path) -> Iterator[Sample]:
@@ -394,8 +457,9 @@ def _tally(tars: Iterable[Path]) -> dict:
 class _RangeWorkers:
     """Worker processes writing ranges of a source, each range as a whole, with one progress bar here.
 
-    Workers ignore SIGINT: Ctrl-C (sent to the whole process group) reaches this process, which ends them all. An
-    error in one ends them all too, and comes back here as one line.
+    Workers ignore SIGINT and SIGTERM: Ctrl-C (sent to the whole process group) and a SIGTERM (to this process or
+    its group) reach this process, which ends them all; if it is killed outright, they end themselves
+    (_end_with_parent). An error in one ends them all too, and comes back here as one line.
     """
 
     POLL_S = 0.2
@@ -410,23 +474,18 @@ class _RangeWorkers:
 
     def write(self, ranges: int) -> list[_Range]:
         tasks, results, inputs = self.context.Queue(), self.context.Queue(), self.context.Value("q", 0)
-        for index in range(ranges):
-            tasks.put(index)
-        for _ in range(self.workers):
-            tasks.put(None)
         processes = [self.context.Process(target=_range_worker, daemon=True, name=f"prepare worker {i}",
                                           args=(self.payload, self.staging, self.per_shard, tasks, results, inputs))
                      for i in range(self.workers)]
         done: dict[int, _Range] = {}
         try:
-            # Ctrl-C held while the workers start: one raised inside start() can leave a forked worker this process
-            # has no pid of, which the cleanup below cannot end and which writes on, holding the terminal's output.
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
+            with _signals_held(signal.SIGINT, signal.SIGTERM):
                 for process in processes:
                     process.start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C that came meanwhile is raised here
+            for index in range(ranges):  # only now: the queue's feeder thread starts with the first put
+                tasks.put(index)
+            for _ in range(self.workers):
+                tasks.put(None)
             while len(done) < ranges:
                 try:
                     outcome = results.get(timeout=self.POLL_S)
@@ -457,6 +516,32 @@ class _RangeWorkers:
         return [done[index] for index in range(ranges)]
 
 
+@contextlib.contextmanager
+def _signals_held(*signals: signal.Signals) -> Iterator[None]:
+    """`signals` noted and raised only at the end (by their handlers as they were), for starting workers: an
+    exception raised inside Process.start() can leave a forked worker this process has no pid of, which no cleanup
+    can end and which writes on (and prints a traceback once its queues are gone). Python runs a handler in the main
+    thread whichever thread the signal reached (tqdm's monitor is one), so a handler notes them; the main thread
+    blocks them too, so the worker server spawned now starts with them blocked, and with it every worker: a Ctrl-C
+    to the group cannot end the server while it imports, and this process alone ends the workers. A signal this
+    process ignores (a prepare started in the background) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {number: signal.signal(number, lambda number, frame: came.append(number))
+                for number in signals if signal.getsignal(number) is not signal.SIG_IGN}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if came:
+            signal.raise_signal(came[0])
+
+
 def _worker_error(kind: str, message: str, number: int | None, reason: str | None) -> BaseException:
     """An error a worker reported, raised here as it was raised there (a full disk as an OSError)."""
     if kind == "os" and number in _DISK_FULL:
@@ -480,8 +565,21 @@ def _keep_freed_memory() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
 
 
+def _end_with_parent() -> None:
+    """End this worker as soon as the prepare that started it is gone, killed outright (SIGKILL, out of memory):
+    else it writes on, unseen, into a folder nobody will move into place. A thread waits on the sentinel
+    multiprocessing gives a child of its parent; the forkserver, this process's parent in the kernel's eyes, stays
+    alive while its children hold its pipe, so the kernel's parent-death signal would never come."""
+    parent = mp.parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), name="end with parent", daemon=True).start()
+
+
 def _range_worker(payload: bytes, staging: Path, per_shard: int, tasks, results, inputs) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # this process's parent handles Ctrl-C and ends the workers
+    # This process's parent handles Ctrl-C and SIGTERM (sent to the group, or to it alone) and ends the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_with_parent()
     _keep_freed_memory()
     source = pickle.loads(payload)
 
@@ -591,10 +689,10 @@ def is_saved_dataset(path: str | os.PathLike) -> bool:
 
 
 def _jpeg(image: Image.Image, quality: int) -> bytes:
-    """`image` as an RGB JPEG, upright (EXIF orientation applied, since the tag is not carried over) and with
-    16-bit greys scaled rather than clipped."""
+    """`image` as an RGB JPEG, upright (EXIF orientation applied, since the tag is not carried over), with 16-bit
+    and floating-point greys scaled rather than clipped and transparency over mpp.data.images.BACKGROUND."""
     buffer = io.BytesIO()
-    upright(image).convert("RGB").save(buffer, "JPEG", quality=quality)
+    to_rgb(upright(image)).save(buffer, "JPEG", quality=quality)
     return buffer.getvalue()
 
 
@@ -678,7 +776,7 @@ def _bounded(image: Image.Image, short_side: int, quality: int) -> bytes:
     image = upright(image)  # the re-encoded JPEG carries no EXIF orientation, so apply it to the pixels
     scale = short_side / min(image.size)
     size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
-    return _jpeg(image.convert("RGB").resize(size, Image.LANCZOS), quality)
+    return _jpeg(to_rgb(image).resize(size, Image.LANCZOS), quality)
 
 
 def _safe_keys(names: list[str]) -> list[str]:
@@ -728,9 +826,8 @@ class _Files:
         for path, key, label in self.entries[start:stop]:
             try:
                 data = path.read_bytes()
-            except OSError:  # a dangling link, no permission: unreadable like a corrupt file, so skipped and counted
-                yield None
-                continue
+            except OSError:  # a dangling link, no permission: unreadable like a corrupt file, so skipped and named
+                data = b""
             yield Sample(key, data, AS_FOUND, label, str(path))
 
 
@@ -861,15 +958,19 @@ class _Window(io.RawIOBase):
 
 def _tar_files(file, size: int, where: str, damaged: list[str]) -> Iterator[tuple[tarfile.TarInfo, int]]:
     """(member, offset of its data in `file`) for each regular file of the tar in `file` (size bytes), from its
-    headers alone. A damaged header or a member cut short ends the listing: it is warned about and noted in `damaged`."""
+    headers alone. A damaged header or a member cut short ends the listing: it is warned about and noted in `damaged`.
+    Not listed, as not data: macOS's AppleDouble files (`._NAME`, the metadata its tar adds beside each file); an
+    empty file (a placeholder .tar) holds none."""
     listed, reason = 0, None
+    if size == 0:
+        return
     try:
         tar = tarfile.open(fileobj=file, mode="r:")
         while (member := tar.next()) is not None:
             if member.offset_data + member.size > size:
                 reason = f"{member.name} is cut short"
                 break
-            if member.isfile():
+            if member.isfile() and not Path(member.name).name.startswith("._"):
                 listed += 1
                 yield member, member.offset_data
         else:

@@ -23,17 +23,16 @@ import torch
 import torch.nn.functional as F
 import webdataset as wds
 from einops import rearrange
-from PIL import Image, ImageOps
+from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mpp.errors import DataError, command
+from mpp.data.images import to_rgb, upright
 from mpp.data.randaugment import RandAugment
 from mpp.data.shardformat import IMAGE_KEYS, is_remote, shard_summary, summary_beside
 from mpp.data.tars import LossEstimate, ShardEnd, end_commands_and_exit, forget_inherited_commands
 from mpp.data.readers import read_samples, reader_of
 
-ORIENTATION_TAG = 0x0112  # EXIF
-SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # how PIL opens 16-bit greyscale PNGs and TIFFs
 
 
 @dataclass
@@ -58,19 +57,6 @@ def open_image(sample: dict) -> Image.Image:
     if key is None:
         raise KeyError("no image")
     return upright(Image.open(io.BytesIO(sample[key])))
-
-
-def upright(img: Image.Image) -> Image.Image:
-    """EXIF orientation applied (a phone photo stored sideways stands up), 16-bit greys scaled to 8 bits.
-
-    PIL converts I;16 and I images to L or RGB by clipping at 255, so a 50% grey 16-bit PNG would become white.
-    """
-    if img.getexif().get(ORIENTATION_TAG, 1) != 1:
-        img = ImageOps.exif_transpose(img)
-    if img.mode in SIXTEEN_BIT_MODES:
-        pixels = np.clip(np.asarray(img).astype(np.int64), 0, 65535)  # mode I holds 16-bit PNGs in an int32
-        img = Image.fromarray(((pixels * 255 + 32767) // 65535).astype(np.uint8), "L")
-    return img
 
 
 def random_resized_box(width: int, height: int, scale: tuple[float, float], rng: random.Random) -> tuple[int, int, int, int]:
@@ -104,8 +90,7 @@ def crop_resize(img: Image.Image, box: tuple[int, int, int, int], size: int) -> 
         img.draft("RGB", (math.ceil(width / shrink), math.ceil(height / shrink)))
         fx, fy = img.size[0] / width, img.size[1] / height
         box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
-    if img.mode != "RGB":
-        img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "LA", "PA") else img.convert("RGB")
+    img = to_rgb(img)
     left, top = min(round(box[0]), img.size[0] - 1), min(round(box[1]), img.size[1] - 1)
     right, bottom = max(round(box[2]), left + 1), max(round(box[3]), top + 1)
     pixels = torch.from_numpy(np.array(img, dtype=np.uint8))[top:bottom, left:right]  # (h, w, 3)

@@ -303,7 +303,6 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
 
 def results_lines(report: dict, cc: CompareConfig, base: Config, seeds_note: str) -> list[str]:
     """The title, the note and warnings, how fine-tuning ran and was picked, the arms' table, the gaps and picks."""
-    out = Path(cc.output_dir)
     arms, on_dev = report["arms"], report["select_on_dev"]
     lines = [f"# {' vs '.join(arms)}", ""]
     if cc.note:

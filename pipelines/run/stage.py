@@ -50,7 +50,7 @@ class TrainingStage:
     name: str  # "pretrain" or "finetune": its TensorBoard run, its evaluators' stage, results.json's "stage"
     objective: Objective
     batches: Callable[[StreamState], Iterable[Batch]]  # the training stream from a position (see mpp.training.loop.train)
-    shards: int  # how many training shards, for the start line
+    data_units: str  # the training data's units, counted ("12 shards", "1500 images"), for the start line
     what: str  # the start line's opening words, e.g. "mpp pretraining of a ViT"
     classes: int | None = None  # the classes trained on (evaluators score them); None: trained without labels
     results: Callable[[dict[str, float]], dict] = lambda scores: {}  # the stage's own results.json entries
@@ -89,7 +89,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
         resume_log_lines(accelerator, checkpoint_step(resume_from) if resume_from else 0)
-        accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.shards} shards with "
+        accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.data_units} with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
                           f"{run_settings(accelerator, cfg, run.global_batch)}; {resolution(cfg.model.image_size, stage.data)}")

@@ -20,6 +20,7 @@ from mpp.evaluation.per_class import per_class_report
 from mpp.data.stream import BadLabel, DataError, LabelReader, label_members
 from mpp.metrics import BALANCED_ACC, TOP1, TOP5
 from mpp.rundir import PREDICTIONS, BEST
+from mpp.data.readers import counted
 from mpp.data.shardformat import is_remote, shard_summary
 from mpp.model.vit import build_backbone
 from mpp.model.objectives import Classification, balancing_weights, batch_mixing, finetuning_head
@@ -215,7 +216,7 @@ def run(cfg: Config, *, ckpt: str | None, resume: bool | Literal["auto"] = False
                     **best, **split}
 
         start = "a fresh backbone (no --ckpt)" if ckpt is None else ckpt
-        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes, names, counts), batches, len(urls),
+        return TrainingStage("finetune", build_classifier(cfg, ckpt, classes, names, counts), batches, counted(urls),
                              f"fine-tuning {start} for {classes} classes", classes, results=results,
                              recording=history.recording, checkpointed=(history,), data=shard_summary(urls),
                              class_counts=counts, held_out=held_out)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpp.errors import command
-from mpp.data.shards import Source, SourceNotFoundError, bound_short_side, check_writable_dir, archive_samples, cifar_samples, default_workers, folder_samples, hf_samples, idx_samples, is_cifar, is_image_archive, is_saved_dataset, name_classes, select_classes, synthetic_samples, warn_of_partial_imagenet, write_shards
+from mpp.data.readers import READERS
+from mpp.data.shards import Source, SourceError, SourceNotFoundError, bound_short_side, check_writable_dir, archive_samples, cifar_samples, default_workers, folder_samples, hf_samples, idx_samples, is_cifar, is_image_archive, is_saved_dataset, name_classes, select_classes, synthetic_samples, warn_of_partial_imagenet, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 _CIFAR_NAMES = re.compile(r"cifar-10-batches-py|cifar-100?-python")  # the names CIFAR's archives and folders come with
@@ -49,6 +50,8 @@ def run(
     workers: processes encoding and writing shards (default: the cores this process may use); the shards are the
     same whatever the number.
     """
+    if not 1 <= quality <= 100:
+        raise SourceError(f"the JPEG quality must be 1-100, got {quality} (--quality)")
     check_writable_dir(Path(out))
     samples = open_source(source, size=size, count=count, split=split)
     if class_names is not None:
@@ -112,13 +115,28 @@ def idx_dataset(path: Path) -> tuple[list[str] | None, str]:
     return None, ""
 
 
+def image_folder(request: SourceRequest) -> Source:
+    """The images of a folder; one of Parquet files (as the Hugging Face Hub stores image data sets) is refused with
+    a line saying that a run reads it as it is. Looked for only once the folder turns out to hold no images: the
+    search follows links, and a folder of images may hold a link loop."""
+    try:
+        return folder_samples(request.path)
+    except SourceError:
+        spec = str(request.path)
+        if READERS["parquet"].claims(spec) and not READERS["images"].claims(spec):
+            raise SourceError(f"{request.source} holds Parquet files, which a run reads as they are (data.shards="
+                              f"{request.source}), so it needs no prepare; point prepare at a folder of images "
+                              f"instead") from None
+        raise
+
+
 # The kinds of source `prepare` reads, tried in order: (recognises the request, opens it as a Source). A new kind is
 # a function returning a Source (mpp/shards.py) and one line here, before the hub name that takes whatever is left.
 SOURCES: list[tuple[Callable[[SourceRequest], bool], Callable[[SourceRequest], Source]]] = [
     (lambda r: r.source == "synthetic", lambda r: synthetic_samples(r.count, r.size)),
     (lambda r: is_cifar(r.path), lambda r: cifar_samples(r.path, r.split)),
     (lambda r: r.path.is_dir() and is_saved_dataset(r.path), lambda r: hf_samples(r.path, r.split)),
-    (lambda r: r.path.is_dir(), lambda r: folder_samples(r.path)),
+    (lambda r: r.path.is_dir(), image_folder),
     (lambda r: is_image_archive(r.path), lambda r: archive_samples(r.path)),  # ImageNet's ILSVRC2012_img_train.tar
     (lambda r: bool(_IDX_IMAGES.search(r.path.name)), idx_pair),
     (lambda r: True, lambda r: hf_samples(r.source, r.split)),  # a dataset name on the Hugging Face hub

@@ -12,6 +12,7 @@ from ..run.loaders import labelled, num_classes, resolve_shards, train_loader
 from ..evaluations.evaluators import stage_evaluators
 from ..run.stage import TrainingStage, run_training
 from ..run.start import Run
+from mpp.data.readers import counted
 from mpp.data.shardformat import shard_summary
 
 
@@ -32,7 +33,7 @@ def run(cfg: Config, *, resume: bool | Literal["auto"] = False, overwrite: bool 
             loader = train_loader(urls, cfg, accelerator, state, labels=classes is not None)
             return labelled(loader, classes, f"data.shards ({cfg.data.shards})") if classes else loader
 
-        return TrainingStage("pretrain", build_objective(cfg, classes), batches, len(urls),
+        return TrainingStage("pretrain", build_objective(cfg, classes), batches, counted(urls),
                              f"{cfg.objective} pretraining of a ViT", classes, data=shard_summary(urls))
 
     return run_training(cfg, stage, evaluators_of=stage_evaluators, resume=resume, overwrite=overwrite)
