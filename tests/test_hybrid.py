@@ -120,7 +120,7 @@ def test_the_2d_position_kinds_give_the_similarity_view_its_row_and_column_struc
     (["model.stem=resnet", "model.stem_layers=[1]", "model.patch_size=16"],
      "model.patch_size 16 does not match the ResNet stem's stride 4 (1 stages in model.stem_layers); set model.patch_size=4"),
     (["model.stem=resnet", "model.name=vit_ti16", "model.image_size=24"],
-     "model.image_size 24 is not divisible by model.patch_size 16"),
+     "model.image_size 24 is not divisible by the ResNet stem's stride 16 (model.patch_size, from the 3 stages in model.stem_layers)"),
     (["model.stem=resnet", "model.stem_layers=[1,0]"], "model.stem_layers must count at least one unit per stage"),
     (["model.pos_embed=sincos_2d", "model.width=66", "model.heads=2"], "model.pos_embed=sincos_2d splits the width"),
 ])

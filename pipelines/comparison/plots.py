@@ -71,6 +71,16 @@ def draw_gaps(ax: Axes, gaps: Sequence[Mapping]) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
+def saved(figure: Figure, path: str | Path) -> tuple[Path, Path]:
+    """`figure` written as path.png and path.svg (the folder made as needed); the two files."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = path.with_suffix(".png"), path.with_suffix(".svg")
+    for file in written:
+        figure.savefig(file, dpi=120)
+    return written
+
+
 def comparison_figure(finetune: Mapping[str, Mapping[object, Curve]], pretraining: Mapping[str, Mapping[str, Curve]],
                       gaps: Sequence[Mapping], path: str | Path, ylabel: str = "dev top-1") -> tuple[Path, Path]:
     """Draw the comparison and write it as path.png and path.svg (the same figure; `path`'s own suffix, if any, is
@@ -113,12 +123,7 @@ def comparison_figure(finetune: Mapping[str, Mapping[object, Curve]], pretrainin
                 ax.set_visible(False)
             row[0].set_xlabel("pretraining step", fontsize="x-small")
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written = path.with_suffix(".png"), path.with_suffix(".svg")
-    for file in written:
-        figure.savefig(file, dpi=120)
-    return written
+    return saved(figure, path)
 
 
 def label_efficiency_figure(result: Mapping, path: str | Path) -> tuple[Path, Path]:
@@ -161,9 +166,4 @@ def label_efficiency_figure(result: Mapping, path: str | Path) -> tuple[Path, Pa
     gaps.grid(alpha=0.3)
     if pairs:
         gaps.legend(fontsize="small")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written = path.with_suffix(".png"), path.with_suffix(".svg")
-    for file in written:
-        figure.savefig(file, dpi=120)
-    return written
+    return saved(figure, path)
