@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_imports()
     if missing:
         print(f"error: missing Python packages: {', '.join(missing)} (install them; without network, carry them as "
-              f"wheels, install with pip install --no-index --no-deps --target DIR and set PYTHONPATH=DIR: README.md, "
+              f"wheels, install with pip install --no-index --no-deps --target DIR and set PYTHONPATH=DIR: docs/speed.md, "
               f"'Measuring a GPU')", file=sys.stderr)
         return 2
     out = Path(args.out).resolve()

@@ -180,7 +180,7 @@ def test_shard_specs(make_shards, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="holds no .tar, .tar.gz, .tgz files"):
         expand_shards(str(tmp_path / "empty"))
-    # a directory inside a '::' list, as the README promises (it was refused as "a directory, not a tar file")
+    # a directory inside a '::' list, as docs/data.md promises (it was refused as "a directory, not a tar file")
     assert expand_shards(f"{directory}::pipe:cat a.tar::{directory}/shard-000000.tar") == [*urls, "pipe:cat a.tar", urls[0]]
 
 

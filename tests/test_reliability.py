@@ -474,7 +474,7 @@ def test_a_user_error_under_two_processes_is_printed_once(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert result.stderr.count("error: unknown config key 'train.stpes'") == 1, result.stderr[-3000:]
-    assert "exitcode  : 2" in result.stderr  # both ranks exit 2; the launcher's report is what README explains
+    assert "exitcode  : 2" in result.stderr  # both ranks exit 2; the launcher's report is what docs/scaling.md explains
 
 
 def test_an_error_only_another_rank_meets_is_printed_by_it_naming_itself(monkeypatch, capsys):

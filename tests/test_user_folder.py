@@ -220,7 +220,7 @@ def test_mlflow_and_wandb_offline_hold_what_results_json_holds(tmp_path, monkeyp
     pytest.importorskip("wandb")
     from mlflow.tracking import MlflowClient
 
-    # As a user runs it: the README's form of MLFLOW_TRACKING_URI, no W&B key (a HOME of its own) and no WANDB_MODE.
+    # As a user runs it: docs/monitoring.md's form of MLFLOW_TRACKING_URI, no W&B key (a HOME of its own) and no WANDB_MODE.
     uri = f"file://{tmp_path / 'mlruns'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -4,7 +4,7 @@ A target owns everything that depends on what is predicted: the per-patch target
 pixels, the head's output size, the loss and the metrics it declares, how targets look in the TensorBoard panel,
 and how the model card describes it. To add one, write a `Target` subclass and give it an entry in
 mpp.model.registry.TARGETS (its meaning, head size and settings, read without torch); `mpp.target=<name>` then selects
-it, its settings join the `mpp` config section (with their defaults and meanings, in --help and README's reference),
+it, its settings join the `mpp` config section (with their defaults and meanings, in --help and docs/reference.md),
 and its metrics reach TensorBoard, the progress bar and results.json.
 """
 

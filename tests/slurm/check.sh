@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The documented SLURM job scripts (README's two, docs/clusters.md's torchrun one) under a real SLURM, stopped by their
+# The documented SLURM job scripts (docs/preemption.md's two, docs/clusters.md's torchrun one) under a real SLURM, stopped by their
 # warning signal, requeued and resumed: each must stop every rank at one step with a checkpoint, be requeued, resume
 # from that step and end with the same weights, bit for bit, as the same script never stopped. Not part of the pytest
 # suite: it needs root and apt (it installs Debian's slurm-wlm and munge where missing) and takes 6 to 7 minutes;
@@ -7,7 +7,8 @@
 #
 #   tests/slurm/check.sh [--readme FILE] [--time-limit MINUTES STEPS] [one_node] [several_nodes] [torchrun]
 #
-# (default: this checkout's README, all three scripts, the warning sent at once; --time-limit submits the stopped job
+# (default: this checkout's docs/preemption.md, which holds the two job scripts (--readme FILE: another file holding
+# them, such as an older README), all three scripts, the warning sent at once; --time-limit submits the stopped job
 # with that time limit and trains STEPS steps, long enough for SLURM's own warning to come, maybe more than once)
 #
 # It stands up a one-host cluster (munged, slurmctld, two slurmd as nodes n1 and n2 of 2 CPUs each, state and logs in
@@ -17,7 +18,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-README=$ROOT/README.md
+README=$ROOT/docs/preemption.md  # the file holding the two job scripts (README's, before issue 50)
 SCRIPTS=()
 TIME_LIMIT=  # minutes; empty: the warning is sent at once instead
 STEPS=200

@@ -1,6 +1,6 @@
 """The documented SLURM scripts as tests/slurm/check.sh runs them on one host, and its weights check.
 
-`python tests/slurm/scripts.py write README WORK` writes WORK/NAME_{reference,stopped}.sbatch for README's two scripts
+`python tests/slurm/scripts.py write GUIDE WORK` writes WORK/NAME_{reference,stopped}.sbatch for GUIDE's two scripts
 (NAME one_node, several_nodes) and docs/clusters.md's torchrun script (torchrun), with only what this host lacks
 rewritten (GPUs, four nodes, 64 CPUs, the paper's config and data) and every other line as documented. Each rewrite
 must find its text exactly once, so a script changed where it matters fails here, not silently later.
@@ -25,12 +25,13 @@ log: {every: 20, images_every: 1000}
 def section_scripts(path: Path, heading: str) -> list[str]:
     text = path.read_text()
     section = text[text.index(heading) + len(heading):]
-    section = section[:section.index("\n## ")]
+    section = section.split("\n## ", 1)[0]  # to the next section, or the file's end
     return re.findall(r"```bash\n(.*?)```", section, re.S)
 
 
 def documented_scripts(readme: Path) -> dict[str, str]:
-    """README's two job scripts (one node, then several) and docs/clusters.md's torchrun script."""
+    """The two job scripts of docs/preemption.md (or an older README: one node, then several) and docs/clusters.md's
+    torchrun script."""
     scripts = section_scripts(readme, SECTION)
     if len(scripts) != 2:
         sys.exit(f"{readme}: expected the one-node and the several-nodes script in {SECTION!r}, found {len(scripts)}")
