@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,22 @@ def write_test_shards(directory: Path, counts: list[int], size: int = 24, labels
 @pytest.fixture
 def make_shards(tmp_path):
     return lambda counts, **kw: write_test_shards(tmp_path / "shards", counts, **kw)
+
+
+def slow_first_steps(monkeypatch, seconds: float) -> None:
+    """The loop's first two optimiser steps of this process take `seconds` more each (a sleep in train_step), so a
+    test can tell the training time of a start killed after its first checkpoint from the time of its resume."""
+    from mpp.training import loop
+
+    quick_step, calls = loop.train_step, []
+
+    def first_two_steps_slow(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:
+            time.sleep(seconds)
+        return quick_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", first_two_steps_slow)
 
 
 def read_only(directory):

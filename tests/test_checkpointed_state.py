@@ -19,7 +19,7 @@ from mpp.training.runtime import make_accelerator
 from pipelines.evaluations.evaluators import Stage, TopK
 from pipelines.stages import finetune, predict, pretrain
 
-from conftest import ROOT, TINY, cpu_env, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, cpu_env, reset_accelerator, slow_first_steps, write_test_shards
 
 
 def log_lines(run):
@@ -127,18 +127,9 @@ def test_the_log_line_after_a_resume_averages_the_steps_an_uninterrupted_run_doe
 
 def test_a_resumed_runs_speed_and_done_line_count_every_start_as_its_wall_time_does(tmp_path, make_shards, monkeypatch, capsys):
     # F2: images_per_sec and "done in" described the last start alone while wall_time_s summed them all.
-    from mpp.training import loop
-
     make_shards([40], size=32)
-    quick_step, slow_seconds, calls = loop.train_step, 2.0, []
-
-    def first_two_steps_slow(*args, **kwargs):
-        calls.append(1)
-        if len(calls) <= 2:
-            time.sleep(slow_seconds)
-        return quick_step(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "train_step", first_two_steps_slow)
+    slow_seconds = 2.0
+    slow_first_steps(monkeypatch, slow_seconds)
     run = tmp_path / "run"
     pretrain.run(pretrain_config(tmp_path, "train.steps=4", "log.every=1"))
     as_if_killed_after_the_first_checkpoint(run)

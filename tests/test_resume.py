@@ -34,7 +34,7 @@ from pipelines.run.loaders import train_loader
 from pipelines.run.tracking import start_tracking
 from mpp.model.objectives import MaskedPatchPrediction
 
-from conftest import ROOT, TINY, exported_card, read_only, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, exported_card, read_only, reset_accelerator, slow_first_steps, write_test_shards
 from test_reliability import Watched
 
 
@@ -133,18 +133,9 @@ def test_resume_auto_starts_a_run_where_there_is_none_and_continues_it_where_the
 def test_an_interrupted_runs_wall_time_counts_its_training_before_the_checkpoint_it_resumed_from(tmp_path, make_shards, monkeypatch):
     # Killed after step 2's checkpoint, before it ever wrote results.json: the resume's wall_time_s used to hold the
     # resume's own seconds alone.
-    from mpp.training import loop
-
     make_shards([40], size=32)
-    quick_step, slow_seconds, calls = loop.train_step, 1.5, []
-
-    def first_two_steps_slow(*args, **kwargs):
-        calls.append(1)
-        if len(calls) <= 2:
-            time.sleep(slow_seconds)
-        return quick_step(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "train_step", first_two_steps_slow)
+    slow_seconds = 1.5
+    slow_first_steps(monkeypatch, slow_seconds)
     pretrain.run(pretrain_config(tmp_path))
     shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])
     for written_after_the_checkpoint in ("results.json", "model.safetensors"):
