@@ -78,6 +78,29 @@ def test_two_process_run_over_uneven_shards_resumes_to_the_same_weights(tmp_path
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
 
 
+def test_two_processes_with_workers_log_after_a_resume_what_the_uninterrupted_run_logs(tmp_path, make_shards):
+    # The log window in the checkpoint holds every rank's sums (reduced at the checkpoint): the line at step 3 spans
+    # the resume from the step-2 checkpoint, two ranks with a data worker each, 2 micro-batches a step.
+    make_shards([40, 40], size=32)
+    out = tmp_path / "run"
+    cmd = [*TWO_PROCESSES, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={out}", *TINY,
+           "train.steps=6", "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4",
+           "train.checkpoint_every=2", "train.keep_checkpoints=5", "data.num_workers=1", "log.every=3"]
+    lines = lambda: [{k: v for k, v in json.loads(line).items() if not k.startswith("train/perf/")}
+                     for line in (out / "log.txt").read_text().splitlines()]
+    run(cmd)
+    uninterrupted = lines()
+    for later in complete_checkpoints(out)[1:]:  # as if both ranks had died after the step-2 checkpoint
+        shutil.rmtree(later)
+    (out / "model.safetensors").unlink()
+    proc = run([*cmd, "--resume"])
+    assert "resumed from" in proc.stdout and "with 2 process(es)" in proc.stdout, proc.stdout[-2000:]
+    resumed = lines()
+    assert [line["step"] for line in resumed] == [line["step"] for line in uninterrupted] == [3, 6]
+    for after, before in zip(resumed, uninterrupted):  # the ranks' sums are added in another order: the last digit
+        assert after.keys() == before.keys() and all(math.isclose(after[k], before[k], rel_tol=1e-6) for k in before), (after, before)
+
+
 def test_a_run_sized_by_its_global_batch_resumes_on_two_then_one_then_two_processes(tmp_path, make_shards):
     # Leg 1 runs all 6 steps on 2 processes (the uninterrupted run); leg 2 resumes its step-3 checkpoint on 1 process
     # (accumulating 2 micro-batches where 2 processes took one each), leg 3 the 1-process step-5 checkpoint on 2.
