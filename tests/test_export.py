@@ -82,6 +82,73 @@ def test_exported_classifier_gives_our_logits(tmp_path):
     assert theirs.config.id2label[3] == "class3"
 
 
+def test_a_mean_pooled_classifier_exports_as_dinov2_with_our_logits(tmp_path):
+    """transformers' ViT classifies from [class] only: a head on the mean of the patch outputs (after the final
+    LayerNorm) becomes Dinov2ForImageClassification, its [class] half zero and its LayerScales one."""
+    ours = random_vit(2)
+    head = {"weight": torch.randn(5, 32), "bias": torch.randn(5)}
+    assert export_hf(ours, tmp_path / "hf", head, id2label={i: f"c{i}" for i in range(5)}, pool="mean") == "Dinov2ForImageClassification"
+    theirs, complaints = load_quietly(transformers.AutoModelForImageClassification.from_pretrained, tmp_path / "hf")
+    assert complaints == [] and type(theirs).__name__ == "Dinov2ForImageClassification"
+    images = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8)
+    with torch.no_grad():
+        encoded = ours(normalize(images))
+        expected = encoded[:, 1:].mean(dim=1) @ head["weight"].T + head["bias"]
+        got = theirs.eval()(pixel_values=normalize(images)).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not torch.allclose(got, encoded[:, 0] @ head["weight"].T + head["bias"], atol=1e-2)  # not the [class] head
+    assert theirs.config.id2label[4] == "c4"
+
+
+def test_a_mean_pooled_classifier_loaded_by_transformers_predicts_what_mpp_predict_does_on_non_square_images(tmp_path):
+    """End to end: a mean-pooled classifier's file, exported by the export command, loaded by transformers' Auto
+    classes and pipeline with its processor (centre crop, resize), against `mpp predict` on wide and tall PNGs."""
+    import launch
+    from mpp.model.checkpoint import save_weights
+    from mpp.model.objectives import Classification, finetuning_head
+    from pipelines.stages.predict import classifier, read_batches
+    from pipelines.run.start import checkpoint_config
+
+    names = ("red", "green", "blue", "grey")
+    backbone = random_vit(3)
+    model = Classification(backbone, finetuning_head(32, 4), export_head=True, pool="mean", class_names=names)
+    with torch.no_grad():
+        model.head.weight.normal_(0, 1.0)
+        model.head.bias.normal_(0, 1.0)
+    save_weights(model, tmp_path / "mean.safetensors")
+    assert launch.main(["export", "--ckpt", str(tmp_path / "mean.safetensors"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "linear head on the mean of the patch outputs" in card and "[class] half of its weights is zero" in card
+
+    rng = np.random.default_rng(0)
+    images = []
+    # Wide and tall, cropped at even and odd offsets, resized by 1.5 and 2 or not at all: sizes at which PIL's resize
+    # (the processor's) and torch's uint8 kernel (mpp's) give the same pixels; at others (30 -> 16) they can differ
+    # by one grey level, which moves a logit by about 1e-3 (test_user_folder compares probabilities there).
+    for i, (w, h) in enumerate([(40, 24), (24, 36), (16, 41), (41, 16), (64, 32)]):
+        images.append(tmp_path / f"{i}.png")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(images[-1])
+    assert launch.main(["predict", "--ckpt", str(tmp_path / "mean.safetensors"), *map(str, images), "--top-k", "4",
+                        "--out", str(tmp_path / "ours.json")]) == 0
+    predicted = {r["image"]: r["top"] for r in json.loads((tmp_path / "ours.json").read_text())["predictions"]}
+
+    cfg = checkpoint_config(str(tmp_path / "mean.safetensors"), None, [])  # the config `mpp predict` runs with
+    _, pixels = next(read_batches(images, 16, len(images), {}))  # as `mpp predict` prepares them
+    with torch.no_grad():
+        expected = classifier(cfg, str(tmp_path / "mean.safetensors")).logits(pixels)
+        loaded = transformers.AutoModelForImageClassification.from_pretrained(tmp_path / "hf").eval()
+        processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "hf")
+        prepared = processor([Image.open(path) for path in images], return_tensors="pt")["pixel_values"]
+        assert torch.allclose(prepared, normalize(pixels), atol=1e-6)
+        got = loaded(pixel_values=prepared).logits
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    classify = transformers.pipeline("image-classification", model=str(tmp_path / "hf"), device="cpu")
+    for path in images:
+        theirs = classify(Image.open(path), top_k=4)
+        assert [p["label"] for p in theirs] == [t["class"] for t in predicted[str(path)]], path
+        assert [p["score"] for p in theirs] == pytest.approx([t["probability"] for t in predicted[str(path)]], abs=1e-5), path
+
+
 def test_export_without_transformers_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` does when it is not installed
     with pytest.raises(ExportError, match=r"pip install 'mpp\[hf\]'"):

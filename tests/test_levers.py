@@ -168,7 +168,7 @@ def test_mean_pooled_classifier_reads_the_mean_patch_output():
         assert not torch.allclose(model.logits(images), model.head(encoded[:, 0]))
 
 
-def test_mean_pooled_fine_tuning_trains_and_its_export_is_refused(tmp_path, make_shards, capsys):
+def test_mean_pooled_fine_tuning_trains_and_exports_as_dinov2(tmp_path, make_shards, capsys):
     make_shards([30, 30], size=32)
     cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'shards'}",
                              f"output_dir={tmp_path / 'run'}", *TINY, "model.num_classes=10", "train.steps=3",
@@ -177,10 +177,10 @@ def test_mean_pooled_fine_tuning_trains_and_its_export_is_refused(tmp_path, make
     finetune.run(cfg, ckpt=None)
     reset_accelerator()
     capsys.readouterr()
-    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert "finetune.pool=mean" in err and "cannot represent" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "hf").exists()  # nothing half-written
+    # transformers' ViT classifies from [class] only; DINOv2's classifier represents the mean exactly (test_export).
+    assert launch.main(["export", "--ckpt", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert "wrote a transformers Dinov2ForImageClassification" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Dinov2ForImageClassification"]
 
 
 # ---------------------------------------------------------------- mixup and CutMix

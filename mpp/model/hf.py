@@ -1,10 +1,17 @@
-"""Our ViT as a Hugging Face `transformers` ViT checkpoint (ViTModel, or ViTForImageClassification with a head).
+"""Our ViT as a Hugging Face `transformers` checkpoint: ViTModel (a backbone), ViTForImageClassification (a
+classifier on the [class] token) or Dinov2ForImageClassification (a classifier on the mean of the patch outputs).
 
 The architectures are the same network; only names and two layouts differ: HF embeds patches with a Conv2d
 (our Linear reads each patch flattened as (p1 p2 c)) and keeps q, k and v as three Linears (ours is one qkv).
 ViTModel's pooler (a Dense + tanh on [class] in BERT's manner) has no counterpart in the paper, whose representation
 is the [class] token after the final LayerNorm: it is exported as the identity, so `pooler_output` is exactly that
 token and `ViTModel.from_pretrained(DIR)` loads every weight it expects.
+
+A mean-pooled classifier (finetune.pool=mean) normalises every token with the final LayerNorm, then averages the patch
+tokens. transformers' BEiT and Data2VecVision (use_mean_pooling) average first and normalise the mean, another
+function; DINOv2's classifier reads [class ; mean of the patch tokens], both after the final LayerNorm, and its
+blocks are ours with a LayerScale after each branch. With every LayerScale at one and the classifier's [class] half
+at zero, Dinov2ForImageClassification computes exactly our logits.
 """
 
 from __future__ import annotations
@@ -78,6 +85,42 @@ def hf_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor] | N
     if head is None:
         return {**out, "pooler.dense.weight": torch.eye(backbone.width), "pooler.dense.bias": torch.zeros(backbone.width)}
     return {**{f"vit.{k}": v for k, v in out.items()}, "classifier.weight": head["weight"], "classifier.bias": head["bias"]}
+
+
+# A transformers ViT block's names against DINOv2's (the rest of a block is named alike in both).
+DINOV2_BLOCK_NAMES = {"layernorm_before": "norm1", "layernorm_after": "norm2"}
+
+
+def dinov2_config(backbone: VisionTransformer, num_labels: int) -> dict:
+    """Dinov2Config arguments describing `backbone` and a classifier over `num_labels` classes: ViT's, with
+    LayerScale (written as ones), no [mask] token (DINOv2's pretraining's, unused by its classifier)."""
+    vit = hf_config(backbone, num_labels)
+    shared = ("hidden_size", "num_hidden_layers", "num_attention_heads", "hidden_act", "hidden_dropout_prob",
+              "attention_probs_dropout_prob", "layer_norm_eps", "qkv_bias", "image_size", "patch_size", "num_channels",
+              "num_labels")
+    return {**{key: vit[key] for key in shared}, "mlp_ratio": MLP_RATIO, "layerscale_value": 1.0,
+            "use_swiglu_ffn": False, "use_mask_token": False, "drop_path_rate": 0.0}
+
+
+def dinov2_state_dict(backbone: VisionTransformer, head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our weights and mean-pooled `head` under Dinov2ForImageClassification's names: each LayerScale one (the
+    identity), the classifier's weights over [class ; mean of the patch tokens] zero on the [class] half."""
+    out = {}
+    for key, tensor in hf_state_dict(backbone).items():
+        if key.startswith("pooler."):
+            continue  # ViTModel's; DINOv2 has none
+        if key.startswith("layers."):
+            _, i, rest = key.split(".", 2)
+            name, kind = rest.rsplit(".", 1)
+            key = f"encoder.layer.{i}.{DINOV2_BLOCK_NAMES.get(name, name)}.{kind}"
+        out[f"dinov2.{key}"] = tensor
+    for i in range(backbone.depth):
+        for scale in ("layer_scale1", "layer_scale2"):
+            out[f"dinov2.encoder.layer.{i}.{scale}.lambda1"] = torch.ones(backbone.width)
+    weight = head["weight"]
+    out["classifier.weight"] = torch.cat([torch.zeros_like(weight), weight], dim=1)  # (K, 2D): [class] ignored
+    out["classifier.bias"] = head["bias"]
+    return out
 
 
 def is_hf_vit(tensors: dict[str, torch.Tensor]) -> bool:
@@ -225,36 +268,44 @@ def preprocessor_config(image_size: int) -> dict:
     }
 
 
+# Why no library loads a hybrid (model.stem=resnet) as it computes: one line, with what would be needed.
+HYBRID_REFUSAL = (
+    "this is a hybrid ViT (model.stem=resnet), which transformers 5 has no class for (ViTHybrid was removed; ViTModel "
+    "embeds patches linearly) and timm's hybrids do not compute as trained: their ResNetV2 pads its strided layers "
+    "'SAME' (asymmetrically) where mpp's stem pads symmetrically, and fixes GroupNorm's epsilon at 1e-5 where mpp's "
+    "stem uses 1e-6; exporting it would need a timm hybrid that takes both as arguments: use its model.safetensors "
+    "with mpp (predict, finetune), or pretrain with model.stem=patch to export")
+
+
 def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, torch.Tensor] | None = None,
               id2label: dict[int, str] | None = None, pool: str = "cls") -> str:
     """Write a transformers checkpoint (config.json, model.safetensors, preprocessor_config.json) to out_dir.
 
     Without `head`: ViTModel, its pooler the identity (`pooler_output` = `last_hidden_state[:, 0]`, the paper's
-    representation). With `head`: ViTForImageClassification, whose classifier reads that same token, with
-    `id2label` naming its classes. Returns the class name.
-    A head trained on mean-pooled patch outputs (`pool="mean"`) is refused: transformers' ViT classifies from
-    [class] only, so its export would give other logits than the model that was trained.
+    representation). With `head` on the [class] token (`pool="cls"`): ViTForImageClassification; on the mean of the
+    patch outputs (`pool="mean"`): Dinov2ForImageClassification (see the module); either with `id2label` naming its
+    classes. Returns the class name. A hybrid is refused (HYBRID_REFUSAL).
     """
     if backbone.stem != "patch":
-        raise ExportError("this is a hybrid ViT (model.stem=resnet), which transformers 5 has no class for (ViTModel embeds "
-                          "patches linearly); use its model.safetensors with mpp, or pretrain with model.stem=patch to export")
-    if head is not None and pool != "cls":
-        raise ExportError("this classifier was fine-tuned on the mean of the patch outputs (finetune.pool=mean), which "
-                          "transformers' ViTForImageClassification cannot represent (it reads the [class] token); "
-                          "export a run fine-tuned with finetune.pool=cls, or the pretrained backbone as a ViTModel")
+        raise ExportError(HYBRID_REFUSAL)
     try:
         import transformers
-        from transformers import ViTConfig, ViTForImageClassification, ViTModel
+        from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification, ViTModel
     except ImportError:
         raise ExportError("exporting to Hugging Face needs the transformers package: pip install 'mpp[hf]' (in a checkout: pip install -e '.[hf]')") from None
     if int(transformers.__version__.split(".")[0]) < 5:
         raise ExportError(f"exporting needs transformers 5 or newer (found {transformers.__version__}): pip install -U 'mpp[hf]'")
-    num_labels = None if head is None else head["weight"].shape[0]
-    config = ViTConfig(**hf_config(backbone, num_labels))
+    if head is None:
+        model, weights = ViTModel(ViTConfig(**hf_config(backbone))), hf_state_dict(backbone)
+    elif pool == "cls":
+        model = ViTForImageClassification(ViTConfig(**hf_config(backbone, head["weight"].shape[0])))
+        weights = hf_state_dict(backbone, head)
+    else:
+        model = Dinov2ForImageClassification(Dinov2Config(**dinov2_config(backbone, head["weight"].shape[0])))
+        weights = dinov2_state_dict(backbone, head)
     if id2label:
-        config.id2label, config.label2id = dict(id2label), {name: i for i, name in id2label.items()}
-    model = ViTModel(config) if head is None else ViTForImageClassification(config)
-    model.load_state_dict({k: v.detach().float().contiguous() for k, v in hf_state_dict(backbone, head).items()}, strict=True)
+        model.config.id2label, model.config.label2id = dict(id2label), {name: i for i, name in id2label.items()}
+    model.load_state_dict({k: v.detach().float().contiguous() for k, v in weights.items()}, strict=True)
     out = Path(out_dir)
     model.save_pretrained(out)
     usual_mode(*out.glob("*.safetensors"))  # safetensors writes them 0600

@@ -1,5 +1,5 @@
-"""Export stage: a checkpoint of this project as a Hugging Face `transformers` ViT (`mpp export --to hf DIR`), with a
-model card (README.md) that says what it is and how it was made."""
+"""Export stage: a checkpoint of this project as a Hugging Face `transformers` model (`mpp export --to hf DIR`), with
+a model card (README.md) that says what it is and how it was made."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ FORMATS = ("hf",)
 
 
 def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
-    """Write the backbone in `ckpt` (ViTModel), with its classifier if it was fine-tuned (ViTForImageClassification).
+    """Write the backbone in `ckpt` (ViTModel), with its classifier if it was fine-tuned (ViTForImageClassification
+    on the [class] token, Dinov2ForImageClassification on the mean of the patch outputs: mpp.model.hf).
 
     A pretraining run's head (MPP's colour head, supervised pretraining's MLP) is the paper's throwaway pretraining
     head: a pretraining checkpoint exports as a backbone."""
@@ -112,9 +113,20 @@ def run_record(weights_file: Path) -> tuple[dict, int | None]:
     return (json.loads(results.read_text()) if results.is_file() else {}), step
 
 
+def pooling_line(fine_tuned: bool, mean_pooled: bool) -> str:
+    """The model card's line on what the representation (and the classifier) reads."""
+    if mean_pooled:
+        return ("- **Pooling**: the mean of the patch outputs after the final LayerNorm (finetune.pool=mean). "
+                "Dinov2ForImageClassification's classifier reads [class ; mean of the patch outputs]; the [class] half "
+                "of its weights is zero and every LayerScale is one, so it computes the trained model's logits exactly.")
+    return ("- **Pooling**: the [class] token after the final LayerNorm (`last_hidden_state[:, 0]`); the exported pooler is "
+            "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."))
+
+
 def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kind: str, out_dir: str) -> str:
     record, step = run_record(weights_file)
-    fine_tuned = kind == "ViTForImageClassification"
+    fine_tuned = kind.endswith("ForImageClassification")
+    mean_pooled = kind.startswith("Dinov2")
     summary = shards_summary(cfg)
     data = f"`{cfg.data.shards}`" + (f" ({summary.samples:,} images, {summary.classes} classes)" if summary and summary.samples is not None else "")
     if fine_tuned:
@@ -122,7 +134,8 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
             start = "a starting point not recorded (no results.json beside the weights)"
         else:
             start = record["ckpt"] or "a fresh backbone (training from scratch)"
-        objective = f"fine-tuned as a classifier (linear head on the [class] token) from {start}"
+        read = "the mean of the patch outputs" if mean_pooled else "the [class] token"
+        objective = f"fine-tuned as a classifier (linear head on {read}) from {start}"
     else:
         described = record.get("description") or OBJECTIVES[cfg.objective].summary
         objective = f"{described} (pretraining; the pretraining head is not exported)"
@@ -155,10 +168,9 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         f"({(backbone.image_size // backbone.patch_size) ** 2} patches).",
         *([] if backbone.pos_embed_kind == "learned" else [
             f"- **Position embeddings**: trained as {backbone.pos_embed_kind}, written as the one table they add at "
-            f"{backbone.image_size} px (transformers' ViT has a learned table only); at another resolution transformers "
+            f"{backbone.image_size} px ({kind} has a learned table only); at another resolution transformers "
             f"interpolates that table."]),
-        "- **Pooling**: the [class] token after the final LayerNorm (`last_hidden_state[:, 0]`); the exported pooler is "
-        "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."),
+        pooling_line(fine_tuned, mean_pooled),
         f"- **{metrics_at}**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
         f"- **Produced by**: `{record['command']}`{continued}." if record.get("command") else "- **Produced by**: not recorded.",
         f"- **Exported by**: `{command_line()}`.", "",
