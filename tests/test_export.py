@@ -100,22 +100,28 @@ def test_a_mean_pooled_classifier_exports_as_dinov2_with_our_logits(tmp_path):
     assert theirs.config.id2label[4] == "c4"
 
 
+def mean_pooled_file(path):
+    """A mean-pooled classifier's model.safetensors as fine-tuning writes one (its pool and class names recorded),
+    every weight random."""
+    from mpp.model.checkpoint import save_weights
+    from mpp.model.objectives import Classification, finetuning_head
+
+    model = Classification(random_vit(3), finetuning_head(32, 4), export_head=True, pool="mean",
+                           class_names=("red", "green", "blue", "grey"))
+    with torch.no_grad():
+        model.head.weight.normal_(0, 1.0)
+        model.head.bias.normal_(0, 1.0)
+    save_weights(model, path)
+
+
 def test_a_mean_pooled_classifier_loaded_by_transformers_predicts_what_mpp_predict_does_on_non_square_images(tmp_path):
     """End to end: a mean-pooled classifier's file, exported by the export command, loaded by transformers' Auto
     classes and pipeline with its processor (centre crop, resize), against `mpp predict` on wide and tall PNGs."""
     import launch
-    from mpp.model.checkpoint import save_weights
-    from mpp.model.objectives import Classification, finetuning_head
     from pipelines.stages.predict import classifier, read_batches
     from pipelines.run.start import checkpoint_config
 
-    names = ("red", "green", "blue", "grey")
-    backbone = random_vit(3)
-    model = Classification(backbone, finetuning_head(32, 4), export_head=True, pool="mean", class_names=names)
-    with torch.no_grad():
-        model.head.weight.normal_(0, 1.0)
-        model.head.bias.normal_(0, 1.0)
-    save_weights(model, tmp_path / "mean.safetensors")
+    mean_pooled_file(tmp_path / "mean.safetensors")
     assert launch.main(["export", "--ckpt", str(tmp_path / "mean.safetensors"), "--to", "hf", str(tmp_path / "hf")]) == 0
     card = (tmp_path / "hf" / "README.md").read_text()
     assert "linear head on the mean of the patch outputs" in card and "[class] half of its weights is zero" in card
@@ -147,6 +153,29 @@ def test_a_mean_pooled_classifier_loaded_by_transformers_predicts_what_mpp_predi
         theirs = classify(Image.open(path), top_k=4)
         assert [p["label"] for p in theirs] == [t["class"] for t in predicted[str(path)]], path
         assert [p["score"] for p in theirs] == pytest.approx([t["probability"] for t in predicted[str(path)]], abs=1e-5), path
+
+
+def test_a_dinov2_export_reads_back_as_the_mean_pooled_classifier_and_public_dinov2_is_refused(tmp_path, capsys):
+    import launch
+    from safetensors.torch import load_file, save_file
+
+    mean_pooled_file(tmp_path / "mean.safetensors")
+    assert launch.main(["export", "--ckpt", str(tmp_path / "mean.safetensors"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    image = tmp_path / "wide.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(image)
+    capsys.readouterr()
+    said = []
+    for ckpt in (tmp_path / "mean.safetensors", tmp_path / "hf"):
+        assert launch.main(["predict", "--ckpt", str(ckpt), str(image), "--top-k", "4"]) == 0
+        said.append(capsys.readouterr().out)
+    assert said[0] == said[1] and "grey" in said[0]  # the same classes, names and probabilities as printed
+
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["dinov2.encoder.layer.0.layer_scale1.lambda1"] = torch.full((32,), 0.5)  # as DINOv2's own weights
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    assert launch.main(["predict", "--ckpt", str(tmp_path / "hf"), str(image)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a DINOv2 classifier with LayerScale (not one), which this project's ViT" in err and "\n" not in err
 
 
 def test_export_without_transformers_names_the_extra(tmp_path, monkeypatch):

@@ -23,8 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mpp.errors import UserError, command
-from mpp.model.hf import (HF_CONFIG, from_hf_state_dict, from_timm_state_dict, hf_architecture, hf_class_names,
-                          is_hf_vit, is_timm_vit, timm_extras)
+from mpp.model.hf import (HF_CONFIG, dinov2_extras, from_hf_state_dict, from_timm_state_dict, hf_architecture,
+                          hf_class_names, is_hf_dinov2_classifier, is_hf_vit, is_timm_vit, timm_extras, vit_from_dinov2)
 from mpp.model.vit import VisionTransformer, resolve_variant, resize_position_weights, resnet_stride
 from mpp.rundir import CHECKPOINTS, CONFIG, WEIGHTS, newest_verified, run_config_of, usual_mode
 
@@ -105,6 +105,8 @@ def read_weights(ckpt: str | Path) -> SavedWeights:
         raise CheckpointError(f"cannot read {path} as safetensors ({exc}); pass a model.safetensors written by this project") from None
     if is_hf_vit(tensors):
         return hf_weights(path, tensors)
+    if is_hf_dinov2_classifier(tensors):
+        return dinov2_weights(path, tensors)
     if is_timm_vit(tensors):
         return timm_weights(path, tensors)
     try:
@@ -153,6 +155,18 @@ def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
     about = {**architecture, "holds": CLASSIFIER, "pool": "cls"}  # ViTForImageClassification reads the [class] token
     names = hf_class_names(config, ours["head.weight"].shape[0])
     return SavedWeights(path, ours, about if names is None else {**about, "class_names": names})
+
+
+def dinov2_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
+    """A Dinov2ForImageClassification as `export` writes a mean-pooled classifier: our ViT and a head on the mean of
+    the patch outputs. One with parts our ViT has not (public DINOv2 weights) is refused by name."""
+    extras = dinov2_extras(tensors)
+    if extras:
+        raise CheckpointError(f"{path} holds a DINOv2 classifier with {' and '.join(extras)}, which this project's ViT "
+                              f"(the paper's) has not; pass a Hugging Face ViT directory, or the export of an mpp "
+                              f"classifier fine-tuned with finetune.pool=mean")
+    saved = hf_weights(path, vit_from_dinov2(tensors))
+    return SavedWeights(saved.path, saved.tensors, {**saved.about, "pool": "mean"})
 
 
 def timm_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:

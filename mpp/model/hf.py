@@ -161,6 +161,43 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return ours
 
 
+# How save_pretrained names a DINOv2 block's tensors on disk where they differ from a ViT's (HF_BLOCK_NAMES' keys).
+DINOV2_DISK_NAMES = {"norm1": "layernorm_before", "norm2": "layernorm_after", "mlp.fc1": "intermediate.dense",
+                     "mlp.fc2": "output.dense"}
+
+
+def is_hf_dinov2_classifier(tensors: dict[str, torch.Tensor]) -> bool:
+    """Tensors named as save_pretrained names a Dinov2ForImageClassification's (`export` writes a mean-pooled one so)."""
+    return "dinov2.embeddings.cls_token" in tensors
+
+
+def dinov2_extras(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """What a Dinov2ForImageClassification holds that a mean-pooled classifier of ours has not: a LayerScale other
+    than one, a classifier that reads the [class] token (its weights' first half not zero)."""
+    extras = []
+    if any(k.endswith(".lambda1") and not torch.all(v == 1) for k, v in tensors.items()):
+        extras.append("LayerScale (not one)")
+    weight = tensors["classifier.weight"]
+    if torch.any(weight[:, : weight.shape[1] // 2] != 0):
+        extras.append("a classifier that reads the [class] token beside the mean of the patch outputs")
+    return extras
+
+
+def vit_from_dinov2(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Dinov2ForImageClassification's tensors (without dinov2_extras) named as a ViTForImageClassification's on
+    disk, its classifier's mean half as the classifier: what from_hf_state_dict reads."""
+    out = {}
+    for key, tensor in tensors.items():
+        if key.endswith(".lambda1") or key == "dinov2.embeddings.mask_token":
+            continue  # ones (checked), and DINOv2's pretraining's [mask]
+        for dinov2, vit in DINOV2_DISK_NAMES.items():
+            key = key.replace(f".{dinov2}.", f".{vit}.")
+        out[key.replace("dinov2.", "vit.", 1)] = tensor
+    weight = tensors["classifier.weight"]
+    out["classifier.weight"] = weight[:, weight.shape[1] // 2:]
+    return out
+
+
 # timm's ViT (timm.models.vision_transformer) as its model.safetensors names it: our layout (cls_token, pos_embed,
 # blocks.N.norm1 / attn.qkv / attn.proj / norm2, norm, head) but for its patch embedding, a Conv2d as transformers',
 # and its MLP's names. Read here without timm.
@@ -221,7 +258,7 @@ def hf_architecture(weights_file: Path) -> dict | None:
     except OSError as exc:
         raise UserError(f"{config_file} cannot be read ({exc.strerror}); {fix}") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type != "vit":
+    if model_type not in ("vit", "dinov2"):  # dinov2: a mean-pooled classifier, as `export` writes one
         found = f"model_type {model_type!r}" if model_type else "no model_type"
         raise UserError(f"{config_file} describes no Hugging Face ViT ({found}, where a ViT's is 'vit'), so the weights "
                         f"beside it cannot be read as one; pass a ViT's directory (ViTModel or ViTForImageClassification)")
