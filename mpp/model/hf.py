@@ -168,7 +168,7 @@ DINOV2_DISK_NAMES = {"norm1": "layernorm_before", "norm2": "layernorm_after", "m
 
 def is_hf_dinov2_classifier(tensors: dict[str, torch.Tensor]) -> bool:
     """Tensors named as save_pretrained names a Dinov2ForImageClassification's (`export` writes a mean-pooled one so)."""
-    return "dinov2.embeddings.cls_token" in tensors
+    return "dinov2.embeddings.cls_token" in tensors and "classifier.weight" in tensors
 
 
 def dinov2_extras(tensors: dict[str, torch.Tensor]) -> list[str]:
