@@ -25,12 +25,15 @@ SKIPPED = [
     (r"accelerate config", "writes Accelerate's own config"),
     (r"tensorboard ", "TensorBoard's viewer"),
     (r"python -m pytest", "the test suite itself"),
+    (r"python -m pipelines\.reference$", "rewrites docs/reference.md (tests/test_config_model.py fails while it is stale)"),
     (r"python3? -c ", "inline Python shown with its output"),
     (r"python benchmarks/", "a benchmark script (benchmarks/, with its own options)"),
     (r"(git|farm-bench) ", "another tool's command"),
     (r"(export|if|then|fi|for|do|done|wait|trap|exit|kill|cd|head)( |$)|\w+=\S*$", "the shell's own"),
     (r"(scontrol|scancel|srun) ", "SLURM's commands (an mpp command inside srun's quotes is checked on its own)"),
 ]
+# Docs whose commands need parts that a test registers first, and the test that checks them.
+CHECKED_ELSEWHERE = {"docs/extending.md": "tests/test_extending.py::test_the_guides_commands_parse_with_its_parts_registered"}
 PLACEHOLDERS = {"...": None}  # a word that stands for the rest of the line as the reader likes it: dropped
 
 
@@ -153,7 +156,8 @@ def check_words(words: list[str], tally: dict) -> list[str]:
 def test_every_shell_command_in_the_readme_and_guides_parses_and_loads(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # the docs' commands run from a checkout's root (configs/...)
     tally = {"checked": 0}
-    found = [problem for doc in DOCS for problem in problems(str(doc.relative_to(ROOT)), doc.read_text(), tally)]
+    docs = [doc for doc in DOCS if str(doc.relative_to(ROOT)) not in CHECKED_ELSEWHERE]
+    found = [problem for doc in docs for problem in problems(str(doc.relative_to(ROOT)), doc.read_text(), tally)]
     capsys.readouterr()  # argparse's own usage lines for a refused command
     assert found == []
     assert tally["checked"] >= 50, tally  # the check runs: README and the guides hold dozens of mpp commands
