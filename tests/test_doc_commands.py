@@ -6,8 +6,6 @@ other command is skipped by one of SKIPPED's rules, and a line that is neither f
 import re
 import shlex
 
-import pytest
-
 from mpp.config import load_config
 from pipelines import cli
 from pipelines.commands import COMMANDS, config_file
@@ -34,7 +32,7 @@ SKIPPED = [
 ]
 # Docs whose commands need parts that a test registers first, and the test that checks them.
 CHECKED_ELSEWHERE = {"docs/extending.md": "tests/test_extending.py::test_the_guides_commands_parse_with_its_parts_registered"}
-PLACEHOLDERS = {"...": None}  # a word that stands for the rest of the line as the reader likes it: dropped
+PLACEHOLDERS = {"..."}  # a word that stands for the rest of the line as the reader likes it: dropped
 
 
 def fences(text: str):
