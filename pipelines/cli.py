@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import os
 import re
 import shutil
@@ -24,45 +23,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from omegaconf import OmegaConf  # noqa: E402 (after the OpenMP setting above)
 
 import mpp  # noqa: E402
-from mpp.config import Config, ConfigError, config_reference, config_to_yaml, load_config  # noqa: E402
-from mpp.errors import TERMINATED_STATUS, Terminated, UserError, command  # noqa: E402
+from mpp.config import Config, config_reference, config_to_yaml, load_config  # noqa: E402
+from mpp.errors import TERMINATED_STATUS, Terminated, UserError  # noqa: E402
+from mpp.model.registry import implementation  # noqa: E402
+from .commands import (CONFIG_KINDS, CONFIGS, COMMANDS, RESUME_AUTO, add_command, config_file,  # noqa: E402
+                       shipped)
 
 
-def shipped_configs() -> Path:
-    """The configs/ directory shipped with mpp: package data in an installed wheel (mpp/pipelines/configs), the
-    top-level configs/ of a checkout (what pyproject.toml installs there)."""
-    here = Path(__file__).resolve().parent
-    packaged = here / "configs"
-    return packaged if packaged.is_dir() else here.parent / "configs"
-
-
-CONFIGS = shipped_configs()
-CONFIG_KINDS = ("pretrain", "finetune", "compare")  # the sub-folders of configs/: the stages whose --config they are
-RUN_CONFIG_STAGES = ("pretrain", "finetune", "fewshot", "knn", "probe", "inspect", "export", "predict")  # the stages that take a run config
-# the stages that score --ckpt and write beside it, with their modules in pipelines/evaluations
-EVALUATION_STAGES = {"fewshot": "fewshot", "knn": "knn", "probe": "probe", "inspect": "inspection"}
 RANK_ERROR_GRACE_S = 20
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
-AFTER_CTRL_C = {"compare": "; the stages it finished are kept, and the same command goes on from them"}  # what a stage keeps
 OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+=")  # a dotted key=value, not a file name holding '='
-
-
-
-def shipped(kind: str) -> list[str]:
-    """The names of the configs shipped for `kind` (`default`, `supervised`, ...), what --config takes bare."""
-    return sorted(path.stem for path in (CONFIGS / kind).glob("*.yaml"))
-
-
-def config_file(kind: str, value: str) -> str:
-    """--config as given: a YAML file, or the bare name of a config shipped for `kind` (`tiny` for compare's
-    configs/compare/tiny.yaml), so the shipped configs are at hand without a checkout."""
-    if Path(value).is_file():
-        return value
-    bare = CONFIGS / kind / f"{value.removesuffix('.yaml')}.yaml"
-    if "/" not in value and bare.is_file():
-        return str(bare)
-    raise ConfigError(f"config file {value} does not exist; pass a YAML file or the name of a shipped {kind} config "
-                      f"({', '.join(shipped(kind))}; `{command('--list-configs')}` shows where they are)")
 
 
 class ListConfigs(argparse.Action):
@@ -79,20 +49,13 @@ class ListConfigs(argparse.Action):
         parser.exit()
 
 
-def class_ids(text: str) -> list[int]:
-    """'1,3,5' -> [1, 3, 5], for prepare --classes."""
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of class ids (e.g. 0,2,4)") from None
-
-
 def run_config(args: argparse.Namespace) -> Config:
     """The run config of a stage that takes one: --config (a training stage's default; for --resume without it, the
     saved config of the run in output_dir; the run that wrote --ckpt), then the key=value overrides. A stage that
     scores --ckpt writes beside it unless output_dir is among the overrides."""
     with_every_part()
-    if args.stage in ("pretrain", "finetune"):
+    command = COMMANDS[args.stage]
+    if command.config == "training":
         default = str(CONFIGS / args.stage / "default.yaml")
         if args.resume and args.config is None:
             from .run.run_policy import resume_config
@@ -108,7 +71,7 @@ def run_config(args: argparse.Namespace) -> Config:
     from .run.start import checkpoint_config
 
     cfg = checkpoint_config(args.ckpt, args.config, args.overrides)
-    if args.stage in EVALUATION_STAGES and not any(o.startswith("output_dir=") for o in args.overrides):
+    if command.writes_beside_ckpt and not any(o.startswith("output_dir=") for o in args.overrides):
         from .evaluations.frozen import beside_checkpoint
 
         cfg = cfg.model_copy(update={"output_dir": str(beside_checkpoint(args.ckpt))})
@@ -132,55 +95,6 @@ def config_keys_help() -> str:
     for key, default, meaning in config_reference():
         lines += [f"  {key} = {default}", *textwrap.wrap(meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6)]
     return "\n".join(lines)
-
-
-def stage_parser(stages, name: str, summary: str) -> argparse.ArgumentParser:
-    """A stage that takes a run config: its --help lists the config keys, and --print-config shows the config."""
-    parser = stages.add_parser(name, help=summary, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.keys_in_help = True
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the config the stage would run with (the file, then the overrides) and exit")
-    return parser
-
-
-def checkpoint_stage(stages, name: str, summary: str, example: str, more_checkpoints: str = "") -> None:
-    """A stage that reads a saved backbone (`fewshot`, `knn`, `inspect`, `probe`): --ckpt, --config and overrides."""
-    stage = stage_parser(stages, name, summary)
-    stage.add_argument("--ckpt", required=True, help=f"a run directory, a checkpoints/step_N directory or a .safetensors file{more_checkpoints}")
-    stage.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    stage.add_argument("overrides", nargs="*", metavar="key=value",
-                       help=f"dotted overrides, e.g. {example}; output_dir=DIR: where the result goes (default: the run "
-                            f"directory --ckpt names, else NAME-eval beside the checkpoint, file or folder it names)")
-
-
-RESUME_AUTO = "--resume=auto"  # what `--resume auto` becomes before parsing (resume_auto_as_one_word)
-
-
-def add_run_choice(stage: argparse.ArgumentParser) -> None:
-    """What a training stage does with a run already in its output_dir: continue it or start over."""
-    choice = stage.add_mutually_exclusive_group()
-    choice.add_argument("--resume", action="store_true",
-                        help="continue the run in output_dir from its newest checkpoint that verifies (refused where "
-                             "output_dir holds no run); `--resume auto` continues it where output_dir holds a "
-                             "checkpoint and starts a fresh run where it holds none, so one command serves a cluster "
-                             "job's first submission and every requeue")
-    choice.add_argument(RESUME_AUTO, dest="resume", action="store_const", const="auto", default=False, help=argparse.SUPPRESS)
-    choice.add_argument("--overwrite", action="store_true",
-                        help="start over in an output_dir that holds a run: delete what runs of mpp wrote there "
-                             "(its checkpoints/, tensorboard/, config.yaml, results.json, model.safetensors, as its "
-                             "run.json lists them; other files stay); refused while another run works there")
-
-
-def class_name_list(text: str) -> list[str]:
-    """'cat,dog' -> ['cat', 'dog']; '@names.txt' -> the file's lines (one name each, blank lines skipped), for
-    prepare --class-names."""
-    if not text.startswith("@"):
-        return [name.strip() for name in text.split(",")]
-    try:
-        lines = Path(text[1:]).read_text().splitlines()
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read the class names in {text[1:]} ({exc.strerror})") from None
-    return [line.strip() for line in lines if line.strip()]
 
 
 def resume_auto_as_one_word(argv: list[str]) -> list[str]:
@@ -235,89 +149,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = Parser(description=__doc__)
     Parser.argv = argv
     parser.add_argument("--list-configs", action=ListConfigs)
-    stages = parser.add_subparsers(dest="stage", required=True)
-
-    pretrain = stage_parser(stages, "pretrain", "masked patch prediction pretraining")
-    pretrain.add_argument("--config", help=f"a YAML file, or the name of a shipped config (see --list-configs; default: "
-                                           f"{CONFIGS / 'pretrain' / 'default.yaml'}); --resume without it starts from "
-                                           f"the run's saved config.yaml; keys it leaves unset take the defaults below")
-    add_run_choice(pretrain)
-    pretrain.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=1000")
-
-    finetune = stage_parser(stages, "finetune", "fine-tune a pretrained backbone (or a fresh one) with a linear head")
-    finetune.add_argument("--ckpt", help="a run directory, a checkpoints/step_N directory or a .safetensors file "
-                                         "from pretrain (either objective) or finetune; omit it to train from scratch")
-    finetune.add_argument("--config", help=f"a YAML file, or the name of a shipped config (see --list-configs; default: "
-                                           f"{CONFIGS / 'finetune' / 'default.yaml'}); --resume without it starts from "
-                                           f"the run's saved config.yaml; keys it leaves unset take the defaults below")
-    add_run_choice(finetune)
-    finetune.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.val_shards=DIR")
-
-    checkpoint_stage(stages, "fewshot", "few-shot linear evaluation of a backbone's frozen features",
-                     "data.val_shards=DIR fewshot.shots=[5]")
-    checkpoint_stage(stages, "knn", "k-nearest-neighbour evaluation of a backbone's frozen features",
-                     "data.val_shards=DIR knn.features=mean")
-    checkpoint_stage(stages, "inspect", "the paper's inspection views of a backbone (section 4.5): patch-embedding "
-                     "filters, position-embedding similarity, mean attention distance, attention rollout, as PNGs and JSON",
-                     "inspect.shards=DIR inspect.images=256", " or a Hugging Face ViT directory (as `export --to hf` writes it)")
-    checkpoint_stage(stages, "probe", "linear probe (SGD on frozen features, as MAE evaluates) of a backbone",
-                     "data.val_shards=DIR probe.epochs=30")
-
-    export = stage_parser(stages, "export", "write a checkpoint as a Hugging Face transformers ViT")
-    export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
-    export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
-    export.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    export.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.image_size=64")
-
-    predict = stage_parser(stages, "predict", "a fine-tuned classifier's top-k classes for images, prepared as evaluation prepares them")
-    predict.add_argument("--ckpt", required=True, help="a fine-tuning run directory, a checkpoints/step_N directory or a .safetensors file")
-    predict.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
-    predict.add_argument("--top-k", type=int, default=5, help="classes shown per image, most probable first (default: %(default)s)")
-    predict.add_argument("--out", help="write the predictions to this .csv or .json file instead of printing them")
-    predict.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default: %(default)s)")
-    predict.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER",
-                         help="image files and folders of them (searched recursively); key=value among them are config overrides")
-
-    compare = stages.add_parser("compare", help="MPP vs supervised pretraining vs scratch: pretrain, fine-tune, few-shot, report")
-    compare.add_argument("--config", default=str(CONFIGS / "compare" / "tiny.yaml"), help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)")
-    compare.add_argument("--print-config", action="store_true", help="print the plan as loaded (the file, then the overrides) and exit")
-    compare.add_argument("--dry-run", action="store_true", help="check the plan and its data, say the smallest gap its design can resolve (and whether that meets target_gap), and exit without training")
-    compare.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000")
-
-    add_prepare(stages)
-    return with_overrides_anywhere(parser, argv)
-
-
-def add_prepare(stages) -> None:
-    """`prepare`'s arguments: the source, where the shards go, and how they are written."""
-    prepare = stages.add_parser("prepare", help="write WebDataset shards from images, a datasets corpus or 'synthetic'")
-    prepare.add_argument("source", help="a folder of images (class = sub-folder), a tar of them or of per-class tars "
-                                        "(ImageNet's ILSVRC2012_img_train.tar), a Hugging Face dataset name or local path, "
-                                        "an MNIST-style *-images-idx3-ubyte file, CIFAR-10/100's python-version "
-                                        ".tar.gz or folder, or 'synthetic'")
-    prepare.add_argument("--out", required=True, help="directory for the shards and summary.json")
-    prepare.add_argument("--samples-per-shard", type=int, default=1000)
-    prepare.add_argument("--split", default="train", help="dataset split for Hugging Face and CIFAR sources")
-    prepare.add_argument("--count", type=int, default=20000, help="images to generate for 'synthetic'")
-    prepare.add_argument("--size", type=int, default=64, help="side in pixels of generated 'synthetic' images")
-    prepare.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
-    prepare.add_argument("--short-side", type=int, default=None,
-                         help="store images whose short side is longer downsized to this many pixels (JPEG at --quality): "
-                              "faster decoding in training; keep it at least the training crop size")
-    prepare.add_argument("--quality", type=int, default=90, help="JPEG quality of images downsized by --short-side")
-    prepare.add_argument("--classes", type=class_ids, default=None,
-                         help="keep only these class ids, comma-separated, relabelled 0..k-1 in the order given "
-                              "(e.g. 1,3,5,7,9 upstream and 0,2,4,6,8 downstream for a transfer split)")
-    prepare.add_argument("--workers", type=int, default=None, metavar="N",
-                         help="processes encoding and writing shards, each a whole shard at a time (default: the cores "
-                              "this process may use); the shards are the same whatever N is")
-    prepare.add_argument("--class-names", type=class_name_list, default=None, metavar="NAMES",
-                         help="the names of the source's class ids 0, 1, ... (before --classes picks and relabels "
-                              "them): comma-separated, or @FILE with one name per line; they replace the source's own. "
-                              "Lines that begin with the source's own class names (ImageNet's LOC_synset_mapping.txt: "
-                              "'n01440764 tench, ...') are matched by that word instead, the ids following the file. "
-                              "IDX files store none: MNIST's and Fashion-MNIST's are known when a folder or the file "
-                              "name says which (mnist, fashion-mnist)")
+    commands = parser.add_subparsers(dest="stage", required=True)
+    for name, command in COMMANDS.items():
+        add_command(commands, name, command)
+    args = with_overrides_anywhere(parser, argv)
+    if among := COMMANDS[args.stage].overrides_among:  # its own words and its overrides share a positional
+        words = getattr(args, among)
+        args.overrides = [word for word in words if OVERRIDE.match(word)]
+        setattr(args, among, [word for word in words if not OVERRIDE.match(word)])
+    return args
 
 
 def with_overrides_anywhere(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -337,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = plain_warning  # data loader workers, forked, inherit it
     cfg = None  # a run config, for the stages that take one
-    if args.stage == "predict":  # its images and its overrides share the positional arguments
-        args.overrides = [item for item in args.inputs if OVERRIDE.match(item)]
-        args.inputs = [item for item in args.inputs if not OVERRIDE.match(item)]
-    if args.stage in RUN_CONFIG_STAGES:
+    if COMMANDS[args.stage].config:
         try:  # without torch, but where it reads a checkpoint (--resume, --ckpt)
             cfg = run_config(args)
         except UserError as err:
@@ -362,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             end_process()  # group here, not in the interpreter's exit, where gloo aborted once
         return fail(one_line(err), said_by_rank_0=isinstance(err, RanksDisagree))
     except KeyboardInterrupt:  # outside a training loop, which stops at a step with a checkpoint (Preempted)
-        print(f"stopped by Ctrl-C{AFTER_CTRL_C.get(args.stage, '')}", file=sys.stderr)
+        print(f"stopped by Ctrl-C{COMMANDS[args.stage].after_ctrl_c}", file=sys.stderr)
         return INTERRUPTED
     except Preempted as stop:  # saved; a later SIGTERM, SIGUSR1 or SIGUSR2 no longer stops it (mpp.training.preemption.StopOnSignal)
         print(stop, file=sys.stderr)
@@ -380,44 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_stage(args: argparse.Namespace, cfg: Config | None) -> None:
-    """Runs the parsed stage. Each stage's module is imported here, when it runs."""
-    if args.stage == "pretrain":
-        from .stages import pretrain
-
-        pretrain.run(cfg, resume=args.resume, overwrite=args.overwrite)
-    elif args.stage == "finetune":
-        from .stages import finetune
-
-        finetune.run(cfg, ckpt=args.ckpt, resume=args.resume, overwrite=args.overwrite)
-    elif args.stage in EVALUATION_STAGES:
-        evaluation = importlib.import_module(f"{__package__}.evaluations.{EVALUATION_STAGES[args.stage]}")
-        evaluation.run(cfg, ckpt=args.ckpt)
-    elif args.stage == "export":
-        from .stages import export
-
-        export.run(cfg, ckpt=args.ckpt, to=args.to[0], out_dir=args.to[1])
-    elif args.stage == "predict":
-        from .stages import predict
-
-        predict.run(cfg, ckpt=args.ckpt, inputs=args.inputs, top_k=args.top_k, out=args.out, batch_size=args.batch_size)
-    elif args.stage == "compare":
-        from .comparison import plan
-        from .stages import compare
-
-        cc = plan.load_compare_config(config_file("compare", args.config), args.overrides)
-        if args.print_config:
-            print(OmegaConf.to_yaml(cc.model_dump(mode="json")), end="")
-            return
-        if args.dry_run:
-            compare.check(cc)
-            return
-        compare.run(cc)
-    elif args.stage == "prepare":
-        from .stages import prepare
-
-        prepare.run(args.source, args.out, samples_per_shard=args.samples_per_shard, size=args.size,
-                    count=args.count, split=args.split, overwrite=args.overwrite, short_side=args.short_side,
-                    quality=args.quality, classes=args.classes, class_names=args.class_names, workers=args.workers)
+    """Runs the parsed command's entry, its module imported now."""
+    implementation(COMMANDS[args.stage].entry)(args, cfg)
 
 
 def explained_failure(err: Exception, args: argparse.Namespace, cfg: Config | None) -> int:

@@ -17,7 +17,8 @@ LEVELS = {
     "pipelines.run": 4, "pipelines.comparison": 4,
     "pipelines.evaluations": 5,
     "pipelines.stages": 6, "pipelines.parts": 6,
-    "pipelines.cli": 7, "pipelines.reference": 7, "pipelines.__main__": 8,
+    "pipelines.commands": 7,
+    "pipelines.cli": 8, "pipelines.reference": 8, "pipelines.__main__": 9,
 }
 
 
