@@ -21,7 +21,8 @@ from mpp.evaluation.ridge import FewShotError, LabelledImages
 from mpp.model.vit import VisionTransformer
 from mpp.data.randaugment import RandAugment
 from mpp.data.shardformat import SUMMARY, shard_summary
-from mpp.data.shards import synthetic_samples, write_shards
+from mpp.data.prepare_inputs import synthetic_samples
+from mpp.data.shardwriter import write_shards
 from mpp.data.synthetic import is_synthetic
 from mpp.evaluation.neighbours import missing_classes
 
