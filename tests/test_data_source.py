@@ -4,6 +4,7 @@ docs/data.md's "Adding a reader" writes it) in one class and one registry line; 
 source object existed resuming the same."""
 
 import csv
+import inspect
 import itertools
 import json
 import os
@@ -26,8 +27,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 class CsvImageListReader(Reader):
-    """A CSV file of `path,label` rows (paths relative to the file): docs/data.md's "Adding a reader", as written
-    there. Each CSV file is a unit, its rows its samples."""
+    """A CSV file of `path,label` rows, paths relative to the file: each file a unit, its rows its samples."""
 
     units = "image lists"
 
@@ -70,6 +70,11 @@ def image_list(root: Path, count: int) -> str:
     with open(root / "list.csv", "w", newline="") as file:
         csv.writer(file).writerows(rows)
     return str(root / "list.csv")
+
+
+def test_the_reader_docs_data_md_adds_is_this_one():
+    docs = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    assert inspect.getsource(CsvImageListReader) in docs and 'READERS["csv"] = CsvImageListReader()' in docs
 
 
 def test_a_csv_reader_from_outside_mpp_trains_through_the_command_line_with_epochs(tmp_path, monkeypatch, capsys):

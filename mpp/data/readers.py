@@ -25,7 +25,7 @@ The contract of a reader (a `Reader` subclass and one line in READERS, `READERS[
 
 Shards stay the better choice for large sets and for object stores: a tar is read in one sequential stream (a
 folder costs an open per image), over any URL or `pipe:` command (the folder and Parquet readers read local paths),
-with summary.json's counts beside it (epochs, loss estimates) and no metadata scan at start.
+with summary.json's counts beside it (the loss estimate of a damaged shard) and no metadata scan at start.
 """
 
 from __future__ import annotations
