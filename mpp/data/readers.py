@@ -6,7 +6,7 @@ to `read_samples`, which reads each through its reader; everything else (the spl
 shuffle, the resume position, skip counting, the loss estimate of a unit that could not be read to its end) is the
 stream's, the same for every format.
 
-The contract of a reader (a `Reader` subclass and one line in READERS, `READERS["csv"] = CsvListReader()`; the
+The contract of a reader (a `Reader` subclass and one line in READERS, `READERS["csv"] = CsvImageListReader()`; the
 `fallback` reader, tar, is asked last and takes whatever is left: brace patterns, URLs, `pipe:` commands):
 
 - `claims(spec)`: whether `data.shards=spec` is its kind of data set; `expand(spec)` -> its units (paths or any
