@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mpp.data.stream import TrainTransform, random_resized_box  # noqa: E402
-from mpp.data.shards import bound_short_side_bytes  # noqa: E402
+from mpp.data.prepare_inputs import bound_short_side_bytes  # noqa: E402
 
 
 def photo_like(width: int, height: int, seed: int) -> Image.Image:

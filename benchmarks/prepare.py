@@ -36,17 +36,17 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.data import jpeg, photo_like  # noqa: E402
-from mpp.data import shards as shards  # noqa: E402
-from mpp.data.shards import default_workers  # noqa: E402
+from mpp.data import prepare_inputs, shardwriter  # noqa: E402
+from mpp.data.shardwriter import default_workers  # noqa: E402
 from pipelines.stages import prepare  # noqa: E402
 
 SIZES = ((500, 375), (1600, 1200))
 
 
 def full_decode_bounded(image: Image.Image, short_side: int, quality: int) -> bytes:
-    """`shards._bounded` without the reduced-scale decode: the baseline draft mode is measured against."""
+    """`prepare_inputs._bounded` without the reduced-scale decode: the baseline draft mode is measured against."""
     image.load()
-    return shards._bounded(image, short_side, quality)
+    return prepare_inputs._bounded(image, short_side, quality)
 
 
 def per_image_rate(datas: list[bytes], downsize, short_side: int, quality: int, repeats: int) -> float:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cores = default_workers()
     # The workers' throughput at this size, which prepare itself writes in one process below INPUTS_PER_WORKER per worker.
-    shards.INPUTS_PER_WORKER = 1
+    shardwriter.INPUTS_PER_WORKER = 1
     work = Path(tempfile.mkdtemp(prefix="prepare-bench-"))
     try:
         originals = {size: [jpeg(photo_like(*size, seed), args.quality) for seed in range(args.distinct)] for size in SIZES}
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in SIZES:
             datas = originals[size]
             repeats = max(1, 24 // len(datas))
-            pairs = [(per_image_rate(datas, shards._bounded, args.short_side, args.quality, repeats),
+            pairs = [(per_image_rate(datas, prepare_inputs._bounded, args.short_side, args.quality, repeats),
                       per_image_rate(datas, full_decode_bounded, args.short_side, args.quality, repeats))
                      for _ in range(args.rounds)]
             decode[size] = [statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)]
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({many_cpu / one_cpu:.2f}x: on {cores} idle cores, {cores * many_cpu / one_cpu:.2f}x is the most to expect)")
     server_s = args.images / first[0] - args.images / many
     print(f"  the first --workers {cores} prepare of a process: {first[0]:7.1f} images/s ({first[0] / one:.2f}x); starting the "
-          f"worker server (it imports mpp.data.shards once) cost {server_s:.1f} s of wall clock")
+          f"worker server (it imports mpp.data.shardwriter once) cost {server_s:.1f} s of wall clock")
     print(f"downsizing one image to a {args.short_side}-px short side, images per CPU-second of one core (median of "
           f"{args.rounds}):")
     for (width, height), (draft, full) in decode.items():

@@ -13,7 +13,7 @@ from PIL import Image
 
 from mpp.config import load_config
 from mpp.data.readers import expand_shards
-from mpp.data.shards import SourceError
+from mpp.data.prepare_inputs import SourceError
 from mpp.data.stream import DataError, label_space
 from pipelines.run.loaders import class_names
 from pipelines.stages import finetune, prepare, pretrain

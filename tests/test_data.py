@@ -188,7 +188,8 @@ def test_train_epochs_count_only_the_shards_data_shards_names(tmp_path):
     """summary.json counts its whole set: a brace pattern over half of it was taken for all of it (round 4, row 14:
     train.epochs=1 over 2 of 4 shards trained 2 epochs)."""
     from mpp.config import load_config
-    from mpp.data.shards import synthetic_samples, write_shards
+    from mpp.data.prepare_inputs import synthetic_samples
+    from mpp.data.shardwriter import write_shards
     from pipelines.run.loaders import training_samples
 
     a, b = tmp_path / "a", tmp_path / "b"

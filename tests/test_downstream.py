@@ -318,7 +318,8 @@ def test_resume_command_puts_resume_after_the_stage(monkeypatch):
 
 
 def test_class_count_comes_from_the_config_or_the_shards_summary(tmp_path, make_shards):
-    from mpp.data.shards import synthetic_samples, write_shards
+    from mpp.data.prepare_inputs import synthetic_samples
+    from mpp.data.shardwriter import write_shards
     from pipelines.run.loaders import num_classes
 
     write_shards(synthetic_samples(20, 16), tmp_path / "syn")

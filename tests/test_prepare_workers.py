@@ -19,8 +19,8 @@ import pytest
 from PIL import Image, JpegImagePlugin
 
 import launch
-from mpp.data import shards as shards
-from mpp.data.shards import SourceError
+from mpp.data import shardwriter
+from mpp.data.prepare_inputs import Sample, Source, SourceError
 from mpp.data.synthetic import synthetic_image
 from pipelines.stages import prepare
 
@@ -36,20 +36,20 @@ def files_of(out: Path) -> dict[str, bytes]:
 @pytest.fixture
 def small_sources_use_workers(monkeypatch):
     """Worker processes for the few inputs a test has (a real source needs INPUTS_PER_WORKER per worker)."""
-    monkeypatch.setattr(shards, "INPUTS_PER_WORKER", 1)
+    monkeypatch.setattr(shardwriter, "INPUTS_PER_WORKER", 1)
 
 
 @pytest.fixture
 def range_writes(monkeypatch):
     """How many times worker processes were asked to write ranges (so a test knows it took that path)."""
     calls = []
-    real = shards._RangeWorkers.write
+    real = shardwriter._RangeWorkers.write
 
     def counted(self, ranges):
         calls.append(self.workers)
         return real(self, ranges)
 
-    monkeypatch.setattr(shards._RangeWorkers, "write", counted)
+    monkeypatch.setattr(shardwriter._RangeWorkers, "write", counted)
     return calls
 
 
@@ -259,12 +259,12 @@ class FailingReader:
         for i in range(*slice(start, stop).indices(8)):
             if i == 5:
                 raise RuntimeError("the decoder crashed")
-            yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2, f"/data/k{i}.png")
+            yield Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2, f"/data/k{i}.png")
 
 
 def test_an_unexpected_error_in_a_worker_is_one_line_naming_the_input(tmp_path, monkeypatch, capsys, small_sources_use_workers):
     monkeypatch.setattr(prepare, "SOURCES", [(lambda r: r.source == "failing",
-                                              lambda r: shards.Source("failing source", 8, FailingReader(), indexed=True)),
+                                              lambda r: Source("failing source", 8, FailingReader(), indexed=True)),
                                              *prepare.SOURCES])
     assert launch.main(["prepare", "failing", "--out", str(tmp_path / "out"), "--samples-per-shard", "2", "--workers", "2"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -279,13 +279,13 @@ class KillingReader:
         for i in range(*slice(start, stop).indices(8)):
             if i == 3 and multiprocessing.parent_process() is not None:  # only ever in a worker, never in pytest
                 os.kill(os.getpid(), signal.SIGKILL)
-            yield shards.Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2)
+            yield Sample(f"k{i}", encoded(Image.new("L", (4, 4), i), "PNG"), "png", i % 2)
 
 
 def test_a_killed_worker_ends_the_others_with_one_line(tmp_path, small_sources_use_workers):
     with pytest.raises(SourceError, match=r"a prepare worker process was killed by signal 9 \(out of memory, if it was "
                                           r"SIGKILL\) while writing killed source; no shard was kept: run prepare again"):
-        shards.write_shards(shards.Source("killed source", 8, KillingReader(), indexed=True), tmp_path / "out",
+        shardwriter.write_shards(Source("killed source", 8, KillingReader(), indexed=True), tmp_path / "out",
                             samples_per_shard=2, workers=2)
     assert not multiprocessing.active_children() and not (tmp_path / "out").exists()
 

@@ -15,7 +15,8 @@ import webdataset as wds
 from PIL import Image
 
 import launch
-from mpp.data.shards import Sample, Source, SourceError, folder_samples, idx_samples, write_shards
+from mpp.data.prepare_inputs import Sample, Source, SourceError, folder_samples, idx_samples
+from mpp.data.shardwriter import write_shards
 from mpp.data.synthetic import NUM_CLASSES, synthetic_image
 from pipelines.stages import prepare
 

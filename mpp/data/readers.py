@@ -6,10 +6,14 @@ to `read_samples`, which reads each through its reader; everything else (the spl
 shuffle, the resume position, skip counting, the loss estimate of a unit that could not be read to its end) is the
 stream's, the same for every format.
 
-The contract of a reader (a `Reader` subclass and one line in READERS, placed before `tar`, which takes whatever is
-left: brace patterns, URLs, `pipe:` commands):
+The contract of a reader (a `Reader` subclass and one line in READERS, `READERS["csv"] = CsvImageListReader()`; the
+`fallback` reader, tar, is asked last and takes whatever is left: brace patterns, URLs, `pipe:` commands):
 
-- `claims(spec)`: whether `data.shards=spec` is its kind of data set; `expand(spec)` -> its units (paths);
+- `claims(spec)`: whether `data.shards=spec` is its kind of data set; `expand(spec)` -> its units (paths or any
+  text its `reads` knows again: units are named in checkpoints' stream positions only by their order, and in
+  sample keys by their base name);
+- `images(units)`: how many images the units hold, without decoding them (train.epochs turns it into steps), or
+  raise `Uncounted` saying why it cannot tell;
 - `reads(url)`: whether a unit is its kind (a stream reads each unit through the reader that reads it);
 - `samples(url, end)`: the unit's samples, each {"__key__": a key unique in the unit, "__url__": url, the image
   under one of IMAGE_KEYS as bytes, optionally the label under "cls" (an integer id or a class name, as text)},
@@ -21,7 +25,7 @@ left: brace patterns, URLs, `pipe:` commands):
 
 Shards stay the better choice for large sets and for object stores: a tar is read in one sequential stream (a
 folder costs an open per image), over any URL or `pipe:` command (the folder and Parquet readers read local paths),
-with summary.json's counts beside it (epochs, loss estimates) and no metadata scan at start.
+with summary.json's counts beside it (the loss estimate of a damaged shard) and no metadata scan at start.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from braceexpand import braceexpand
 from webdataset.tariterators import base_plus_ext
 
 from mpp.errors import DataError, command
-from mpp.data.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote
+from mpp.data.shardformat import IMAGE_KEYS, LABEL_KEYS, SHARD_SUFFIXES, is_remote, shard_summary
 from mpp.data.tars import METADATA, READ_ERRORS, ShardEnd, members_apart, open_shard, tar_samples
 
 
@@ -48,6 +52,7 @@ class Reader(ABC):
 
     errors: tuple[type[BaseException], ...] = READ_ERRORS
     units: str = "shards"  # what its units are, for a run's start line ("on 12 shards", "on 1500 images")
+    fallback: bool = False  # asked after every other reader, whatever READERS' order: it claims any spec
 
     @abstractmethod
     def claims(self, spec: str) -> bool: ...
@@ -64,13 +69,27 @@ class Reader(ABC):
     @abstractmethod
     def label_members(self, url: str) -> Iterator[dict]: ...
 
+    def images(self, units: list[str]) -> int:
+        raise Uncounted(f"holds {self.units} that cannot be counted without reading every image")
+
     def misplaced_label(self, url: str, key: str, neighbours: list[str]) -> str | None:
         return None
+
+
+class Uncounted(DataError):
+    """A data set whose images a reader cannot count before reading them; `remedy` adds a fix to the length in
+    train.steps (the message says what is missing, after "data.shards (SPEC)")."""
+
+    def __init__(self, reason: str, remedy: str = ""):
+        super().__init__(reason)
+        self.remedy = remedy
 
 
 class TarReader(Reader):
     """WebDataset tars (mpp.data.shardformat), local or streamed (mpp.data.tars): a directory of them, a brace pattern, URLs or
     `pipe:` commands, several joined by '::'."""
+
+    fallback = True
 
     def claims(self, spec: str) -> bool:
         return True
@@ -97,6 +116,25 @@ class TarReader(Reader):
     def samples(self, url: str, end: ShardEnd) -> Iterator[dict]:
         with open_shard(url) as stream:
             yield from tar_samples(stream, end)
+
+    def images(self, units: list[str]) -> int:
+        """By the summary.json beside each directory's shards (`prepare` writes it). A summary counts the shards it
+        lists (or, from an older mpp, its directory's) together, so where the units are only some of them (a brace
+        pattern over part of a directory), or name some twice, those are counted from their tar headers."""
+        by_directory: dict[str, list[str]] = {}
+        for url in units:
+            by_directory.setdefault(os.path.dirname(url), []).append(url)
+        samples = 0
+        for named in by_directory.values():
+            summary = shard_summary(named)
+            if summary is None or summary.samples is None:
+                raise Uncounted(f"has no summary.json giving its samples beside {named[0]}",
+                                f"or write the shards with `{command('prepare')}`, which writes one")
+            listed = (summary.model_extra or {}).get("files") or [
+                os.path.basename(url) for url in self.expand(os.path.dirname(named[0]) or ".")]
+            whole = sorted(os.path.basename(url) for url in named) == sorted(listed)
+            samples += summary.samples if whole else sum(map(samples_in, named))
+        return samples
 
     def label_members(self, url: str) -> Iterator[dict]:
         """{"__key__": key, "cls"|"json"|"txt": bytes} per labelled sample of a local tar, skipping the image members."""
@@ -184,6 +222,9 @@ class ImageFolderReader(Reader):
     def _images(spec: str) -> list[str]:
         root = os.path.normpath(spec)
         return [f"{root}{FOLDER_MARK}{path.as_posix()}" for path in image_files(Path(root), IMAGE_SUFFIXES)]
+
+    def images(self, units: list[str]) -> int:
+        return len(units)
 
     def samples(self, url: str, end: ShardEnd) -> Iterator[dict]:
         with open(url, "rb") as file:
@@ -304,6 +345,19 @@ class ParquetReader(Reader):
     def _files(spec: str) -> list[str]:
         return sorted(glob(os.path.join(spec, "**", "*.parquet"), recursive=True))
 
+    def images(self, units: list[str]) -> int:
+        """The rows the files' footers give; a file that cannot be read counts none (the stream counts it as an
+        unreadable shard)."""
+        import pyarrow.parquet as pq
+
+        rows = 0
+        for url in units:
+            try:
+                rows += pq.ParquetFile(url).metadata.num_rows
+            except self.errors:
+                pass
+        return rows
+
     def samples(self, url: str, end: ShardEnd) -> Iterator[dict]:
         for index, (image, label) in enumerate(self._rows(url, images=True)):
             sample = {"__key__": f"{index:08d}", "__url__": url, "jpg": image}  # PIL tells the format from the bytes
@@ -352,18 +406,22 @@ def parquet_columns(schema, url: str) -> tuple[str, str | None]:
     return image, next((n for n in PARQUET_LABEL_COLUMNS if n in names), None)
 
 
-# The readers, by name, in the order they are asked whether a data set is theirs: tar last, as it takes the rest.
+# The readers, by name, in the order they are asked whether a data set is theirs (the fallback, tar, last).
 READERS: dict[str, Reader] = {"parquet": ParquetReader(), "images": ImageFolderReader(), "tar": TarReader()}
+
+
+def _asked() -> list[Reader]:
+    return sorted(READERS.values(), key=lambda reader: reader.fallback)  # stable: READERS' order otherwise
 
 
 def reader_for(spec: str) -> Reader:
     """The reader of `data.shards=spec`."""
-    return next(reader for reader in READERS.values() if reader.claims(spec))
+    return next(reader for reader in _asked() if reader.claims(spec))
 
 
 def reader_of(url: str) -> Reader:
     """The reader of one unit."""
-    return next(reader for reader in READERS.values() if reader.reads(url))
+    return next(reader for reader in _asked() if reader.reads(url))
 
 
 def counted(urls: list[str]) -> str:

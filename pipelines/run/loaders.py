@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -14,22 +13,24 @@ from mpp.evaluation.baselines import class_baselines
 from mpp.config import Config, ConfigError
 from mpp.training.runtime import data_workers, process_state
 from mpp.data.stream import (Batch, DataError, EvalTransform, LabelReader, StreamState, TrainTransform,
-                             evaluation_labels, label_names, label_space, make_loader, SPARSE_FACTOR, SPARSE_FLOOR)
-from mpp.data.readers import expand_shards, samples_in
+                             evaluation_labels, label_space, make_loader, SPARSE_FACTOR, SPARSE_FLOOR)
+from mpp.data.readers import Uncounted
+from mpp.data.source import DataSource, open_source
 from mpp.errors import command
 from mpp.evaluation.ridge import FewShotError, LabelledImages
 from mpp.model.vit import VisionTransformer
 from mpp.data.randaugment import RandAugment
-from mpp.data.shardformat import SUMMARY, shard_summary
-from mpp.data.shards import synthetic_samples, write_shards
+from mpp.data.shardformat import SUMMARY
+from mpp.data.prepare_inputs import synthetic_samples
+from mpp.data.shardwriter import write_shards
 from mpp.data.synthetic import is_synthetic
 from mpp.evaluation.neighbours import missing_classes
 
 SYNTHETIC_ROOT = Path("data")
 
 
-def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
-    """'synthetic' is the embedded corpus, generated once (by the main process) under data/."""
+def resolve_source(spec: str, cfg: Config, accelerator: Accelerator) -> DataSource:
+    """The data set `spec` names; 'synthetic' is the embedded corpus, generated once (by the main process) under data/."""
     if is_synthetic(spec):
         out = SYNTHETIC_ROOT / f"synthetic-{cfg.data.synthetic_size}"
         with accelerator.main_process_first():
@@ -37,7 +38,12 @@ def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str
                 accelerator.print(f"generating the embedded synthetic corpus ({cfg.data.synthetic_size} images) in {out}")
                 write_shards(synthetic_samples(cfg.data.synthetic_size), out, overwrite=True, progress=True)
         spec = str(out)
-    return expand_shards(spec)
+    return open_source(spec)
+
+
+def resolve_shards(spec: str, cfg: Config, accelerator: Accelerator) -> list[str]:
+    """The units of `spec` (resolve_source) that the stream splits."""
+    return list(resolve_source(spec, cfg, accelerator).units)
 
 
 def train_transform(cfg: Config) -> TrainTransform:
@@ -58,28 +64,16 @@ def with_run_length(cfg: Config) -> Config:
 
 
 def training_samples(cfg: Config) -> int:
-    """The training set's size, for train.epochs: of the embedded corpus, or of the shards data.shards names, by the
-    summary.json beside them (`prepare` writes it). A summary counts the shards it lists (or, from an older mpp, its
-    directory's) together, so where data.shards names only some of them (a brace pattern over part of a directory),
-    or names some twice, those are counted from their tar headers."""
+    """The training set's size, for train.epochs: of the embedded corpus, or the images its reader counts in the data
+    set data.shards names (mpp.data.source.DataSource.images)."""
     if is_synthetic(cfg.data.shards):
         return cfg.data.synthetic_size
-    by_directory: dict[str, list[str]] = {}
-    for url in expand_shards(cfg.data.shards):
-        by_directory.setdefault(os.path.dirname(url), []).append(url)
-    samples = 0
-    for named in by_directory.values():
-        summary = shard_summary(named)
-        if summary is None or summary.samples is None:
-            raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) "
-                              f"has no summary.json giving its samples beside {named[0]}; give the length in "
-                              f"train.steps instead (with train.epochs=null), or write the shards with "
-                              f"`{command('prepare')}`, which writes one")
-        listed = (summary.model_extra or {}).get("files") or [
-            os.path.basename(url) for url in expand_shards(os.path.dirname(named[0]) or ".")]
-        whole = sorted(os.path.basename(url) for url in named) == sorted(listed)
-        samples += summary.samples if whole else sum(samples_in(url) for url in named)
-    return samples
+    try:
+        return open_source(cfg.data.shards).images
+    except Uncounted as exc:
+        raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) "
+                          f"{exc}; give the length in train.steps instead (with train.epochs=null)"
+                          f"{', ' + exc.remedy if exc.remedy else ''}") from None
 
 
 def counted_training_samples(cfg: Config) -> int | None:
@@ -170,7 +164,7 @@ class FrozenFeatureSets:
 def class_names(cfg: Config, accelerator: Accelerator, spec: str) -> tuple[str, ...]:
     """The class names of the training set `spec` (id = position), which every loader of a run maps labels into:
     the class_names of the summary.json beside it, else the sorted names its labels or class folders give."""
-    return label_names(tuple(resolve_shards(spec, cfg, accelerator)))
+    return resolve_source(spec, cfg, accelerator).class_names
 
 
 def label_reader(cfg: Config, accelerator: Accelerator, spec: str, labelled_by: str | None = None) -> LabelReader:

@@ -58,7 +58,8 @@ from mpp.model.vit import build_backbone
 from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import IMAGE_KEYS
-from mpp.data.shards import Sample, Source, write_shards
+from mpp.data.prepare_inputs import Sample, Source
+from mpp.data.shardwriter import write_shards
 from mpp.evaluation.baselines import evaluation_baselines
 from mpp.evaluation.stats import (Candidate, balanced_accuracy, dev_resolution, disagreement, gap_resolution, mcnemar, paired_bootstrap_gap,
                                  pick_recipe, stratified_folds)

@@ -9,7 +9,10 @@ from pathlib import Path
 
 from mpp.errors import command
 from mpp.data.readers import READERS
-from mpp.data.shards import Source, SourceError, SourceNotFoundError, bound_short_side, check_writable_dir, archive_samples, cifar_samples, default_workers, folder_samples, hf_samples, idx_samples, is_cifar, is_image_archive, is_saved_dataset, name_classes, select_classes, synthetic_samples, warn_of_partial_imagenet, write_shards
+from mpp.data.prepare_inputs import (Source, SourceError, SourceNotFoundError, bound_short_side, archive_samples, cifar_samples,
+                                     folder_samples, hf_samples, idx_samples, is_cifar, is_image_archive, is_saved_dataset,
+                                     name_classes, select_classes, synthetic_samples, warn_of_partial_imagenet)
+from mpp.data.shardwriter import check_writable_dir, default_workers, write_shards
 
 _IDX_IMAGES = re.compile(r"images([.-])idx3-ubyte(\.gz)?$")  # train-images-idx3-ubyte.gz, also MNIST's train-images.idx3-ubyte
 _CIFAR_NAMES = re.compile(r"cifar-10-batches-py|cifar-100?-python")  # the names CIFAR's archives and folders come with
@@ -131,7 +134,7 @@ def image_folder(request: SourceRequest) -> Source:
 
 
 # The kinds of source `prepare` reads, tried in order: (recognises the request, opens it as a Source). A new kind is
-# a function returning a Source (mpp/shards.py) and one line here, before the hub name that takes whatever is left.
+# a function returning a Source (mpp/data/prepare_inputs.py) and one line here, before the hub name that takes whatever is left.
 SOURCES: list[tuple[Callable[[SourceRequest], bool], Callable[[SourceRequest], Source]]] = [
     (lambda r: r.source == "synthetic", lambda r: synthetic_samples(r.count, r.size)),
     (lambda r: is_cifar(r.path), lambda r: cifar_samples(r.path, r.split)),
