@@ -1,15 +1,21 @@
-"""benchmarks/emoji.py on small packages of the npm layout: the split by category and by emoji, no sibling of a test
-image among the training images, RGB on white, and a refusal where a class is too small."""
+"""benchmarks/emoji.py on small packages of the npm layout. Transfer: the split by category and by emoji, no sibling
+of a test image among the training images, RGB on white, and a refusal where a class is too small. Semi-supervised:
+every vendor pooled, split by emoji (identical drawings and obsoleted codes kept together), the nine categories as
+classes, transparency over mpp's grey, shards in one command, and configs/compare/emoji_semi.yaml's dry run on them."""
 
 import importlib.util
 import io
 import json
 import tarfile
+from collections import Counter
 
 import pytest
 from PIL import Image
 
 from conftest import ROOT
+from mpp.data.images import BACKGROUND
+from pipelines.comparison.plan import load_compare_config
+from pipelines.stages import compare
 
 spec = importlib.util.spec_from_file_location("emoji_benchmark", ROOT / "benchmarks" / "emoji.py")
 emoji = importlib.util.module_from_spec(spec)
@@ -22,7 +28,13 @@ def png(colour, alpha=255) -> bytes:
     return out.getvalue()
 
 
-def write_packages(directory, per_category=6):
+def drawing(name: str) -> bytes:
+    """Each emoji's own colour (from its code); category 00's drawings fully transparent."""
+    c, i = int(name[:2], 16), int(name[2:4], 16)
+    return png((10 + 20 * c, 10 + 20 * i, 200), alpha=0 if name.startswith("00") else 255)
+
+
+def write_packages(directory, per_category=6, edit=lambda entries: None, draw=drawing):
     entries = []
     for c, category in enumerate(emoji.UPSTREAM + emoji.DOWNSTREAM + ("Component",)):
         for i in range(per_category):
@@ -30,6 +42,7 @@ def write_packages(directory, per_category=6):
             skin = {"1F3FB": {"image": f"{code}-1f3fb.png"}} if i == 0 else None
             entries.append({"unified": code, "image": f"{code}.png", "category": category, "skin_variations": skin,
                             **{f"has_img_{v}": True for v in emoji.VENDORS}})
+    edit(entries)
     for vendor in emoji.VENDORS:
         with tarfile.open(directory / f"emoji-datasource-{vendor}-{emoji.VERSION}.tgz", "w:gz") as tar:
             def add(name, data):
@@ -39,7 +52,8 @@ def write_packages(directory, per_category=6):
             add("package/emoji.json", json.dumps(entries).encode())
             for e in entries:
                 for name in emoji.renditions(e):
-                    add(f"package/img/{vendor}/64/{name}", png((200, 10, 10), alpha=0 if name.startswith("00") else 255))
+                    if e[f"has_img_{vendor}"]:
+                        add(f"package/img/{vendor}/64/{name}", draw(name))
 
 
 def test_the_emoji_benchmark_splits_by_category_and_by_emoji_with_one_vendor_downstream(tmp_path):
@@ -66,3 +80,71 @@ def test_a_class_with_too_few_emoji_for_the_training_share_is_refused(tmp_path):
     write_packages(tmp_path, per_category=3)
     with pytest.raises(SystemExit, match="has 3 facebook emoji, not more than --train-per-class 3; lower it"):
         emoji.arrange(tmp_path, tmp_path / "out", train_per_class=3, down_vendor="facebook")
+
+
+SEMI_CLASSES = sorted(emoji.folder_name(c) for c in emoji.UPSTREAM + emoji.DOWNSTREAM)
+
+
+def write_semi_packages(directory, per_category=10):
+    """Packages whose emoji 0101 is obsoleted by 0102, whose 0201 and 0202 are drawn alike (two flags of one
+    design), and whose 0303 Google never drew."""
+    def edit(entries):
+        by_code = {e["unified"]: e for e in entries}
+        by_code["0101"]["obsoleted_by"] = "0102"
+        by_code["0303"]["has_img_google"] = False
+    write_packages(directory, per_category, edit, lambda name: drawing("0202.png" if name == "0201.png" else name))
+
+
+def test_the_semi_supervised_split_pools_every_vendor_and_keeps_each_emoji_on_one_side(tmp_path):
+    write_semi_packages(tmp_path)
+    written = emoji.arrange_semi(tmp_path, tmp_path / "out", test_share=0.3)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "train").iterdir()) == sorted(p.name for p in (out / "test").iterdir()) == SEMI_CLASSES
+    files = {part: {p.name: p for p in (out / part).rglob("*.png")} for part in emoji.SEMI_PARTS}
+    code = lambda name: name.split("-")[1].removesuffix(".png")  # noqa: E731
+    codes = {part: {code(n) for n in names} for part, names in files.items()}
+    assert not codes["train"] & codes["test"]  # split by emoji: no emoji in both, in any vendor's drawing
+    assert not any("1f3fb" in n for names in files.values() for n in names)  # skin-tone variants left out
+    assert not any(c.startswith("09") for names in codes.values() for c in names)  # Component left out
+    side = {c: part for part, cs in codes.items() for c in cs}
+    assert side["0101"] == side["0102"] and side["0201"] == side["0202"]  # an obsoleted code and a shared drawing
+    # Every vendor's drawing of every emoji of the nine classes, once (Google never drew 0303), in its category.
+    assert sum(map(len, files.values())) == 9 * 10 * 4 - 1 == sum(n for (p, c), n in written.items() if c != "emoji")
+    assert "google-0303.png" not in files["train"] | files["test"]
+    category = lambda name: emoji.folder_name((emoji.UPSTREAM + emoji.DOWNSTREAM)[int(code(name)[:2], 16)])  # noqa: E731
+    assert all(path.parent.name == category(name) for names in files.values() for name, path in names.items())
+    # Stratified by emoji: round(0.3 x 10) = 3 of each category's emoji to test, round(0.3 x 9) = 3 where two are one.
+    one = {"0101": "0102", "0201": "0202"}
+    tested = Counter(category(f"x-{c}.png") for c in {one.get(c, c) for c in codes["test"]})
+    assert tested == Counter({c: 3 for c in SEMI_CLASSES}), tested
+    assert written["test", "emoji"] + written["train", "emoji"] == 90
+    transparent = next(iter((out / "train" / "smileys-and-emotion").glob("*.png")))  # category 00: drawn transparent
+    assert Image.open(transparent).mode == "RGB" and Image.open(transparent).getpixel((0, 0)) == BACKGROUND  # mpp's grey
+    with pytest.raises(SystemExit, match=r"has 10 emoji, so --test-share 0.01 leaves one side of the split without it"):
+        emoji.arrange_semi(tmp_path, tmp_path / "other", test_share=0.01)
+
+
+def test_the_semi_supervised_plan_builds_its_shards_in_one_command_and_its_dry_run_checks_them(tmp_path, capsys):
+    (tmp_path / "npm").mkdir()
+    write_semi_packages(tmp_path / "npm")
+    emoji.main(["--mode", "semi", "--packages", str(tmp_path / "npm"), "--out", str(tmp_path / "images"),
+                "--shards", str(tmp_path / "shards"), "--test-share", "0.3"])
+    summaries = {part: json.loads((tmp_path / "shards" / part / "summary.json").read_text()) for part in emoji.SEMI_PARTS}
+    assert all(s["class_names"] == SEMI_CLASSES for s in summaries.values())
+    test_images = len(list((tmp_path / "images" / "test").rglob("*.png")))
+    assert summaries["test"]["samples"] == test_images and summaries["train"]["samples"] == 359 - test_images
+    plan = ROOT / "configs" / "compare" / "emoji_semi.yaml"
+    data = [f"pretrain.data.shards={tmp_path / 'shards' / 'train'}", f"pretrain.data.val_shards={tmp_path / 'shards' / 'test'}",
+            f"finetune.data.shards={tmp_path / 'shards' / 'train'}", f"finetune.data.val_shards={tmp_path / 'shards' / 'test'}",
+            f"output_dir={tmp_path / 'cmp'}"]
+    cc = load_compare_config(plan, [*data, "labels_per_class=[2,4]"])
+    assert [(arm.name, arm.control) for arm in cc.arms] == [("scratch", None), ("mpp", None), ("mpp-noise", "noise")]
+    capsys.readouterr()
+    design = compare.check(cc)
+    assert (design["test_images"], design["seeds"]) == (test_images, 3)
+    out = capsys.readouterr().out
+    assert f"[compare] design: {test_images} test images and 3 seed(s) per arm" in out
+    assert not (tmp_path / "cmp").exists()  # nothing drawn, pretrained or fine-tuned
+    smallest = min(n for (p, c), n in Counter((p.parent.parent.name, p.parent.name) for p in (tmp_path / "images").rglob("*.png")).items() if p == "train")
+    with pytest.raises(compare.CompareError, match=rf"labels_per_class 100 needs that many images of every class, and class \d of .* has {smallest};"):
+        compare.check(load_compare_config(plan, data))  # the plan's own budgets need the real data's 196 per class
