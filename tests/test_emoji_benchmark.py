@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import tarfile
+import zlib
 from collections import Counter
 
 import pytest
@@ -85,18 +86,23 @@ def test_a_class_with_too_few_emoji_for_the_training_share_is_refused(tmp_path):
 SEMI_CLASSES = sorted(emoji.folder_name(c) for c in emoji.UPSTREAM + emoji.DOWNSTREAM)
 
 
-def write_semi_packages(directory, per_category=10):
-    """Packages whose emoji 0101 is obsoleted by 0102, whose 0201 and 0202 are drawn alike (two flags of one
-    design), and whose 0303 Google never drew."""
+def write_semi_packages(directory, per_category=10) -> dict[str, str]:
+    """Packages in which one People & Body emoji is obsoleted by another, two Travel & Places emoji are drawn alike (as
+    two flags of one design are), and Google never drew 0303. Each pair is the emoji its category's hash ranks first
+    and last, which a split by code alone would put on opposite sides. Returns {one code: the other} of the pairs."""
+    ranked = lambda c: sorted((f"{c:02x}{i:02x}" for i in range(per_category)), key=lambda code: (zlib.crc32(code.encode()), code))  # noqa: E731
+    obsolete, alike = (ranked(1)[0], ranked(1)[-1]), (ranked(2)[0], ranked(2)[-1])
+
     def edit(entries):
         by_code = {e["unified"]: e for e in entries}
-        by_code["0101"]["obsoleted_by"] = "0102"
+        by_code[obsolete[0]]["obsoleted_by"] = obsolete[1]
         by_code["0303"]["has_img_google"] = False
-    write_packages(directory, per_category, edit, lambda name: drawing("0202.png" if name == "0201.png" else name))
+    write_packages(directory, per_category, edit, lambda name: drawing(f"{alike[1]}.png" if name == f"{alike[0]}.png" else name))
+    return dict([obsolete, alike])
 
 
 def test_the_semi_supervised_split_pools_every_vendor_and_keeps_each_emoji_on_one_side(tmp_path):
-    write_semi_packages(tmp_path)
+    pairs = write_semi_packages(tmp_path)
     written = emoji.arrange_semi(tmp_path, tmp_path / "out", test_share=0.3)
     out = tmp_path / "out"
     assert sorted(p.name for p in (out / "train").iterdir()) == sorted(p.name for p in (out / "test").iterdir()) == SEMI_CLASSES
@@ -107,15 +113,14 @@ def test_the_semi_supervised_split_pools_every_vendor_and_keeps_each_emoji_on_on
     assert not any("1f3fb" in n for names in files.values() for n in names)  # skin-tone variants left out
     assert not any(c.startswith("09") for names in codes.values() for c in names)  # Component left out
     side = {c: part for part, cs in codes.items() for c in cs}
-    assert side["0101"] == side["0102"] and side["0201"] == side["0202"]  # an obsoleted code and a shared drawing
+    assert all(side[a] == side[b] for a, b in pairs.items())  # an obsoleted code and a shared drawing
     # Every vendor's drawing of every emoji of the nine classes, once (Google never drew 0303), in its category.
     assert sum(map(len, files.values())) == 9 * 10 * 4 - 1 == sum(n for (p, c), n in written.items() if c != "emoji")
     assert "google-0303.png" not in files["train"] | files["test"]
     category = lambda name: emoji.folder_name((emoji.UPSTREAM + emoji.DOWNSTREAM)[int(code(name)[:2], 16)])  # noqa: E731
     assert all(path.parent.name == category(name) for names in files.values() for name, path in names.items())
     # Stratified by emoji: round(0.3 x 10) = 3 of each category's emoji to test, round(0.3 x 9) = 3 where two are one.
-    one = {"0101": "0102", "0201": "0202"}
-    tested = Counter(category(f"x-{c}.png") for c in {one.get(c, c) for c in codes["test"]})
+    tested = Counter(category(f"x-{c}.png") for c in {pairs.get(c, c) for c in codes["test"]})
     assert tested == Counter({c: 3 for c in SEMI_CLASSES}), tested
     assert written["test", "emoji"] + written["train", "emoji"] == 90
     transparent = next(iter((out / "train" / "smileys-and-emotion").glob("*.png")))  # category 00: drawn transparent
