@@ -6,6 +6,7 @@ classes, transparency over mpp's grey, shards in one command, and configs/compar
 import importlib.util
 import io
 import json
+import math
 import tarfile
 import zlib
 from collections import Counter
@@ -149,6 +150,17 @@ def test_the_semi_supervised_plan_builds_its_shards_in_one_command_and_its_dry_r
     assert (design["test_images"], design["seeds"]) == (test_images, 3)
     out = capsys.readouterr().out
     assert f"[compare] design: {test_images} test images and 3 seed(s) per arm" in out
+    # Each budget's picks as its run will make them: 2 and 4 of each of 9 classes, under 500, so k-fold with k the
+    # images per class; 2.8016 x sqrt(0.2 / n) is what n dev images resolve at 80% power.
+    for per_class in (2, 4):
+        n = 9 * per_class
+        assert (f"[compare] design: Budget {per_class} ({n} labelled images) picks by {per_class}-fold cross-validation "
+                f"over all {n}, which tell two candidates apart, 4 times in 5, when they differ by "
+                f"{100 * 2.801585 * math.sqrt(0.2 / n):.2f} points or more.") in out
+    split = compare.check(load_compare_config(plan, [*data, "labels_per_class=[20]", "dev_folds=0"]))["budgets"]["20"]
+    assert (split["images"], split["folds"], split["dev_images"]) == (180, 0, 18)  # round(0.1 x 20) of each class
+    assert "Budget 20 (180 labelled images) picks by a dev split of 18 of its 180 labelled images" in capsys.readouterr().out
+    assert design["budgets"]["4"] == {"images": 36, "folds": 4, "dev_images": 36, "dev_resolvable": pytest.approx(0.2801585 * math.sqrt(0.2 / 36) * 10, rel=1e-5)}
     assert not (tmp_path / "cmp").exists()  # nothing drawn, pretrained or fine-tuned
     smallest = min(n for (p, c), n in Counter((p.parent.parent.name, p.parent.name) for p in (tmp_path / "images").rglob("*.png")).items() if p == "train")
     with pytest.raises(compare.CompareError, match=rf"labels_per_class 100 needs that many images of every class, and class \d of .* has {smallest};"):
