@@ -9,6 +9,7 @@ the same way. The plan is validated when it is loaded, every stage's run config 
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -121,6 +122,14 @@ def budget_names(cc: CompareConfig) -> list[str]:
     """Each label budget's name, as its directory budget-<name> and the report call it: '10' labels per class, or
     '0.1' of each class."""
     return [f"{b:d}" for b in cc.labels_per_class] or [f"{f:g}" for f in cc.label_fractions]
+
+
+def budget_takes(cc: CompareConfig, per_class: dict[int, int]) -> dict[str, dict[int, int]]:
+    """{budget name: {class id: images drawn}} from each class's labelled images: labels_per_class of every class,
+    or round(fraction x its images), at least 1."""
+    budgets = cc.labels_per_class or cc.label_fractions
+    return {name: {label: budget if cc.labels_per_class else max(1, math.floor(budget * n + 0.5)) for label, n in per_class.items()}
+            for name, budget in zip(budget_names(cc), budgets)}
 
 
 def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareConfig:

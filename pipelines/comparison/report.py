@@ -104,6 +104,11 @@ def design_lines(record: dict) -> list[str]:
     if record["dev_images"]:
         lines.append(f"The dev images ({record['dev_images']:,}) tell two candidates apart, 4 times in 5, when they "
                      f"differ by {100 * record['dev_resolvable']:.2f} points or more (at the same disagreement).")
+    for name, budget in record.get("budgets", {}).items():
+        picks = (f"{budget['folds']}-fold cross-validation over all {budget['images']:,}" if budget["folds"] else
+                 f"a dev split of {budget['dev_images']:,} of its {budget['images']:,} labelled images")
+        lines.append(f"Budget {name} ({budget['images']:,} labelled images) picks by {picks}, which tell two candidates "
+                     f"apart, 4 times in 5, when they differ by {100 * budget['dev_resolvable']:.2f} points or more.")
     if line := target_line(record, planned["resolvable"]):
         lines.append(f"warning: {line}")
     elif record["target_gap"] is not None:

@@ -69,7 +69,7 @@ from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
-from ..comparison.plan import Arm, CompareConfig, arm_plan, budget_names, pretrain_config, recipes, stage_config
+from ..comparison.plan import Arm, CompareConfig, arm_plan, budget_names, budget_takes, pretrain_config, recipes, stage_config
 from ..comparison.plots import comparison_figure, label_efficiency_figure
 from ..comparison.report import PRETRAIN_CURVES, budget_markdown, design_lines, design_record, report_markdown, scalar_history, target_needs
 from ..run.run_policy import RunInUse
@@ -142,12 +142,25 @@ def check(cc: CompareConfig) -> dict:
     base = stage_config(cc, "finetune")
     select = len(recipes(cc)) > 1 or len(cc.lengths) > 1
     budgets = bool(cc.labels_per_class or cc.label_fractions)
-    if budgets:  # each budget's run states its own dev images when it starts
-        check_budgets(cc, base, Counter(label for _, _, label in labelled_samples(base)))
+    if budgets:  # each budget's run states its own dev images when it starts; the dry run says them here
+        per_class = Counter(label for _, _, label in labelled_samples(base))
+        check_budgets(cc, base, per_class)
     design = design_record(cc, len(test_labels(base)), len(cc.seeds or [base.train.seed]),
                            dev_image_count(cc, base) if select and not budgets else None)
+    if budgets and select:
+        design["budgets"] = {name: budget_dev(cc, take) for name, take in budget_takes(cc, per_class).items()}
     say_design(design)
     return design
+
+
+def budget_dev(cc: CompareConfig, take: dict[int, int]) -> dict:
+    """A label budget's labelled images, the folds its picks use (0: one dev split), the images they are scored on, and
+    the gap between two candidates those resolve: as its run will split its draw."""
+    folds = cc.dev_folds if cc.dev_folds != "auto" else auto_fold_count(take)
+    images = sum(take.values())
+    dev = images if folds else sum(math.floor(cc.dev_fraction * n + 0.5) for n in take.values())
+    return {"images": images, "folds": folds, "dev_images": dev,
+            "dev_resolvable": gap_resolution(dev, 1, cc.assumed_disagreement).resolvable}
 
 
 def say_design(design: dict) -> None:
@@ -339,9 +352,16 @@ def auto_folds(base: Config) -> tuple[int, dict | None]:
         per_class[label] = per_class.get(label, 0) + 1
         if images >= SMALL_DOWNSTREAM:
             return 0, None
-    images = sum(per_class.values())
+    k = auto_fold_count(per_class)
+    return (k, {"images": sum(per_class.values()), "below": SMALL_DOWNSTREAM}) if k else (0, None)
+
+
+def auto_fold_count(per_class: dict[int, int]) -> int:
+    """The folds `dev_folds: auto` takes for these labelled images per class (0: one dev split)."""
+    if sum(per_class.values()) >= SMALL_DOWNSTREAM:
+        return 0
     k = min(AUTO_FOLDS, min(per_class.values(), default=0))
-    return (k, {"images": images, "below": SMALL_DOWNSTREAM}) if k >= 2 else (0, None)
+    return k if k >= 2 else 0
 
 
 def labelled_samples(cfg: Config) -> Iterator[tuple[str, dict, int]]:
@@ -447,11 +467,8 @@ def budget_stage(cfg: Config, out: Path, cc: CompareConfig) -> dict:
         by_class.setdefault(label, []).append(ident)
     check_budgets(cc, cfg, Counter({label: len(idents) for label, idents in by_class.items()}))
     ranked = {label: sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i)) for label, idents in by_class.items()}
-    budgets = cc.labels_per_class or cc.label_fractions
     draws = {}
-    for name, budget in zip(budget_names(cc), budgets):
-        take = {label: budget if cc.labels_per_class else max(1, math.floor(budget * len(idents) + 0.5))
-                for label, idents in ranked.items()}
+    for name, take in budget_takes(cc, {label: len(idents) for label, idents in ranked.items()}).items():
         chosen = {ident for label, idents in ranked.items() for ident in idents[:take[label]]}
         images = write_part(cfg, out / name, lambda ident, chosen=chosen: ident in chosen)
         draws[name] = {"shards": str(out / name), "images": images, "per_class": {str(k): v for k, v in sorted(take.items())}}
