@@ -5,7 +5,7 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
 
     split/ (or split/fold<i>/)    the dev split(s) held out of the downstream training shards, first, so a split too
                                   small to rank the grid is refused before any pretraining
-    pre/<arm>                     the arm's pretraining (none for scratch)
+    pre/<arm>                     the arm's pretraining (none for scratch, nor for an arm of given weights)
     ft/<arm>/<recipe>[-f<i>]      every grid recipe fine-tuned and scored on the dev split (or each fold)
     ft/<arm>/<pick>-x<m>[-f<i>]   the pick fine-tuned longer (`lengths`) while dev top-1 does not fall
     ft/<arm>/<kept>-s<seed>       the kept recipe and length at the other seeds (every seed under cross-validation,
@@ -489,7 +489,7 @@ class ArmRun:
 
     def run(self) -> dict:
         pretrained = self.pretrain()
-        self.ckpt = str(self.pre) if pretrained else None
+        self.ckpt = str(self.pre) if pretrained else self.arm.weights  # given weights, else None: a fresh backbone
         grid_pick = self.choose({name: recipe for name, recipe in self.grid.items()})
         kept, lengths = self.search_length(grid_pick)
         ablated = self.arm.name in self.cc.ablate
@@ -498,7 +498,7 @@ class ArmRun:
         test = over_seeds(tests[kept.pick], self.seeds)
         # Kept at the plan's longest length: its dev top-1 may still have been rising, so the arm may be short.
         longest = bool(lengths) and kept.pick == f"{grid_pick.pick}-x{self.cc.lengths[-1]:g}"
-        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "control": self.arm.control, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
+        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "weights": self.arm.weights, "control": self.arm.control, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
                  "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
