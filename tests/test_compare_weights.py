@@ -1,6 +1,7 @@
 """Public weights as an arm of a comparison: the shipped plan configs/compare/public_weights.yaml run end to end with
 weights made here, offline (a tiny transformers ViT saved with save_pretrained, and the same tensors in timm's
-layout), and the plan's checks of an arm's weights when it loads."""
+layout), and the plan's checks of an arm's weights when it loads; and the comparison as TensorBoard shows it (run
+names, numbers, test scores), read back from its event files."""
 
 import json
 
@@ -9,8 +10,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
 from mpp.config import ConfigError
-from pipelines.comparison.plan import load_compare_config
+from mpp.rundir import sha256
+from pipelines.comparison.plan import load_compare_config, trial_name
 from pipelines.stages import compare
 
 from conftest import ROOT, write_test_shards
@@ -76,6 +81,48 @@ def test_the_shipped_plan_compares_mpp_with_public_weights_beside_scratch(tmp_pa
     assert f"given weights {hub_vit}" in row and "| elsewhere |" in row
     assert "- mpp - vit-public:" in text and "- vit-public - scratch:" in text
     assert "| vit-public | " in text.split("## Frozen features")[1]  # its frozen features scored too
+    for run in ("sgd", "sgd-s1"):  # the given weights by their content too: a file replaced at the path is another start
+        stage = json.loads((out / "ft" / "vit-public" / run / "stage.json").read_text())
+        assert stage["inputs"]["weights_sha256"] == sha256(hub_vit / "model.safetensors")
+    assert "weights_sha256" not in json.loads((out / "ft" / "mpp" / "sgd" / "stage.json").read_text())["inputs"]
+
+    # TensorBoard (issue 51 item 7): HParams' first column shows about 15 characters; each run of the comparison
+    # is told apart within them (ft/vit-public/sgd and ft/vit-public/sgd-s1 were not), numbers read as written, and
+    # every tested run and every arm carries its test scores as scalars that HParams lists as metrics.
+    sessions = {p.parent.relative_to(out).as_posix(): EventAccumulator(str(p.parent)).Reload()
+                for p in out.rglob("events.out.tfevents*") if not p.name.endswith(".test-scores") or "summary" in p.parts}
+    names = {run: hparams(acc, "session_start_info").group_name for run, acc in sessions.items()}
+    assert names["ft/vit-public/sgd-s1/tensorboard/finetune"] == "sgd-s1 (vit-public)"
+    assert names["pre/mpp/tensorboard/pretrain"] == "mpp (pretraining)" and names["summary/mpp"] == "mpp (mean over seeds)"
+    assert len(names) == 10 and len({name[:15] for name in names.values()}) == 10, names
+    start = hparams(sessions["ft/scratch/sgd/tensorboard/finetune"], "session_start_info")
+    assert start.hparams["train.lr"].string_value == "0.03" and start.hparams["train.seed"].string_value == "0"
+    assert [m.name.tag for m in hparams(sessions["pre/mpp/tensorboard/pretrain"], "experiment").metric_infos][-3:] == [
+        "test/top1", "test/top5", "test/balanced_acc"]  # whichever run's columns TensorBoard takes
+    for arm, entry in report["arms"].items():
+        for seed, run in (("0", "sgd"), ("1", "sgd-s1")):
+            scores = sessions[f"ft/{arm}/{run}/tensorboard/finetune"].Scalars("test/top1")
+            assert [(s.step, s.value) for s in scores] == [(4, pytest.approx(entry["test"]["top1_seeds"][seed]))]
+        summary = sessions[f"summary/{arm}"]
+        assert summary.Scalars("test/top1")[0].value == pytest.approx(entry["test"]["top1"])
+        assert summary.Scalars("test/balanced_acc")[0].value == pytest.approx(entry["balanced_accuracy"]["mean"])
+        assert "train.seed" not in hparams(summary, "session_start_info").hparams  # a mean over the seeds
+    compare.run(shipped_plan(tmp_path, hub_vit))  # run again: every stage skipped, each score written once
+    assert len(list((out / "ft" / "mpp" / "sgd" / "tensorboard" / "finetune").glob("*.test-scores"))) == 1
+    assert len(EventAccumulator(str(out / "summary" / "mpp")).Reload().Scalars("test/top1")) == 1
+
+
+def hparams(accumulator, kind):
+    content = accumulator.SummaryMetadata(f"_hparams_/{kind}").plugin_data.content
+    return getattr(plugin_data_pb2.HParamsPluginData.FromString(content), kind)
+
+
+def test_a_comparisons_runs_are_named_by_what_tells_them_apart_first(tmp_path):
+    root = tmp_path / "cmp"
+    assert [trial_name(root / path, root) for path in ("ft/scratch/mim-x2-s1", "ft/scratch/mim-x4", "pre/mpp",
+                                                      "budget-10/ft/mpp/sgd-s1", "summary/vit-public")] == [
+        "mim-x2-s1 (scratch)", "mim-x4 (scratch)", "mpp (pretraining)", "sgd-s1 (mpp, budget-10)", "vit-public (mean over seeds)"]
+    assert trial_name(tmp_path / "elsewhere", root) == ""
 
 
 def test_public_weights_in_timm_layout_are_an_arm_too(tmp_path, hub_vit):
