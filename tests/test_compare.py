@@ -62,7 +62,7 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     # HParams names each run by what tells it apart first (sgd-0.03-s1 (mpp)), not by its run path below the logdir,
     # which its narrow first column cut to the same ft/scratch/mim-... for several runs (issue 51).
     trials = {run.parent.parent.relative_to(out).as_posix(): trial_of(run) for run in out.glob("**/tensorboard/*")}
-    assert len(trials) == 11 and trials["pre/mpp"] == "mpp (pretraining)" and trials["ft/scratch/mim"] == "mim (scratch)"
+    assert len(trials) == 11 and trials["pre/mpp"] == "mpp (pretraining, cmp)" and trials["ft/scratch/mim"] == "mim (scratch, cmp)"
     assert len(set(trials.values())) == 11, trials
     results = json.loads((out / "results.json").read_text())
     assert results["arms"]["scratch"]["pretrain"] is None and results["arms"]["mpp"]["pretrain"]["images_seen"] == 24

@@ -92,8 +92,8 @@ def test_the_shipped_plan_compares_mpp_with_public_weights_beside_scratch(tmp_pa
     sessions = {p.parent.relative_to(out).as_posix(): EventAccumulator(str(p.parent)).Reload()
                 for p in out.rglob("events.out.tfevents*") if not p.name.endswith(".test-scores") or "summary" in p.parts}
     names = {run: hparams(acc, "session_start_info").group_name for run, acc in sessions.items()}
-    assert names["ft/vit-public/sgd-s1/tensorboard/finetune"] == "sgd-s1 (vit-public)"
-    assert names["pre/mpp/tensorboard/pretrain"] == "mpp (pretraining)" and names["summary/mpp"] == "mpp (mean over seeds)"
+    assert names["ft/vit-public/sgd-s1/tensorboard/finetune"] == "sgd-s1 (vit-public, cmp)"
+    assert names["pre/mpp/tensorboard/pretrain"] == "mpp (pretraining, cmp)" and names["summary/mpp"] == "mpp (mean over seeds, cmp)"
     assert len(names) == 10 and len({name[:15] for name in names.values()}) == 10, names
     start = hparams(sessions["ft/scratch/sgd/tensorboard/finetune"], "session_start_info")
     assert start.hparams["train.lr"].string_value == "0.03" and start.hparams["train.seed"].string_value == "0"
@@ -121,7 +121,8 @@ def test_a_comparisons_runs_are_named_by_what_tells_them_apart_first(tmp_path):
     root = tmp_path / "cmp"
     assert [trial_name(root / path, root) for path in ("ft/scratch/mim-x2-s1", "ft/scratch/mim-x4", "pre/mpp",
                                                       "budget-10/ft/mpp/sgd-s1", "summary/vit-public")] == [
-        "mim-x2-s1 (scratch)", "mim-x4 (scratch)", "mpp (pretraining)", "sgd-s1 (mpp, budget-10)", "vit-public (mean over seeds)"]
+        "mim-x2-s1 (scratch, cmp)", "mim-x4 (scratch, cmp)", "mpp (pretraining, cmp)", "sgd-s1 (mpp, budget-10, cmp)",
+        "vit-public (mean over seeds, cmp)"]
     assert trial_name(tmp_path / "elsewhere", root) == ""
 
 

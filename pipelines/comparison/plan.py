@@ -237,14 +237,15 @@ WITHIN = {"ft": "", "pre": "pretraining", "summary": "mean over seeds"}
 
 def trial_name(run_dir: Path, root: Path) -> str:
     """A run of the comparison in `root` as HParams' table names it: its own directory first, then what it belongs
-    to, innermost first (mim-x2-s1 (scratch), mim-s1 (scratch, budget-10), mpp (pretraining)), so the part that
-    tells runs apart shows in the table's narrow first column; '' for a run outside the comparison."""
+    to, innermost first, the comparison last (mim-x2-s1 (scratch, tiny), mim-s1 (scratch, budget-10, tiny), mpp
+    (pretraining, tiny)), so the part that tells runs apart shows in the table's narrow first column, and runs of two
+    comparisons under one logdir are not merged into one row; '' for a run outside the comparison."""
     run_dir, root = Path(run_dir).resolve(), Path(root).resolve()
     if not run_dir.is_relative_to(root) or run_dir == root:
         return ""
     *within, name = run_dir.relative_to(root).parts
     context = [WITHIN.get(part, part) for part in reversed(within) if WITHIN.get(part, part)]
-    return f"{name} ({', '.join(context)})" if context else name
+    return f"{name} ({', '.join([*context, root.name])})"
 
 
 def stage_config(cc: CompareConfig, section: str, extra: dict[str, Any] | None = None, **keys) -> Config:

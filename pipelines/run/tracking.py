@@ -4,7 +4,7 @@ config.yaml beside them) and the Custom Scalars layout of the metrics the run de
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from mpp.training.trackers import external_tracker_settings, log_final
 
 
 # Set by a comparison while it runs its stages: how it names a run (its output_dir) in HParams' table, whose first
-# column shows about 15 characters, so the part that tells runs apart comes first (mim-x2-s1 (scratch)), not the
+# column shows about 15 characters, so the part that tells runs apart comes first (mim-x2-s1 (scratch, tiny)), not the
 # whole run path below TensorBoard's logdir, which the table cut to the same ft/scratch/mim-... for several runs.
 TRIAL_NAMES: ContextVar[Callable[[Path], str] | None] = ContextVar("trial_names", default=None)
 
@@ -41,7 +41,7 @@ def trial_name(output_dir: str | Path) -> str:
     return "" if name_of is None else name_of(Path(output_dir))
 
 
-def log_scores(directory: Path, scores: dict[str, float], step: int, summaries: list[Summary] = ()) -> None:
+def log_scores(directory: Path, scores: dict[str, float], step: int, summaries: Sequence[Summary] = ()) -> None:
     """Scalars `scores` at `step` in the TensorBoard run `directory` (a finished run's), where Scalars charts them and
     HParams reads them as the run's metrics, in an event file of their own (with `summaries`) that replaces the one an
     earlier call left there: a comparison run again writes each score once."""
