@@ -59,9 +59,11 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     assert "`mim`: train.optimizer=adamw, train.lr=0.001, train.weight_decay=0.05, train.layer_decay=0.75, finetune.pool=mean" in text
     assert "79.9%" in text and "mpp - scratch:" in text and "the spread" in text
     assert "Compute: 11 training runs under" in text  # 2 pretrainings, 3 arms x (2 recipes + 1 more seed)
-    # HParams names each run by its path in the comparison, short and unique, not by its run path below the logdir.
+    # HParams names each run by what tells it apart first (sgd-0.03-s1 (mpp)), not by its run path below the logdir,
+    # which its narrow first column cut to the same ft/scratch/mim-... for several runs (issue 51).
     trials = {run.parent.parent.relative_to(out).as_posix(): trial_of(run) for run in out.glob("**/tensorboard/*")}
-    assert len(trials) == 11 and all(name == path for path, name in trials.items()), trials
+    assert len(trials) == 11 and trials["pre/mpp"] == "mpp (pretraining, cmp)" and trials["ft/scratch/mim"] == "mim (scratch, cmp)"
+    assert len(set(trials.values())) == 11, trials
     results = json.loads((out / "results.json").read_text())
     assert results["arms"]["scratch"]["pretrain"] is None and results["arms"]["mpp"]["pretrain"]["images_seen"] == 24
     assert results["seeds"] == [0, 1]
@@ -86,7 +88,7 @@ def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_sk
     assert "A dev split of 100 images (10 of class 0," in text and "One image is worth 1.00 points of top-1" in text
     assert results["dev_resolution"]["images"] == 100
     # Short TensorBoard run names: ft/<arm>/<recipe>[-s<seed>], pre/<arm>.
-    events = {str(p.relative_to(out)).split("/tensorboard/")[0] for p in out.rglob("events.out.tfevents*")}
+    events = {str(p.relative_to(out)).split("/tensorboard/")[0] for p in out.rglob("tensorboard/*/events.out.tfevents*")}
     picked = results["arms"]["mpp"]["recipe"]
     assert {"pre/mpp", "pre/supervised", "ft/scratch/sgd-0.03", "ft/mpp/mim", f"ft/mpp/{picked}-s1"} <= events
     assert max(len(name) for name in events) <= len("ft/supervised/sgd-0.03-s1")

@@ -54,9 +54,9 @@ def test_pretraining_run_reads_at_a_glance(tmp_path, make_shards, capsys):
     # The few settings that tell runs apart, not the whole config (that is under Text); the same columns for every stage.
     assert [h.name for h in experiment.hparam_infos] == list(hparam_columns()) and len(hparam_columns()) <= 20
     start = hparams_content(acc, "_hparams_/session_start_info").session_start_info
-    assert start.hparams["train.lr"].number_value == pytest.approx(cfg.train.lr)
+    assert start.hparams["train.lr"].string_value == "0.001"  # as written, not HParams' five digits (0.0010000)
     assert start.hparams["objective"].string_value == "mpp" and start.hparams["mpp.target"].string_value == "color"
-    # Integers as integers: as text, since HParams shows every number with four decimals (8 as 8.0000).
+    # Integers as integers: as text, since HParams shows every number to five digits (8 as 8.0000).
     assert start.hparams["model.width"].string_value == "64"  # the model's, also where the config leaves it to the variant
     assert start.hparams["train.global_batch_size"].string_value == "8"  # images per step, though the config says null
     assert start.hparams["train.steps"].string_value == "4" and start.hparams["train.seed"].string_value == "0"
@@ -108,7 +108,7 @@ def test_hparams_keep_booleans_boolean():
     # torch's summary.hparams tests for int before bool and would log a True as the number 1.
     experiment, start = (hparams_content_of(summary) for summary in hparams_summaries({"flag": True, "lr": 0.1, "steps": 6},
                                                                                      {"flag": True}, []))
-    assert [h.type for h in experiment.experiment.hparam_infos] == [api_pb2.DATA_TYPE_BOOL, api_pb2.DATA_TYPE_FLOAT64,
+    assert [h.type for h in experiment.experiment.hparam_infos] == [api_pb2.DATA_TYPE_BOOL, api_pb2.DATA_TYPE_STRING,
                                                                    api_pb2.DATA_TYPE_STRING]
     assert start.session_start_info.hparams["flag"].WhichOneof("kind") == "bool_value"
     assert "lr" not in start.session_start_info.hparams  # a column this run leaves blank

@@ -3,7 +3,9 @@
 An arm is a starting point for fine-tuning: `scratch` (a fresh backbone), a registered objective by name (`mpp`,
 `supervised`: pretrained with the plan's `pretrain` section), or a named variant of one, `{name: mpp-pixel,
 objective: mpp, pretrain: {mpp.target: pixels}}`, whose keys go on top of the `pretrain` section: so the paper's
-pretext ablations (targets, corruption rates) are arms of one plan. Every arm is tuned, length-searched and seeded
+pretext ablations (targets, corruption rates) are arms of one plan. An arm can also start from weights trained
+elsewhere, `{name: vit-public, weights: DIR}` (a Hugging Face ViT directory or a timm-layout model.safetensors): no
+pretraining stage, the given weights fine-tuned as the others are. Every arm is tuned, length-searched and seeded
 the same way. The plan is validated when it is loaded, every stage's run config included.
 """
 
@@ -18,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
 from mpp.config import Config, ConfigError, Section, dotted, read_layers, validate_config
+from mpp.errors import UserError
+from mpp.model.checkpoint import load_backbone
 from mpp.model.registry import OBJECTIVES
 from mpp.training.runtime import Device, precision_label, resolve_precision
 
@@ -26,17 +30,21 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # an arm's or recipe's n
 
 
 class Arm(Section):
-    """One starting point: fresh (objective None, the arm named scratch) or pretrained with an objective."""
+    """One starting point: fresh (objective None, the arm named scratch), pretrained with an objective, or given
+weights (objective None, `weights` a path)."""
 
     name: str = Field(description="The arm's name in the report and its directories (pre/<name>, ft/<name>/...).")
     objective: str | None = Field(None, description="The pretraining objective (a registered one); null: no pretraining (scratch).")
     pretrain: dict[str, Any] = Field({}, description="Run-config keys on top of the plan's pretrain section, for this arm only (mpp.target: pixels).")
     control: Literal["noise"] | None = Field(None, description="A negative control: noise pretrains this arm (with its objective) on images of uniform random pixels that compare makes (noise_images of them), in place of the plan's pretraining data, so the report shows whether the comparison can say no: such an arm must not come out ahead of scratch.")
     model: dict[str, Any] = Field({}, description="model.* keys of this arm's every run, its pretraining and all its fine-tuning (a scratch arm's too), on top of common's: the network an arm pretrains is the one it fine-tunes ({stem: resnet}, {pos_embed: sincos_2d}).")
+    weights: str | None = Field(None, description="Weights this arm fine-tunes from instead of pretraining (no objective): a Hugging Face ViT directory (config.json and model.safetensors, as save_pretrained or a Hub download writes it), a timm ViT's model.safetensors, or a run of this project; its model keys must give the weights' patch size (and, for timm, heads); image_size may differ (position embeddings are interpolated).")
 
     @property
     def summary(self) -> str:
         network = ", ".join(f"model.{k}={v}" for k, v in dotted(self.model).items())
+        if self.weights is not None:
+            return f"none here: given weights {self.weights}" + (f" ({network})" if network else "")
         if self.objective is None:
             return "none (random init)" + (f" ({network})" if network else "")
         variant = ", ".join([f"{k}={v}" for k, v in dotted(self.pretrain).items()] + ([network] if network else [])
@@ -46,7 +54,7 @@ class Arm(Section):
 
 class CompareConfig(Section):
     output_dir: str = Field("runs/compare", description="Where every stage's run directory, report.md, results.json and comparison.png/svg go.")
-    arms: list[str | Arm] = Field(["mpp", "supervised", SCRATCH], min_length=1, description="The starting points to fine-tune: scratch, a registered objective by name (mpp, supervised), or a variant {name, objective, pretrain: {keys}, model: {keys}} (model: the network of all its runs, pretraining and fine-tuning).")
+    arms: list[str | Arm] = Field(["mpp", "supervised", SCRATCH], min_length=1, description="The starting points to fine-tune: scratch, a registered objective by name (mpp, supervised), a variant {name, objective, pretrain: {keys}, model: {keys}} (model: the network of all its runs, pretraining and fine-tuning), or given weights {name, weights: PATH, model: {keys}} (public weights: no pretraining stage).")
     note: str | None = Field(None, description="A line printed at the top of the report (a smoke-test plan says its numbers mean nothing).")
     common: dict[str, Any] = Field({}, description="Run-config keys shared by every stage (model.*, fewshot.*, data.num_workers, ...).")
     pretrain: dict[str, Any] = Field({}, description="Run-config keys of every pretraining run: data.shards (upstream; labelled for supervised), train.*, mpp.*.")
@@ -81,8 +89,13 @@ class CompareConfig(Section):
             if arm.objective is not None and arm.name == SCRATCH:
                 raise ValueError(f"arm name '{SCRATCH}' is the fresh backbone's, and this arm pretrains with "
                                  f"{arm.objective}; give it another name")
-            if arm.objective is None and arm.name != SCRATCH:
-                raise ValueError(f"arm '{arm.name}' names no objective; a fresh backbone is the arm '{SCRATCH}'")
+            if arm.weights is not None and (arm.objective is not None or arm.pretrain or arm.name == SCRATCH):
+                raise ValueError(f"arm '{arm.name}' starts from given weights ({arm.weights}), so it pretrains nothing "
+                                 f"and is not the fresh backbone; drop its objective and pretrain keys, and name it "
+                                 f"other than {SCRATCH}")
+            if arm.objective is None and arm.weights is None and arm.name != SCRATCH:
+                raise ValueError(f"arm '{arm.name}' names no objective and no weights; a fresh backbone is the arm "
+                                 f"'{SCRATCH}', given weights are {{name: {arm.name}, weights: PATH}}")
             if arm.objective is not None and arm.objective not in OBJECTIVES:
                 raise ValueError(f"arm '{arm.name}' names objective '{arm.objective}'; choose one of {', '.join(OBJECTIVES)} (or the arm {SCRATCH})")
         return resolved
@@ -90,7 +103,7 @@ class CompareConfig(Section):
     @field_serializer("arms")
     def _arms_as_written(self, arms: list[Arm]) -> list[str | dict]:
         """An arm that is just an objective's name (or scratch) is written back as that name."""
-        return [arm.name if not arm.pretrain and not arm.model and not arm.control and arm.objective in (arm.name, None)
+        return [arm.name if not arm.pretrain and not arm.model and not arm.control and not arm.weights and arm.objective in (arm.name, None)
                 else arm.model_dump() for arm in arms]
 
     @model_validator(mode="after")
@@ -157,7 +170,23 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
         raise ConfigError("a comparison plan gives its runs' lengths in train.steps (its lengths multiply them and its "
                           "checkpoints name pretraining steps); set train.steps in the plan instead of train.epochs")
     check_one_process(stages)
+    for arm in cc.arms:
+        if arm.weights is not None:
+            check_weights(arm, stage_config(arm_plan(cc, arm), "finetune"))
     return cc
+
+
+def check_weights(arm: Arm, finetune: Config) -> None:
+    """Refuse, before any stage, given weights that are missing or do not load as the arm's fine-tuning asks (its
+    patch size, stem, heads), each in one line naming the arm."""
+    if not Path(arm.weights).exists():
+        raise ConfigError(f"arm '{arm.name}' starts from weights at {arm.weights}, which does not exist; download them "
+                          f"first (a Hugging Face ViT directory with config.json and model.safetensors, or a timm "
+                          f"model.safetensors) and set the arm's weights to that path")
+    try:
+        load_backbone(arm.weights, finetune.model)
+    except UserError as err:
+        raise ConfigError(f"arm '{arm.name}' cannot fine-tune its weights: {err}") from None
 
 
 def check_checkpoints_kept(checkpoints: list[int], train, arm: str) -> None:
@@ -209,6 +238,23 @@ def recipes(cc: CompareConfig) -> dict[str, dict[str, Any]]:
             name = f"r{i}"
         named[name] = recipe
     return named
+
+
+# compare's directories (pipelines/stages/compare.py) as a trial name says them: fine-tuning goes without saying
+WITHIN = {"ft": "", "pre": "pretraining", "summary": "mean over seeds"}
+
+
+def trial_name(run_dir: Path, root: Path) -> str:
+    """A run of the comparison in `root` as HParams' table names it: its own directory first, then what it belongs
+    to, innermost first, the comparison last (mim-x2-s1 (scratch, tiny), mim-s1 (scratch, budget-10, tiny), mpp
+    (pretraining, tiny)), so the part that tells runs apart shows in the table's narrow first column, and runs of two
+    comparisons under one logdir are not merged into one row; '' for a run outside the comparison."""
+    run_dir, root = Path(run_dir).resolve(), Path(root).resolve()
+    if not run_dir.is_relative_to(root) or run_dir == root:
+        return ""
+    *within, name = run_dir.relative_to(root).parts
+    context = [WITHIN.get(part, part) for part in reversed(within) if WITHIN.get(part, part)]
+    return f"{name} ({', '.join([*context, root.name])})"
 
 
 def stage_config(cc: CompareConfig, section: str, extra: dict[str, Any] | None = None, **keys) -> Config:

@@ -332,7 +332,8 @@ def results_lines(report: dict, cc: CompareConfig, base: Config, seeds_note: str
     for arm, e in arms.items():
         pre = e["pretrain"] or {}
         wall = (training_time(Path(e["pretrain_run"])) if pre else 0) + training_time(Path(e["run"]))
-        rows.append([arm, e["objective"], f"{pre['images_seen']:,}" if pre else "0", e["recipe"],
+        seen = f"{pre['images_seen']:,}" if pre else "elsewhere" if e.get("weights") else "0"
+        rows.append([arm, e["objective"], seen, e["recipe"],
                      f"{e['finetune']['images_seen']:,}", f"{wall:.0f}", *([f"{100 * e['dev_top1']:.2f}%"] if on_dev else []),
                      f"**{percent_with_spread(e['test'])}**", " / ".join(f"{100 * t:.2f}" for t in e["test"]["top1_seeds"].values()),
                      *([f"{100 * e['balanced_accuracy']['mean']:.2f}%"] if balanced else [])])
@@ -409,15 +410,16 @@ def frozen_lines(arms: dict, base: Config, shots: list[int]) -> list[str]:
 
 
 def frozen_flags(arms: dict, shots: list[int]) -> list[str]:
-    """Each pretrained arm's frozen-feature score at or below the random-init backbone's (the scratch arm's), in words."""
-    fresh = next((e["frozen"] for e in arms.values() if e["pretrain"] is None), None)
+    """Each pretrained (or given-weights) arm's frozen-feature score at or below the random-init backbone's (the
+    scratch arm's), in words."""
+    fresh = next((e["frozen"] for e in arms.values() if e["pretrain"] is None and not e.get("weights")), None)
     if fresh is None:
         return ["No scratch arm in this plan, so no random-init backbone to hold these scores against.", ""]
     scores = {f"kNN {pool}": lambda f, pool=pool: f[pool]["knn"] for pool in ("cls", "mean")}
     scores.update({f"{n}-shot {pool}": lambda f, pool=pool, n=n: f[pool]["fewshot"][str(n)] for n in shots for pool in ("cls", "mean")})
     lines = []
     for arm, e in arms.items():
-        if e["pretrain"] is None:
+        if e["pretrain"] is None and not e.get("weights"):  # the random-init backbone itself
             continue
         below = [f"{name} {100 * score(e['frozen']):.2f}% against {100 * score(fresh):.2f}%" for name, score in scores.items()
                  if score(e["frozen"]) <= score(fresh)]

@@ -4,34 +4,73 @@ config.yaml beside them) and the Custom Scalars layout of the metrics the run de
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+from torch.utils.tensorboard import SummaryWriter
 
 from mpp.config import Config, Section, config_schema, config_to_yaml, dotted
 from mpp.metrics import Metric, layout
 from mpp.rundir import CONFIG, checkpoint_step
 from mpp.model.registry import CLASSIFICATION_SETTINGS, OBJECTIVES
+from mpp.training.runtime import process_state
 from mpp.training.trackers import external_tracker_settings, log_final
 
 
-# Set by a comparison to its output_dir while it runs its stages: their trial names in HParams are then their paths
-# under it (ft/mpp/sgd-0.03-s1), not the whole run path below TensorBoard's logdir, which the table cuts short.
-COMPARISON_DIR: ContextVar[Path | None] = ContextVar("comparison_dir", default=None)
+# Set by a comparison while it runs its stages: how it names a run (its output_dir) in HParams' table, whose first
+# column shows about 15 characters, so the part that tells runs apart comes first (mim-x2-s1 (scratch, tiny)), not the
+# whole run path below TensorBoard's logdir, which the table cut to the same ft/scratch/mim-... for several runs.
+TRIAL_NAMES: ContextVar[Callable[[Path], str] | None] = ContextVar("trial_names", default=None)
+
+# The test scores a comparison gives each run it tests (log_scores), which HParams lists as metrics of its runs.
+TEST_METRICS = ("test/top1", "test/top5", "test/balanced_acc")
+SCORES_SUFFIX = ".test-scores"  # the event file log_scores writes, replaced when it writes again
 
 
 def trial_name(output_dir: str | Path) -> str:
-    """The run's name in HParams' table: its path under the comparison running it, else '' (TensorBoard then names
+    """The run's name in HParams' table: what the comparison running it calls it, else '' (TensorBoard then names
     it by its run path, unique below any logdir; a shorter name of a run outside a comparison could be another's,
     and HParams would merge the two rows)."""
-    root = COMPARISON_DIR.get()
-    if root is None or not Path(output_dir).resolve().is_relative_to(root.resolve()):
-        return ""
-    return Path(output_dir).resolve().relative_to(root.resolve()).as_posix()
+    name_of = TRIAL_NAMES.get()
+    return "" if name_of is None else name_of(Path(output_dir))
+
+
+def log_scores(directory: Path, scores: dict[str, float], step: int, summaries: Sequence[Summary] = ()) -> None:
+    """Scalars `scores` at `step` in the TensorBoard run `directory` (a finished run's), where Scalars charts them and
+    HParams reads them as the run's metrics, in an event file of their own (with `summaries`) that replaces the one an
+    earlier call left there: a comparison run again writes each score once."""
+    if not process_state().is_main_process:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    for earlier in directory.glob(f"*{SCORES_SUFFIX}"):
+        earlier.unlink()
+    with SummaryWriter(str(directory), filename_suffix=SCORES_SUFFIX) as writer:
+        for summary in summaries:
+            writer.file_writer.add_summary(summary)
+        for tag, value in scores.items():
+            writer.add_scalar(tag, value, step)
+
+
+def log_session(directory: Path, like: Path, leave_out: tuple[str, ...], scores: dict[str, float], step: int) -> None:
+    """A run of its own in `directory` for HParams and Scalars: the settings of the run `like` (its TensorBoard
+    directory) less those in `leave_out`, named by the comparison (trial_name), with `scores` as its metrics."""
+    if not process_state().is_main_process:
+        return
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        EventAccumulator(str(like)).Reload().SummaryMetadata("_hparams_/session_start_info").plugin_data.content)
+    info = start.session_start_info
+    for key in leave_out:
+        info.hparams.pop(key, None)
+    info.group_name = trial_name(directory)
+    end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
+    log_scores(directory, scores, step, [hparams_summary("_hparams_/session_start_info", start),
+                                         hparams_summary("_hparams_/session_end_info", plugin_data_pb2.HParamsPluginData(session_end_info=end))])
 
 
 SHOWN_HPARAMS = 5  # the columns TensorBoard's HParams table shows before the user ticks others
@@ -83,7 +122,9 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("config", f"```\n{text}\n```")
     columns, values = run_hparams(cfg, stage_objective(cfg, run_name), cfg.train.global_batch(accelerator.num_processes))
-    for summary in hparams_summaries(columns, values, [m.tag for m in metrics if m.headline], trial_name(cfg.output_dir)):
+    trial = trial_name(cfg.output_dir)  # a comparison's run: its test scores are metrics too, whichever run TensorBoard's columns come from
+    headline = [m.tag for m in metrics if m.headline] + (list(TEST_METRICS) if trial else [])
+    for summary in hparams_summaries(columns, values, headline, trial):
         writer.file_writer.add_summary(summary)
     writer.add_custom_scalars({category: {title: ["Multiline", tags] for title, tags in group.items()}
                                for category, group in layout(metrics).items()})
@@ -139,16 +180,14 @@ def applies(key: str, objective: str) -> bool:
     return not owners or objective in owners
 
 
-def hparam_kind(value: bool | int | float | str) -> tuple[str, str, bool | float | str]:
+def hparam_kind(value: bool | int | float | str) -> tuple[str, str, bool | str]:
     """(HParams data type, field of the value, the value as stored) of `value`. bool is tested before int, which it
-    subclasses; an int is stored as text, since HParams has no integer type and shows a number with four decimals
-    (6 steps as 6.0000)."""
+    subclasses; a number is stored as its shortest text (6, 0.001, 2e-05), since HParams shows every number to five
+    significant digits (6 steps as 6.0000, lr 0.001 as 0.0010000)."""
     if isinstance(value, bool):
         return "DATA_TYPE_BOOL", "bool_value", value
-    if isinstance(value, int):
-        return "DATA_TYPE_STRING", "string_value", str(value)
-    if isinstance(value, float):
-        return "DATA_TYPE_FLOAT64", "number_value", value
+    if isinstance(value, (int, float)):
+        return "DATA_TYPE_STRING", "string_value", repr(value)
     return "DATA_TYPE_STRING", "string_value", value
 
 

@@ -5,7 +5,7 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
 
     split/ (or split/fold<i>/)    the dev split(s) held out of the downstream training shards, first, so a split too
                                   small to rank the grid is refused before any pretraining
-    pre/<arm>                     the arm's pretraining (none for scratch)
+    pre/<arm>                     the arm's pretraining (none for scratch, nor for an arm of given weights)
     ft/<arm>/<recipe>[-f<i>]      every grid recipe fine-tuned and scored on the dev split (or each fold)
     ft/<arm>/<pick>-x<m>[-f<i>]   the pick fine-tuned longer (`lengths`) while dev top-1 does not fall
     ft/<arm>/<kept>-s<seed>       the kept recipe and length at the other seeds (every seed under cross-validation,
@@ -14,6 +14,7 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
     frozen/<arm>                  kNN and few-shot accuracy of the frozen backbone
     ft/<arm>/<kept>-p<step>...    for ablated arms, the pick from earlier pretraining checkpoints (`checkpoints`)
     noise/                        the pure-noise images a negative-control arm (control: noise) pretrains on
+    summary/<arm>                 the arm's test scores (mean over seeds) as a TensorBoard run, for HParams and Scalars
 
 With label budgets (`labels_per_class`, `label_fractions`), budgets/<n> holds each budget's draw of the labelled
 images and budget-<n>/ everything above but pre/ and noise/ (one pretraining per arm, at the top) for that budget.
@@ -31,6 +32,7 @@ compiles its own model from a clean dynamo state.
 from __future__ import annotations
 
 import fcntl
+import functools
 import io
 import itertools
 import json
@@ -49,13 +51,13 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file
 
-from mpp.model.checkpoint import load_backbone
+from mpp.model.checkpoint import load_backbone, resolve_checkpoint
 from mpp.config import Config, Pooling
 from mpp.data.stream import BadLabel, LabelReader
 from mpp.errors import UserError
 from mpp.metrics import KNN_TOP1, TOP1, TOP5
 from mpp.model.vit import build_backbone
-from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
+from mpp.rundir import PREDICTIONS, RESULTS, TENSORBOARD, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints, sha256
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.prepare_inputs import Sample, Source
@@ -69,12 +71,13 @@ from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
-from ..comparison.plan import Arm, CompareConfig, arm_plan, budget_names, budget_takes, pretrain_config, recipes, stage_config
+from ..comparison.plan import (Arm, CompareConfig, arm_plan, budget_names, budget_takes, pretrain_config, recipes, stage_config,
+                               trial_name)
 from ..comparison.plots import comparison_figure, label_efficiency_figure
 from ..comparison.report import PRETRAIN_CURVES, budget_markdown, design_lines, design_record, report_markdown, scalar_history, target_needs
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
-from ..run.tracking import COMPARISON_DIR
+from ..run.tracking import TRIAL_NAMES, log_scores, log_session
 
 STAGE_DONE = "stage.json"
 # Fewer dev images of a class than this and the pick is noise: one image moves that class's accuracy by over 10
@@ -94,9 +97,11 @@ class CompareError(UserError):
 
 def run(cc: CompareConfig) -> dict:
     """Run the plan `cc` (resuming what an earlier invocation left) and write its report; returns results.json."""
-    if cc.labels_per_class or cc.label_fractions:
-        return run_budgets(cc)
-    return run_plan(cc, Path(cc.output_dir) / "pre")
+    naming = TRIAL_NAMES.set(functools.partial(trial_name, root=Path(cc.output_dir)))
+    try:
+        return run_budgets(cc) if cc.labels_per_class or cc.label_fractions else run_plan(cc, Path(cc.output_dir) / "pre")
+    finally:
+        TRIAL_NAMES.reset(naming)
 
 
 def run_budgets(cc: CompareConfig) -> dict:
@@ -129,11 +134,7 @@ def run_plan(cc: CompareConfig, pre: Path) -> dict:
     dev_images = (selection.info.get("images") or selection.info["dev_images"]) if selection.splits else None
     design = design_record(cc, len(labels), len(cc.seeds or [base.train.seed]), dev_images)
     say_design(design)
-    naming = COMPARISON_DIR.set(out)
-    try:
-        arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection, pre).run() for arm in cc.arms}
-    finally:
-        COMPARISON_DIR.reset(naming)
+    arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection, pre).run() for arm in cc.arms}
     return collect(cc, base, grid, selection, arms, design, labels)
 
 
@@ -504,10 +505,11 @@ class ArmRun:
         self.recipes: dict[str, dict] = dict(grid)  # every recipe run, longer ones included
         self.ckpt: str | None = None
         self.fine_tuned: dict[str, tuple[Path, dict]] = {}
+        self.given = {"weights_sha256": sha256(resolve_checkpoint(arm.weights))} if arm.weights else {}  # hashed once
 
     def run(self) -> dict:
         pretrained = self.pretrain()
-        self.ckpt = str(self.pre) if pretrained else None
+        self.ckpt = str(self.pre) if pretrained else self.arm.weights  # given weights, else None: a fresh backbone
         grid_pick = self.choose({name: recipe for name, recipe in self.grid.items()})
         kept, lengths = self.search_length(grid_pick)
         ablated = self.arm.name in self.cc.ablate
@@ -516,7 +518,7 @@ class ArmRun:
         test = over_seeds(tests[kept.pick], self.seeds)
         # Kept at the plan's longest length: its dev top-1 may still have been rising, so the arm may be short.
         longest = bool(lengths) and kept.pick == f"{grid_pick.pick}-x{self.cc.lengths[-1]:g}"
-        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "control": self.arm.control, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
+        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "weights": self.arm.weights, "control": self.arm.control, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
                  "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
@@ -556,6 +558,11 @@ class ArmRun:
         cfg = pretrain_config(self.cc, self.arm, output_dir=self.pre, **data)
         return stage(self.pre, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
 
+    def start(self, ckpt: str | None) -> dict:
+        """What a stage starts from, in its settings: given weights also by their content (a file replaced at the same
+        path is another start, so its stages run again)."""
+        return {"ckpt": ckpt, **(self.given if ckpt is not None and ckpt == self.arm.weights else {})}
+
     def fine_tune(self, run_name: str, recipe: dict, seed: int, train: str, val: str, ckpt: str | None) -> tuple[Path, dict]:
         """The fine-tuning stage ft/<arm>/<run_name>, once per invocation (a candidate's run is also a tested one)."""
         if run_name not in self.fine_tuned:
@@ -563,7 +570,7 @@ class ArmRun:
             cfg = stage_config(self.cc, "finetune", output_dir=directory,
                                **{**recipe, "train.seed": seed, "data.shards": train, "data.val_shards": val})
             self.fine_tuned[run_name] = directory, stage(directory, f"{self.arm.name} fine-tuning {run_name}",
-                                                         {**settings(cfg), "ckpt": ckpt}, lambda: finetune_stage(cfg, ckpt))
+                                                         {**settings(cfg), **self.start(ckpt)}, lambda: finetune_stage(cfg, ckpt))
         return self.fine_tuned[run_name]
 
     def choose(self, candidates: dict[str, dict]) -> Choice:
@@ -621,13 +628,14 @@ class ArmRun:
                                    **{**self.recipes[name], "train.seed": seed})
                 scored = stage(self.out / "test" / self.arm.name / run_name, f"{self.arm.name}: {run_name} on {self.base.data.val_shards}",
                                {**settings(cfg), "run": directory}, lambda cfg=cfg, directory=directory: test_stage(cfg, directory))
+            log_scores(directory / TENSORBOARD / "finetune", {f"test/{k}": scored[k] for k in ("top1", "top5") if k in scored}, trained["steps"])
             results[seed] = {**scored, "history": trained["history"], "run": str(directory),
                              "finetune": {k: trained[k] for k in ("steps", "images_seen", "wall_time_s", "top1")}}
         return results
 
     def frozen(self, name: str, ckpt: str | None) -> dict:
         cfg = stage_config(self.cc, "finetune", output_dir=self.out / "frozen" / name)
-        return stage(self.out / "frozen" / name, f"{name} frozen features (kNN, few-shot)", {**settings(cfg), "ckpt": ckpt},
+        return stage(self.out / "frozen" / name, f"{name} frozen features (kNN, few-shot)", {**settings(cfg), **self.start(ckpt)},
                      lambda: frozen_stage(cfg, ckpt))
 
     def earlier_checkpoints(self, pick: str) -> dict:
@@ -751,6 +759,10 @@ def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: S
     if selection.splits:
         dev_images = selection.info.get("images") or selection.info["dev_images"]
         report["dev_resolution"] = asdict(dev_resolution(dev_images))
+    for name, e in report["arms"].items():  # each arm's test scores in HParams and Scalars: run summary/<arm>
+        scores = {"test/top1": e["test"]["top1"], **({"test/top5": e["test"]["top5"]} if "top5" in e["test"] else {}),
+                  "test/balanced_acc": e["balanced_accuracy"]["mean"]}
+        log_session(out / "summary" / name, Path(e["run"]) / TENSORBOARD / "finetune", ("train.seed",), scores, e["finetune"]["steps"])
     if process_state().is_main_process:
         (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         (out / "report.md").write_text(report_markdown(report, cc, base))
