@@ -12,15 +12,15 @@ from conftest import TINY
 
 def test_checkpoints_sort_by_step_and_a_partial_save_is_not_listed(tmp_path):
     for step in (10, 2, 100):
-        rundir.checkpoint_dir(tmp_path, step).mkdir(parents=True)
-    rundir.checkpoint_dir(tmp_path, 200, partial=True).mkdir()
+        rundir.RunDir(tmp_path).checkpoint(step).mkdir(parents=True)
+    rundir.RunDir(tmp_path).checkpoint(200, partial=True).mkdir()
     assert [c.name for c in rundir.complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000010", "step_00000100"]
     assert rundir.checkpoint_step(rundir.complete_checkpoints(tmp_path)[-1]) == 100
 
 
 def test_the_run_that_wrote_a_file_is_found_from_its_export_or_its_checkpoint(tmp_path):
     run = tmp_path / "run"
-    checkpoint = rundir.checkpoint_dir(run, 4)
+    checkpoint = rundir.RunDir(run).checkpoint(4)
     checkpoint.mkdir(parents=True)
     assert rundir.run_dir_of(run / rundir.WEIGHTS) == run
     assert rundir.run_dir_of(checkpoint / rundir.WEIGHTS) == run
@@ -31,7 +31,7 @@ def test_the_run_that_wrote_a_file_is_found_from_its_export_or_its_checkpoint(tm
 
 
 def test_the_manifest_finds_damage_and_the_newest_verified_checkpoint_skips_it(tmp_path):
-    old, new = rundir.checkpoint_dir(tmp_path, 1), rundir.checkpoint_dir(tmp_path, 2)
+    old, new = rundir.RunDir(tmp_path).checkpoint(1), rundir.RunDir(tmp_path).checkpoint(2)
     for checkpoint in (old, new):
         checkpoint.mkdir(parents=True)
         (checkpoint / rundir.WEIGHTS).write_bytes(b"weights")

@@ -55,7 +55,7 @@ from mpp.data.stream import BadLabel, LabelReader
 from mpp.errors import UserError
 from mpp.metrics import KNN_TOP1, TOP1, TOP5
 from mpp.model.vit import build_backbone
-from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints
+from mpp.rundir import PREDICTIONS, RESULTS, WEIGHTS, RunDir, checkpoint_step, complete_checkpoints
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.shards import Sample, Source, write_shards
@@ -618,7 +618,7 @@ class ArmRun:
         pre = self.pre
         points = {}
         for step in self.cc.checkpoints:
-            earlier = checkpoint_dir(pre, step)
+            earlier = RunDir(pre).checkpoint(step)
             if not earlier.is_dir():
                 kept = ", ".join(str(checkpoint_step(c)) for c in complete_checkpoints(pre)) or "none"
                 raise CompareError(f"{pre} keeps no checkpoint at step {step} (kept: {kept}); raise "
