@@ -1,7 +1,10 @@
-"""The run directory's layout: checkpoint names, the run that wrote a file, the manifest, file modes."""
+"""The run directory's layout: checkpoint names, the run that wrote a file, the manifest, sealing a checkpoint, file
+modes."""
 
 import os
 import stat
+
+import yaml
 
 from mpp import rundir
 from mpp.config import load_config
@@ -28,6 +31,20 @@ def test_the_run_that_wrote_a_file_is_found_from_its_export_or_its_checkpoint(tm
     (run / rundir.CONFIG).write_text("objective: mpp\n")
     assert rundir.run_config_of(checkpoint / rundir.WEIGHTS) == run / "config.yaml"
     assert rundir.run_dir_of(tmp_path / "elsewhere" / "step_00000004" / "w.safetensors") == tmp_path / "elsewhere" / "step_00000004"
+
+
+def test_a_sealed_checkpoint_verifies_carries_the_run_config_and_only_the_newest_stay(tmp_path):
+    run = rundir.RunDir(tmp_path / "run")
+    run.root.mkdir()
+    rundir.record_run(run.root, rundir.PRETRAIN_OUTPUTS, {"train": {"lr": 0.1}}, "mpp pretrain", started=True)
+    for step in (1, 2, 3):
+        partial = run.checkpoint(step, partial=True)
+        partial.mkdir(parents=True)
+        (partial / rundir.WEIGHTS).write_bytes(b"weights")
+        assert run.seal_checkpoint(step, processes=1, keep=2) == run.checkpoint(step) and not partial.exists()
+    assert rundir.complete_checkpoints(run.root) == [run.checkpoint(2), run.checkpoint(3)]
+    assert rundir.checkpoint_fault(run.checkpoint(3)) is None and rundir.saved_processes(run.checkpoint(3)) == 1
+    assert yaml.safe_load((run.checkpoint(3) / rundir.CONFIG).read_text()) == {"train": {"lr": 0.1}}
 
 
 def test_the_manifest_finds_damage_and_the_newest_verified_checkpoint_skips_it(tmp_path):

@@ -1,7 +1,8 @@
 """The one sequence every training stage runs (`run_training`).
 
-A training stage checks its output_dir, starts, builds what it trains, takes the output_dir's lock, finds the
-checkpoint to resume from, starts tracking, builds its evaluators, trains, and writes results.json. Pretraining and
+A training stage plans its run once (plan.RunPlan: its config resolved, its output_dir checked, whether it resumes),
+starts, builds what it trains, takes the output_dir's lock, finds the checkpoint to resume from, starts tracking,
+builds its evaluators, trains, and writes results.json. Pretraining and
 fine-tuning differ only in the TrainingStage they hand over: the objective, its data and their own results.
 """
 
@@ -89,7 +90,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.data_units} with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-                          f"{run_settings(accelerator, cfg, run.global_batch)}; {resolution(cfg.model.image_size, stage.data)}")
+                          f"{run_settings(accelerator, cfg, plan.global_batch)}; {resolution(cfg.model.image_size, stage.data)}")
         for state in stage.checkpointed:
             accelerator.register_for_checkpointing(state)
         training_started, workers = time.perf_counter(), data_workers(cfg.data.num_workers)
@@ -97,10 +98,10 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
             trained = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, run_dir,
                             resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
                             data_workers=workers, resume_hint=resume_command())
-        trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
+        trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * plan.global_batch
         # Every start's: the run's images over the seconds every start trained them (as wall_time_s adds them up);
         # this start's alone only where its checkpoint, of an earlier mpp, kept no time.
-        images_per_sec = (cfg.train.steps * run.global_batch / trained.seconds if trained.seconds else
+        images_per_sec = (cfg.train.steps * plan.global_batch / trained.seconds if trained.seconds else
                           trained_images / (time.perf_counter() - training_started))
         timing = {"wall_time_s": time.perf_counter() - started, "images_per_sec": images_per_sec} if trained_images else {}
         results = stage_results(plan, stage, metrics, trained, resume_from is not None, timing)
@@ -110,6 +111,11 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
                  for tag, value in results["final"].items()
                  if tag in results["baselines"] and tag in declared and not_above(tag, value, results["baselines"][tag])}
         results["at_or_below_baseline"] = sorted(worse)
+        advice = below_baseline(worse, likely_causes(
+            steps=cfg.train.steps, global_batch=plan.global_batch, samples=counted_training_samples(cfg),
+            image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
+            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts,
+            ema_decay=cfg.train.ema_decay)) if worse else None
         end_tracking(accelerator, results["final"], cfg.train.steps)
         if accelerator.is_main_process:
             run_dir.results.write_text(json.dumps(results, indent=2) + "\n")
@@ -121,11 +127,8 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
     accelerator.print(f"{stage.name} done in {took} with {accelerator.num_processes} process(es): "
                       f"{shown or 'no step trained'}; skipped: {skipped or 'none'}; results in {cfg.output_dir}/{RESULTS}, "
                       f"weights in {cfg.output_dir}/{WEIGHTS}")
-    if worse:
-        accelerator.print(below_baseline(worse, likely_causes(
-            steps=cfg.train.steps, global_batch=run.global_batch, samples=counted_training_samples(cfg),
-            image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
-            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts, ema_decay=cfg.train.ema_decay)))
+    if advice:
+        accelerator.print(advice)
     return results
 
 
