@@ -30,15 +30,16 @@ class RunPlan:
 
 def plan_run(cfg: Config, resume: bool | Literal["auto"], start: StartingPoint | None, overwrite: bool) -> RunPlan:
     """The plan of a training run under `cfg`, or the UserError of a run that cannot start: its length (from
-    train.epochs), its batch split over the processes of this launch, whether it continues the run in output_dir
-    (`resume`, see run_policy.continues_a_run), what its output_dir allows (for a fine-tuning from `start`;
-    `overwrite` starts over there), and the same config on every rank (start.check_same_config)."""
+    train.epochs), the same config on every rank (start.check_same_config), its batch split over the processes of
+    this launch, whether it continues the run in output_dir (`resume`, see run_policy.continues_a_run) and what its
+    output_dir allows (for a fine-tuning from `start`; `overwrite` starts over there)."""
     processes = process_state().num_processes
-    cfg = with_run_length(cfg, processes).split_over(processes)
+    cfg = with_run_length(cfg, processes)
+    if processes > 1:  # before the split: a batch that one rank cannot split must not leave the others waiting
+        check_same_config(dotted(cfg.model_dump(mode="json")), processes)
+    cfg = cfg.split_over(processes)
     settings = dotted(cfg.model_dump(mode="json"))
     run_dir = RunDir(Path(cfg.output_dir))
     resume = continues_a_run(run_dir.root, resume)
     changes = check_output_dir(cfg, settings, resume, start, overwrite)
-    if processes > 1:
-        check_same_config(settings, processes)
     return RunPlan(cfg, processes, cfg.train.global_batch(processes), settings, run_dir, resume, changes)

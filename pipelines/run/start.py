@@ -43,9 +43,9 @@ def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
     runtime.make_accelerator. A training stage splits its config in its RunPlan and starts with `start_accelerator` alone.
     """
     processes = process_state().num_processes
-    cfg = cfg.split_over(processes)
-    if processes > 1:
+    if processes > 1:  # before the split: a batch that one rank cannot split must not leave the others waiting
         check_same_config(dotted(cfg.model_dump(mode="json")), processes)
+    cfg = cfg.split_over(processes)
     return Run(start_accelerator(cfg, per_process_seed=per_process_seed), cfg, cfg.train.global_batch(processes))
 
 
