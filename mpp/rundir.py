@@ -65,7 +65,8 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 @dataclass(frozen=True)
 class RunDir:
-    """One run's output_dir and the path of everything a run writes there (the module's docstring lists them)."""
+    """One run's output_dir and the paths a training run reads and writes there as it runs (the module's docstring
+    lists every name)."""
 
     root: Path
 
@@ -84,14 +85,6 @@ class RunDir:
     @property
     def started_from(self) -> Path:
         return self.root / STARTED_FROM
-
-    @property
-    def log_lines(self) -> Path:
-        return self.root / LOG_LINES
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / TENSORBOARD
 
     @property
     def checkpoints(self) -> Path:
