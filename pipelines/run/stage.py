@@ -2,8 +2,8 @@
 
 A training stage plans its run once (plan.RunPlan: its config resolved, its output_dir checked, whether it resumes),
 starts, builds what it trains, takes the output_dir's lock, finds the checkpoint to resume from, starts tracking,
-builds its evaluators, trains, and writes results.json. Pretraining and
-fine-tuning differ only in the TrainingStage they hand over: the objective, its data and their own results.
+builds its evaluators, trains, and writes results.json. Pretraining and fine-tuning differ only in the TrainingStage
+they hand over: the objective, its data and their own results.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
     with OutputDirLock(accelerator, run_dir.root):
         if overwrite:
             start_over(accelerator, run_dir.root)
-        resume_from = resume_point(accelerator, plan.run_dir, plan.resume, plan.changes, cfg.train.global_batch_size)
+        resume_from = resume_point(accelerator, run_dir, plan.resume, plan.changes, cfg.train.global_batch_size)
         record_run_start(accelerator, cfg, start, resumed=resume_from is not None)
         if start is not None and resume_from is None:
             start.record(accelerator, run_dir)
