@@ -285,6 +285,11 @@ class Config(Section):
     log: LogConfig = Field(default_factory=LogConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
+    def split_over(self, processes: int) -> Config:
+        """This config with train.global_batch_size split over `processes` (TrainConfig.for_processes), a new object:
+        this one is not changed."""
+        return self.model_copy(update={"train": self.train.for_processes(processes)}, deep=True)
+
     def __reduce__(self):
         # The composed class is made at run time and cannot be found by name: a pickle rebuilds it from the parts.
         return _composed_config, (self.model_dump(),)

@@ -35,9 +35,11 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from omegaconf import OmegaConf
 from safetensors import SafetensorError
 
 CONFIG = "config.yaml"
@@ -59,6 +61,55 @@ PRETRAIN_OUTPUTS = (CHECKPOINTS, TENSORBOARD, CONFIG, RESULTS, WEIGHTS, LOG_LINE
 RUN_OUTPUTS = (*PRETRAIN_OUTPUTS, PREDICTIONS, STARTED_FROM, BEST)  # what any run writes there, besides RUN_MANIFEST and LOCK
 RUN_SECTIONS = ("objective", "output_dir", "data", "model", "train")  # what every config.yaml a run dumps holds
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run's output_dir and the paths a training run reads and writes there as it runs (the module's docstring
+    lists every name)."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def results(self) -> Path:
+        return self.root / RESULTS
+
+    @property
+    def weights(self) -> Path:
+        return self.root / WEIGHTS
+
+    @property
+    def started_from(self) -> Path:
+        return self.root / STARTED_FROM
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    def checkpoint(self, step: int, *, partial: bool = False) -> Path:
+        """checkpoints/step_N (zero-padded, so names sort by step), or the temporary name it is written under."""
+        name = f"{CHECKPOINT_PREFIX}{step:08d}"
+        return self.checkpoints / (f".partial-{name}" if partial else name)
+
+    def seal_checkpoint(self, step: int, processes: int, keep: int) -> Path:
+        """Make the checkpoint of `step`, whose files `processes` processes wrote under its temporary name, one that
+        a resume finds and verifies: the config the run trains with (from run.json: a resume checks against it, not
+        against a config.yaml edited since), the usual file modes, the manifest written last, then the rename into
+        place; only the newest `keep` checkpoints stay. Returns the checkpoint."""
+        partial, final = self.checkpoint(step, partial=True), self.checkpoint(step)
+        if (config := run_config(self.root)) is not None:
+            (partial / CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+        usual_mode(*(p for p in partial.iterdir() if p.is_file()))  # Accelerate's model.safetensors included
+        write_manifest(partial, processes)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for old in complete_checkpoints(self.root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
 
 
 def read_run_manifest(output_dir: str | Path) -> dict | None:
@@ -213,19 +264,9 @@ def remove_run_outputs(output_dir: str | Path) -> list[str]:
     return removed
 
 
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / CHECKPOINTS
-
-
-def checkpoint_dir(output_dir: str | Path, step: int, *, partial: bool = False) -> Path:
-    """checkpoints/step_N (zero-padded, so names sort by step), or the temporary name it is written under."""
-    name = f"{CHECKPOINT_PREFIX}{step:08d}"
-    return checkpoint_root(output_dir) / (f".partial-{name}" if partial else name)
-
-
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     """Finished checkpoints, oldest first; a save in progress lives under a temporary name and is ignored."""
-    root = checkpoint_root(output_dir)
+    root = RunDir(Path(output_dir)).checkpoints
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))

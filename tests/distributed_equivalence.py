@@ -20,6 +20,7 @@ from mpp.metrics import split_metric  # noqa: E402
 from mpp.model.vit import build_vit  # noqa: E402
 from mpp.model.objectives import Objective, StepOutput  # noqa: E402
 from mpp.training.runtime import make_accelerator  # noqa: E402
+from mpp.rundir import RunDir  # noqa: E402
 from mpp.training.loop import train  # noqa: E402
 
 STEPS, CLASSES = 4, 4
@@ -66,7 +67,7 @@ def main(output_dir: str, half: int, accum: int) -> None:
     set_seed(0)
     objective = LabelPrediction(build_vit("vit_ti", 16, 4, width=32, depth=2, heads=2))
     rank, world = accelerator.process_index, accelerator.num_processes
-    train(accelerator, objective, lambda state: global_batches(rank, world, half, accum), cfg.train, cfg.log, output_dir)
+    train(accelerator, objective, lambda state: global_batches(rank, world, half, accum), cfg.train, cfg.log, RunDir(Path(output_dir)))
     accelerator.print(f"trained with {world} process(es)")
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import resource
 from collections import Counter
+from pathlib import Path
 import re
 import signal
 import subprocess
@@ -28,12 +29,13 @@ from mpp.errors import UserError
 from mpp.training.meters import TrainingDiverged
 from mpp.training.resume import check_seen_by_every_rank
 from mpp.training.preemption import EXIT_STATUS
-from mpp.rundir import complete_checkpoints
+from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.loop import train
 from pipelines import cli
 from pipelines.stages import pretrain
 from mpp.model.vit import build_backbone
 from pipelines.run.loaders import train_loader
+from pipelines.run.plan import plan_run
 from pipelines.run.tracking import start_tracking
 
 from conftest import ROOT, TINY, TWO_PROCESSES, cpu_env
@@ -310,13 +312,13 @@ def tiny_run(tmp_path, make_shards, objective_calls, steps, max_nonfinite=3):
                              f"train.max_nonfinite_steps={max_nonfinite}", "log.every=1"])
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
     objective = NaNOnCalls(build_backbone(cfg.model), objective_calls)
-    start_tracking(accelerator, cfg, "pretrain", objective.metrics("train"))
+    start_tracking(accelerator, plan_run(cfg, False, None, False), "pretrain", objective.metrics("train"))
     urls = expand_shards(cfg.data.shards)
 
     def batches(state):
         return train_loader(urls, cfg, accelerator, state)
 
-    return objective, lambda: train(accelerator, objective, batches, cfg.train, cfg.log, cfg.output_dir)
+    return objective, lambda: train(accelerator, objective, batches, cfg.train, cfg.log, RunDir(Path(cfg.output_dir)))
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, make_shards):

@@ -26,11 +26,12 @@ from mpp.data.stream import DataError
 from mpp.errors import UserError
 from mpp.training.optim import warmup_cosine
 from mpp.training.runtime import make_accelerator
-from mpp.rundir import complete_checkpoints
+from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.loop import Evaluator, train
 from pipelines.stages import finetune, pretrain
 from mpp.model.vit import build_backbone
 from pipelines.run.loaders import train_loader
+from pipelines.run.plan import plan_run
 from pipelines.run.tracking import start_tracking
 from mpp.model.objectives import MaskedPatchPrediction
 
@@ -532,7 +533,7 @@ def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, m
     cfg = pretrain_config(tmp_path, "train.checkpoint_every=3", "train.steps=6")
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
     objective = MaskedPatchPrediction(build_backbone(cfg.model))
-    start_tracking(accelerator, cfg, "pretrain", objective.metrics("train"))
+    start_tracking(accelerator, plan_run(cfg, False, None, False), "pretrain", objective.metrics("train"))
 
     def broken(module, step):
         raise DataError("the evaluation shards went away")
@@ -540,7 +541,7 @@ def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, m
     with pytest.raises(DataError, match="went away"):
         train(accelerator, objective,
               lambda state: train_loader([str(p) for p in (tmp_path / "shards").glob("*.tar")], cfg, accelerator, state),
-              cfg.train, cfg.log, cfg.output_dir, evaluators=(Evaluator(3, broken),))
+              cfg.train, cfg.log, RunDir(Path(cfg.output_dir)), evaluators=(Evaluator(3, broken),))
     assert [c.name for c in complete_checkpoints(tmp_path / "run")] == ["step_00000003"]
 
 

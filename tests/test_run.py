@@ -1,4 +1,5 @@
-"""One way to start a run: start_run resolves the config once, for every stage, and changes nothing it is given."""
+"""One way to start a run: start_run resolves the config once, for every stage, and changes nothing it is given; a
+training run is planned once (plan_run) before it starts."""
 
 import json
 
@@ -8,6 +9,7 @@ from mpp.config import ConfigError, load_config
 from pipelines import cli
 from pipelines.stages import compare, pretrain
 from pipelines.evaluations import fewshot, knn
+from pipelines.run.plan import plan_run
 from pipelines.run.start import Run, start_run
 
 from conftest import TINY
@@ -84,3 +86,16 @@ def test_epochs_without_the_training_set_size_or_in_a_comparison_are_refused(tmp
     assert "set train.steps in the plan instead of train.epochs" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="train.steps is null and train.epochs is not set"):
         load_config(None, ["train.steps=null"])
+
+
+def test_a_training_run_is_planned_once_from_its_config_the_process_count_and_its_run_directory(tmp_path, make_shards):
+    make_shards([40], size=32)
+    (tmp_path / "shards" / "summary.json").write_text(json.dumps({"samples": 40, "labels": True, "classes": 10}))
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
+                             "train.epochs=2", "train.global_batch_size=16", "train.grad_accum=2"])
+    plan = plan_run(cfg, resume="auto", start=None, overwrite=False)
+    # The length over the global batch (ceil(2 x 40 / 16)), the batch split per process, both in the settings too.
+    assert (plan.processes, plan.global_batch, plan.cfg.train.steps, plan.cfg.train.batch_size) == (1, 16, 5, 8)
+    assert (plan.settings["train.steps"], plan.settings["train.batch_size"], plan.settings["train.epochs"]) == (5, 8, 2.0)
+    assert plan.run_dir.checkpoints == tmp_path / "run" / "checkpoints" and (plan.resume, plan.changes) == (False, [])
+    assert cfg.train.batch_size == 64 and cfg.train.epochs == 2  # the config given is not changed

@@ -1,7 +1,10 @@
-"""The run directory's layout: checkpoint names, the run that wrote a file, the manifest, file modes."""
+"""The run directory's layout: checkpoint names, the run that wrote a file, the manifest, sealing a checkpoint, file
+modes."""
 
 import os
 import stat
+
+import yaml
 
 from mpp import rundir
 from mpp.config import load_config
@@ -12,15 +15,15 @@ from conftest import TINY
 
 def test_checkpoints_sort_by_step_and_a_partial_save_is_not_listed(tmp_path):
     for step in (10, 2, 100):
-        rundir.checkpoint_dir(tmp_path, step).mkdir(parents=True)
-    rundir.checkpoint_dir(tmp_path, 200, partial=True).mkdir()
+        rundir.RunDir(tmp_path).checkpoint(step).mkdir(parents=True)
+    rundir.RunDir(tmp_path).checkpoint(200, partial=True).mkdir()
     assert [c.name for c in rundir.complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000010", "step_00000100"]
     assert rundir.checkpoint_step(rundir.complete_checkpoints(tmp_path)[-1]) == 100
 
 
 def test_the_run_that_wrote_a_file_is_found_from_its_export_or_its_checkpoint(tmp_path):
     run = tmp_path / "run"
-    checkpoint = rundir.checkpoint_dir(run, 4)
+    checkpoint = rundir.RunDir(run).checkpoint(4)
     checkpoint.mkdir(parents=True)
     assert rundir.run_dir_of(run / rundir.WEIGHTS) == run
     assert rundir.run_dir_of(checkpoint / rundir.WEIGHTS) == run
@@ -30,8 +33,22 @@ def test_the_run_that_wrote_a_file_is_found_from_its_export_or_its_checkpoint(tm
     assert rundir.run_dir_of(tmp_path / "elsewhere" / "step_00000004" / "w.safetensors") == tmp_path / "elsewhere" / "step_00000004"
 
 
+def test_a_sealed_checkpoint_verifies_carries_the_run_config_and_only_the_newest_stay(tmp_path):
+    run = rundir.RunDir(tmp_path / "run")
+    run.root.mkdir()
+    rundir.record_run(run.root, rundir.PRETRAIN_OUTPUTS, {"train": {"lr": 0.1}}, "mpp pretrain", started=True)
+    for step in (1, 2, 3):
+        partial = run.checkpoint(step, partial=True)
+        partial.mkdir(parents=True)
+        (partial / rundir.WEIGHTS).write_bytes(b"weights")
+        assert run.seal_checkpoint(step, processes=1, keep=2) == run.checkpoint(step) and not partial.exists()
+    assert rundir.complete_checkpoints(run.root) == [run.checkpoint(2), run.checkpoint(3)]
+    assert rundir.checkpoint_fault(run.checkpoint(3)) is None and rundir.saved_processes(run.checkpoint(3)) == 1
+    assert yaml.safe_load((run.checkpoint(3) / rundir.CONFIG).read_text()) == {"train": {"lr": 0.1}}
+
+
 def test_the_manifest_finds_damage_and_the_newest_verified_checkpoint_skips_it(tmp_path):
-    old, new = rundir.checkpoint_dir(tmp_path, 1), rundir.checkpoint_dir(tmp_path, 2)
+    old, new = rundir.RunDir(tmp_path).checkpoint(1), rundir.RunDir(tmp_path).checkpoint(2)
     for checkpoint in (old, new):
         checkpoint.mkdir(parents=True)
         (checkpoint / rundir.WEIGHTS).write_bytes(b"weights")

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 import threading
 
 import pytest
@@ -19,7 +20,7 @@ from mpp.model.objectives import MaskedPatchPrediction
 import mpp.training.loop
 from mpp.training.runtime import make_accelerator
 from mpp.training.preemption import Preempted
-from mpp.rundir import complete_checkpoints
+from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.loop import next_batch, train
 from mpp.model.vit import build_backbone
 
@@ -197,7 +198,7 @@ def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its
     signal_during_the_fourth_wait(monkeypatch)  # the 4th batch takes 3 s to come
     batches = lambda state: DataLoader(SlowAfter(3, delay=3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 4 of 50 on a signal; checkpoint saved"):
-        train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, cfg.output_dir)
+        train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, RunDir(Path(cfg.output_dir)))
     assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000004"]
 
 
@@ -206,6 +207,6 @@ def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch, 
     signal_during_the_fourth_wait(monkeypatch)  # the 4th batch never comes
     batches = lambda state: DataLoader(StallsAfter(3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
-        train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, cfg.output_dir)
+        train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, RunDir(Path(cfg.output_dir)))
     assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000003"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # the loop's handler is gone; a repeat does nothing

@@ -31,7 +31,7 @@ from mpp.training.optim import LambdaLR, apply_hyperparameters, build_optimizer,
 from mpp.training.panel import log_panel
 from mpp.training.preemption import Preempted, SignalWhileWaiting, StopOnSignal, stopped_waiting
 from mpp.training.resume import WRITE_ERRORS, load_checkpoint, save_checkpoint, weights_not_saved
-from mpp.rundir import WEIGHTS, complete_checkpoints
+from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.runtime import Device, compiled, resolve_compile
 
 
@@ -154,7 +154,7 @@ def train_step(accelerator: Accelerator, model: nn.Module, forward: Callable[...
 
 
 def train(accelerator: Accelerator, objective: Objective, make_batches: Callable[[StreamState], Iterable[Batch]],
-          cfg: TrainConfig, log: LogConfig, output_dir: str | Path, *, resume_from: Path | None = None,
+          cfg: TrainConfig, log: LogConfig, run_dir: RunDir, *, resume_from: Path | None = None,
           evaluators: tuple[Evaluator, ...] = (), max_skip_fraction: float = 1.0, data_workers: int = 0,
           resume_hint: str = "the same command with --resume") -> Trained:
     """Train `objective` (see the Objective contract) for cfg.steps optimiser steps.
@@ -164,12 +164,11 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     its last checkpoint precedes.
 
     Returns the last logged scalars and evaluator results and the earlier invocations' training time (Trained);
-    writes checkpoints, TensorBoard events and `model.safetensors` (the objective's `export_weights()`) under
-    output_dir. Raises Preempted after saving a checkpoint when signalled, TrainingDiverged after
+    writes checkpoints, TensorBoard events and `model.safetensors` (the objective's `export_weights()`) in `run_dir`.
+    Raises Preempted after saving a checkpoint when signalled, TrainingDiverged after
     cfg.max_nonfinite_steps bad steps in a row, and DataError when more than `max_skip_fraction` of the samples read
     could not be used. Says once, on stderr, when the steps have slowed many times over, naming `data_workers`.
     """
-    output_dir = Path(output_dir)
     model, forward, optimizer, scheduler, ema = prepare_to_train(accelerator, objective, cfg)
     scored = ema.module if ema else objective  # what the evaluators score and model.safetensors holds
     progress, stream = Progress(), StreamState()
@@ -195,7 +194,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
                 progress.record(results, window.state_dict() if accelerator.num_processes == 1 else None)  # see stopped_waiting
-                raise stopped_waiting(accelerator, output_dir, progress.step, cfg, signalled, resume_hint, stream) from None
+                raise stopped_waiting(accelerator, run_dir, progress.step, cfg, signalled, resume_hint, stream) from None
             if ema:
                 ema.update(objective)
             progress.step += 1
@@ -204,7 +203,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.step()
 
             if step % log.every == 0 or last:
-                results.update(write_line(window, step, head_lr(optimizer), output_dir, cfg, resume_hint))
+                results.update(write_line(window, step, head_lr(optimizer), run_dir, cfg, resume_hint))
                 bar.update(results)
             if step % log.images_every == 0 or last:
                 log_panel(accelerator, objective, feed.last, step)
@@ -213,7 +212,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or last or stopping:
                 progress.record(results, window.state_dict())
-                saved = save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)
+                saved = save_checkpoint(accelerator, run_dir, step, cfg.keep_checkpoints, stream, resume_hint)
             if stopping and not last:
                 accelerator.end_training()
                 raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "
@@ -221,17 +220,17 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             results.update(evaluations.run(step))
             bar.update(results)
 
-    save_final_weights(accelerator, scored, output_dir, resume_hint)
+    save_final_weights(accelerator, scored, run_dir, resume_hint)
     return Trained(results, progress.earlier_seconds, progress.seconds)
 
 
-def write_line(window: LogWindow, step: int, lr: float, output_dir: Path, cfg: TrainConfig, resume_hint: str) -> dict[str, float]:
+def write_line(window: LogWindow, step: int, lr: float, run_dir: RunDir, cfg: TrainConfig, resume_hint: str) -> dict[str, float]:
     """The log line of `step` (LogWindow.write); a stop on non-finite steps says what the run continues with: its
     newest checkpoint, or, before its first, a new start."""
     try:
         return window.write(step, lr)
     except TrainingDiverged as diverged:
-        saved = complete_checkpoints(output_dir)
+        saved = complete_checkpoints(run_dir.root)
         then = (f"continue from its last checkpoint {saved[-1]} with {resume_hint}" if saved else
                 f"start the run again with --overwrite: it saved no checkpoint to continue from (the first was due at "
                 f"step {cfg.checkpoint_every}, train.checkpoint_every)")
@@ -252,13 +251,13 @@ def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainC
     return model, forward, optimizer, scheduler, ema
 
 
-def save_final_weights(accelerator: Accelerator, scored: nn.Module, output_dir: Path, resume_hint: str) -> None:
+def save_final_weights(accelerator: Accelerator, scored: nn.Module, run_dir: RunDir, resume_hint: str) -> None:
     """model.safetensors, written by the main process once the last step's evaluations are done."""
     if accelerator.is_main_process:
         try:
-            save_weights(scored, output_dir / WEIGHTS)
+            save_weights(scored, run_dir.weights)
         except WRITE_ERRORS as exc:
-            raise weights_not_saved(output_dir, exc, resume_hint) or exc
+            raise weights_not_saved(run_dir, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
 
 

@@ -15,14 +15,13 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
 from mpp.data.stream import StreamState
 from mpp.training.resume import save_checkpoint
-from mpp.rundir import checkpoint_dir, complete_checkpoints
+from mpp.rundir import RunDir, complete_checkpoints
 
 
 # The exit status of a run stopped by a signal: sysexits.h's EX_TEMPFAIL ("a temporary failure; the user is invited to
@@ -180,7 +179,7 @@ def host_group():
     return torch.distributed.new_group(backend="gloo")
 
 
-def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg, signalled: SignalWhileWaiting,
+def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, cfg, signalled: SignalWhileWaiting,
                     resume_hint: str, stream: StreamState) -> Preempted:
     """The stop for a signal that came while the loop waited for data, after saving what can be saved.
 
@@ -188,10 +187,10 @@ def stopped_waiting(accelerator: Accelerator, output_dir: Path, step: int, cfg, 
     end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
     step: then the newest checkpoint is what a resume starts from.
     """
-    newest = complete_checkpoints(output_dir)
+    newest = complete_checkpoints(run_dir.root)
     if signalled.at_step_boundary and accelerator.num_processes == 1 and step > 0:
-        if not newest or newest[-1].name != checkpoint_dir(output_dir, step).name:
-            newest = [save_checkpoint(accelerator, output_dir, step, cfg.keep_checkpoints, stream, resume_hint)]
+        if not newest or newest[-1].name != run_dir.checkpoint(step).name:
+            newest = [save_checkpoint(accelerator, run_dir, step, cfg.keep_checkpoints, stream, resume_hint)]
         accelerator.end_training()
         return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data; checkpoint "
                          f"saved in {newest[-1]}; continue with {resume_hint}")

@@ -1,4 +1,4 @@
-"""A run's training state on disk: writing a checkpoint under output_dir, finding the one to resume, restoring it.
+"""A run's training state on disk: writing a checkpoint in its run directory (mpp.rundir.RunDir), finding the one to resume, restoring it.
 
 What a checkpoint directory holds and how it is verified is mpp/rundir.py's; this module adds Accelerate's state and
 each rank's data stream position.
@@ -16,14 +16,12 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
-from omegaconf import OmegaConf
 from safetensors import SafetensorError
 
 from mpp.data.stream import StreamState
 from mpp.errors import UserError
-from mpp.rundir import (MANIFEST, WEIGHTS, checkpoint_dir, checkpoint_fault, checkpoint_root, checkpoint_step,
-                        complete_checkpoints, newest_verified, saved_processes, usual_mode, write_manifest, CONFIG,
-                        cause_of, out_of_space, run_config)
+from mpp.rundir import (MANIFEST, RunDir, checkpoint_fault, checkpoint_step, complete_checkpoints, newest_verified,
+                        saved_processes, cause_of, out_of_space)
 
 STREAM_STATE = "stream_state_{rank}.json"  # each rank's data stream position, in every checkpoint
 # What a failed write raises in a save: an OSError from Python's own writes, safetensors' error for the model, and
@@ -36,7 +34,7 @@ class SaveFailed(UserError):
     checkpoints written before are intact."""
 
 
-def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relaunch: Callable[[int], str],
+def resumable_checkpoint(accelerator: Accelerator, run_dir: RunDir, relaunch: Callable[[int], str],
                         global_batch: int | None) -> Path | None:
     """The newest checkpoint that verifies, saying which newer ones were skipped and why; None when there is none yet.
 
@@ -48,7 +46,7 @@ def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relau
     """
     choice: list = [None, None, 0, None]  # path, the newest one's fault, candidates, processes that saved the path
     if accelerator.is_main_process:
-        candidates = complete_checkpoints(output_dir)
+        candidates = complete_checkpoints(run_dir.root)
         choice[2] = len(candidates)
         for candidate in reversed(candidates):
             fault = checkpoint_fault(candidate)
@@ -60,10 +58,10 @@ def resumable_checkpoint(accelerator: Accelerator, output_dir: str | Path, relau
     broadcast_object_list(choice)
     path, newest_fault, candidates, saved_by = choice
     if path is None and candidates:
-        raise UserError(f"none of the {candidates} checkpoint(s) in {checkpoint_root(output_dir)} verifies (newest, "
+        raise UserError(f"none of the {candidates} checkpoint(s) in {run_dir.checkpoints} verifies (newest, "
                         f"{newest_fault}); move them aside to start afresh")
     if path is None:
-        accelerator.print(f"resume: {checkpoint_root(output_dir)} holds no checkpoint yet, so this run starts at step 0")
+        accelerator.print(f"resume: {run_dir.checkpoints} holds no checkpoint yet, so this run starts at step 0")
         return None
     processes = accelerator.num_processes
     if saved_by != processes and global_batch is None:
@@ -95,51 +93,40 @@ def stream_state_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / STREAM_STATE.format(rank=rank)
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep: int, stream: StreamState,
+def save_checkpoint(accelerator: Accelerator, run_dir: RunDir, step: int, keep: int, stream: StreamState,
                     resume_hint: str = "the same command with --resume") -> Path:
     """Write to a temporary name, then rename: a crash mid-save never leaves a checkpoint that looks complete.
 
     Accelerate saves the model, optimiser, scheduler, Progress and every rank's RNG; each rank adds its own `stream`
     position (Accelerate saves registered objects from the main process only), and the main process the config the
-    run trains with (from run.json: a resume checks against it, not against a config.yaml edited since). A write that fails (a full disk)
-    raises SaveFailed naming the newest checkpoint that survives and `resume_hint`, the command that continues.
+    run trains with (RunDir.seal_checkpoint). A write that fails (a full disk) raises SaveFailed naming the newest
+    checkpoint that survives and `resume_hint`, the command that continues.
     """
-    root = checkpoint_root(output_dir)
-    final, partial = checkpoint_dir(output_dir, step), checkpoint_dir(output_dir, step, partial=True)
+    partial = run_dir.checkpoint(step, partial=True)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
-        root.mkdir(parents=True, exist_ok=True)
+        run_dir.checkpoints.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(partial))
         stream_state_file(partial, accelerator.process_index).write_text(json.dumps(stream.state_dict()) + "\n")
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            run_dir.seal_checkpoint(step, accelerator.num_processes, keep)
     except WRITE_ERRORS as exc:
-        raise not_saved(accelerator, output_dir, step, exc, resume_hint) or exc
+        raise not_saved(accelerator, run_dir, step, partial, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        try:
-            if (config := run_config(output_dir)) is not None:
-                (partial / CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-            usual_mode(*(p for p in partial.iterdir() if p.is_file()))  # Accelerate's model.safetensors included
-            write_manifest(partial, accelerator.num_processes)
-        except OSError as exc:
-            raise not_saved(accelerator, output_dir, step, exc, resume_hint) or exc
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        for old in complete_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
+    return run_dir.checkpoint(step)
 
 
-def not_saved(accelerator: Accelerator, output_dir: Path, step: int, exc: Exception,
+def not_saved(accelerator: Accelerator, run_dir: RunDir, step: int, partial: Path, exc: Exception,
               resume_hint: str) -> SaveFailed | None:
-    """The error for a save of `step` that failed with `exc` when a write failed, None when `exc` is no failed write.
-    The main process removes the partial checkpoint; another may not (the main one may still be writing into it)."""
-    partial = checkpoint_dir(output_dir, step, partial=True)
-    earlier = complete_checkpoints(output_dir)
+    """The error for a save of `step` into `partial` (its temporary name) that failed with `exc` when a write failed,
+    None when `exc` is no failed write. The main process removes the partial checkpoint; another may not (the main one
+    may still be writing into it)."""
+    earlier = complete_checkpoints(run_dir.root)
     needed = tree_bytes(earlier[-1] if earlier else partial)  # measured before the partial goes
-    left = space_left(checkpoint_root(output_dir))
+    left = space_left(run_dir.checkpoints)
     full = out_of_space(exc) or left < needed
     if not full and not isinstance(exc, OSError | SafetensorError):
         return None  # a RuntimeError of torch.save that did not fail for want of space: not a write we can name
@@ -148,29 +135,29 @@ def not_saved(accelerator: Accelerator, output_dir: Path, step: int, exc: Except
         removed = "the partial checkpoint was removed"
     else:
         removed = f"the partial checkpoint {partial} is left (a resume ignores it)"
-    survivor = newest_verified(output_dir)
+    survivor = newest_verified(run_dir.root)
     survives = (f"the newest checkpoint that survives is {survivor}" if survivor is not None else
                 "no earlier checkpoint survives, so the run starts again at step 0")
     cause = cause_of(exc)
     if full:
-        return SaveFailed(f"cannot save the checkpoint of step {step}: the disk holding {checkpoint_root(output_dir)} is "
+        return SaveFailed(f"cannot save the checkpoint of step {step}: the disk holding {run_dir.checkpoints} is "
                           f"full ({megabytes(left)} left, a checkpoint of this run takes {megabytes(needed)}; the write "
                           f"failed with: {cause}); {removed} and {survives}; free some space, then continue with {resume_hint}")
-    return SaveFailed(f"cannot save the checkpoint of step {step} in {checkpoint_root(output_dir)} ({cause}); {removed} "
+    return SaveFailed(f"cannot save the checkpoint of step {step} in {run_dir.checkpoints} ({cause}); {removed} "
                       f"and {survives}; once it can be written, continue with {resume_hint}")
 
 
-def weights_not_saved(output_dir: Path, exc: Exception, resume_hint: str) -> SaveFailed | None:
+def weights_not_saved(run_dir: RunDir, exc: Exception, resume_hint: str) -> SaveFailed | None:
     """The error for the run's final weights (output_dir/model.safetensors) that could not be written, None when `exc`
     is no failed write. The run's last checkpoint holds them, and a resume of the finished run writes them."""
     if not isinstance(exc, OSError | SafetensorError):
         return None
-    weights = Path(output_dir) / WEIGHTS
+    weights = run_dir.weights
     weights.unlink(missing_ok=True)  # a file cut short would be taken for the run's weights
     why = "the disk holding it is full" if out_of_space(exc) else "it cannot be written"
     fix = "free some space" if out_of_space(exc) else "once it can be written"
     return SaveFailed(f"cannot write the run's weights {weights}: {why} ({cause_of(exc)}); its last checkpoint "
-                      f"{newest_verified(output_dir)} holds them: {fix}, then continue with {resume_hint}, which writes "
+                      f"{newest_verified(run_dir.root)} holds them: {fix}, then continue with {resume_hint}, which writes "
                       f"them from it")
 
 

@@ -123,14 +123,14 @@ def make_accelerator(cfg, output_dir: str | Path, trackers: Sequence[str] = ("te
     """The Accelerator of a run under `cfg` (a TrainConfig), logging to `trackers` (log.trackers) and log.txt.
     Accelerate keeps the precision in its per-process state, set by the process's first Accelerator: stages that run
     in one process must agree on it (compare checks)."""
+    precision, threads = resolve_precision(cfg.mixed_precision, Device.this_process()), cpu_threads(cfg)
     check_trackers(list(trackers))
-    device = Device.this_process()
-    precision = resolve_precision(cfg.mixed_precision, device)
+    log_with = [*trackers, JsonLines(Path(output_dir) / LOG_LINES)]
     project = ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / TENSORBOARD))
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum, cpu=cpu_processes(),
-                              log_with=[*trackers, JsonLines(Path(output_dir) / LOG_LINES)], project_config=project)
+                              log_with=log_with, project_config=project)
     if accelerator.device.type == "cpu":
-        torch.set_num_threads(cpu_threads(cfg))
+        torch.set_num_threads(threads)
     elif precision == "no":
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 training (Ampere and newer)
     return accelerator

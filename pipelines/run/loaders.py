@@ -52,14 +52,14 @@ def train_transform(cfg: Config) -> TrainTransform:
     return TrainTransform(cfg.model.image_size, d.crop_scale, d.hflip, randaugment)
 
 
-def with_run_length(cfg: Config) -> Config:
-    """`cfg` with train.steps from train.epochs, over the training set's size (itself when train.epochs is unset)."""
+def with_run_length(cfg: Config, processes: int) -> Config:
+    """`cfg` with train.steps from train.epochs, over the training set's size at the global batch of `processes`
+    processes (itself when train.epochs is unset)."""
     if cfg.train.epochs is None:
         return cfg
-    state = process_state()
     samples = training_samples(cfg)
-    train = cfg.train.with_epochs(samples, state.num_processes)
-    state.print(f"train.epochs {cfg.train.epochs:g} over {samples} training images: {train.steps} steps")
+    train = cfg.train.with_epochs(samples, processes)
+    process_state().print(f"train.epochs {cfg.train.epochs:g} over {samples} training images: {train.steps} steps")
     return cfg.model_copy(update={"train": train})
 
 

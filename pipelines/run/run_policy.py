@@ -28,7 +28,7 @@ from mpp.model.checkpoint import resolve_checkpoint
 from mpp.config import Config, dotted, resumable_keys, load_config, read_layers
 from mpp.errors import UserError
 from mpp.training.resume import resumable_checkpoint
-from mpp.rundir import (CONFIG, LOCK, RUN_OUTPUTS, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256,
+from mpp.rundir import (RunDir, CONFIG, LOCK, RUN_OUTPUTS, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256,
                         too_long, PRETRAIN_OUTPUTS, checkpoint_config, not_written_by_a_run, record_run)
 from mpp.training.runtime import process_state
 from .invocation import resume_command, command_line
@@ -57,10 +57,10 @@ class StartingPoint:
     def __str__(self) -> str:
         return "a fresh backbone (no --ckpt)" if self.ckpt is None else self.ckpt
 
-    def record(self, accelerator: Accelerator, output_dir: str | Path) -> None:
-        """Write it into output_dir as the run starts (under the run's lock, before its first checkpoint)."""
+    def record(self, accelerator: Accelerator, run_dir: RunDir) -> None:
+        """Write it into the run's directory as the run starts (under the run's lock, before its first checkpoint)."""
         if accelerator.is_main_process:
-            (Path(output_dir) / STARTED_FROM).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+            run_dir.started_from.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
 
 
 def check_starting_point(out: Path, start: StartingPoint) -> None:
@@ -146,11 +146,12 @@ def check_ownership(out: Path, start: StartingPoint | None, overwrite: bool) -> 
                         f"elsewhere, or set output_dir to a new directory (nothing was written)")
 
 
-def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = None, overwrite: bool = False) -> list[str]:
+def check_output_dir(cfg: Config, settings: dict, resume: bool, start: StartingPoint | None = None,
+                     overwrite: bool = False) -> list[str]:
     """Refuse an output_dir that cannot be written, that holds another run's checkpoints (unless the run starts over
     there, `overwrite`), files no run wrote or the weights the run starts from, or whose run a resume would change in
-    a way it cannot apply (for a fine-tuning, `start`: where its weights come from); returns what the resume changes,
-    as `key before -> after`."""
+    a way it cannot apply (for a fine-tuning, `start`: where its weights come from); returns what the resume changes
+    (`settings`, `cfg` as dotted keys, against the run's), as `key before -> after`."""
     out = Path(cfg.output_dir)
     check_writable(out)
     if out.is_dir():
@@ -163,7 +164,7 @@ def check_output_dir(cfg: Config, resume: bool, start: StartingPoint | None = No
     if start is not None:
         check_starting_point(out, start)
     trained, source = trained_config(out)
-    before, now = dotted(trained), dotted(cfg.model_dump(mode="json"))
+    before, now = dotted(trained), settings
     changed = [key for key in sorted({*before, *now}) if before.get(key) != now.get(key)
                # config.yaml holds the per-process batch (and accumulation) derived from train.global_batch_size, and
                # how that batch splits into micro-batches changes no step beyond rounding: a run moving to a process
@@ -302,11 +303,13 @@ def start_over(accelerator: Accelerator, output_dir: str | Path) -> None:
     accelerator.wait_for_everyone()
 
 
-def resume_point(accelerator: Accelerator, cfg: Config, resume: bool, changes: list[str]) -> Path | None:
-    """The checkpoint to continue from (None: a fresh start), saying what the resume changes."""
+def resume_point(accelerator: Accelerator, run_dir: RunDir, resume: bool, changes: list[str],
+                 global_batch: int | None) -> Path | None:
+    """The checkpoint in `run_dir` to continue from (None: a fresh start), saying what the resume `changes`;
+    `global_batch` is train.global_batch_size (see resumable_checkpoint)."""
     if not resume:
         return None
-    latest = resumable_checkpoint(accelerator, cfg.output_dir, relaunch=resume_command, global_batch=cfg.train.global_batch_size)
+    latest = resumable_checkpoint(accelerator, run_dir, relaunch=resume_command, global_batch=global_batch)
     if latest is not None and changes:
         accelerator.print(f"resuming with changed settings, applied from {latest.name} on: {', '.join(changes)}")
     return latest

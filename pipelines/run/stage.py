@@ -1,8 +1,9 @@
 """The one sequence every training stage runs (`run_training`).
 
-A training stage checks its output_dir, starts, builds what it trains, takes the output_dir's lock, finds the
-checkpoint to resume from, starts tracking, builds its evaluators, trains, and writes results.json. Pretraining and
-fine-tuning differ only in the TrainingStage they hand over: the objective, its data and their own results.
+A training stage plans its run once (plan.RunPlan: its config resolved, its output_dir checked, whether it resumes),
+starts, builds what it trains, takes the output_dir's lock, finds the checkpoint to resume from, starts tracking,
+builds its evaluators, trains, and writes results.json. Pretraining and fine-tuning differ only in the TrainingStage
+they hand over: the objective, its data and their own results.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -31,10 +31,10 @@ from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, Trained, train
 from mpp.data.shardformat import ShardSummary
 from .invocation import command_line, resume_command
-from .loaders import counted_training_samples, with_run_length
-from .run_policy import (OutputDirLock, StartingPoint, check_output_dir, continues_a_run, resume_point, start_over,
-                         record_run_start)
-from .start import Run, run_settings, start_run
+from .loaders import counted_training_samples
+from .plan import RunPlan, plan_run
+from .run_policy import OutputDirLock, StartingPoint, resume_point, start_over, record_run_start
+from .start import Run, run_settings, start_accelerator
 from .tracking import end_tracking, stage_objective, start_tracking
 
 
@@ -68,54 +68,57 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
     a fine-tuning's weights come from (None for a stage that starts from nothing else, pretraining), recorded when
     the run starts and held to on a resume; `overwrite` starts over in an output_dir holding a run. Writes
     output_dir/results.json and returns what it holds."""
-    cfg = with_run_length(cfg)
-    resume = continues_a_run(cfg.output_dir, resume)
-    changes = check_output_dir(cfg, resume, start, overwrite)
+    plan = plan_run(cfg, resume, start, overwrite)
     started = time.perf_counter()
-    run = start_run(cfg)
-    accelerator, cfg = run.accelerator, run.cfg
+    run = Run(start_accelerator(plan.cfg), plan.cfg, plan.global_batch)
+    accelerator, cfg, run_dir = run.accelerator, plan.cfg, plan.run_dir
     stage = build(run)
     if stage.name == "pretrain" and cfg.finetune.keep_best and accelerator.is_main_process:
         warnings.warn("finetune.keep_best is set, but a pretraining keeps no best (it scores no eval/top1 to pick by): "
                       f"it writes {WEIGHTS}, the last step's weights, only; set keep_best for the fine-tuning")
-    with OutputDirLock(accelerator, cfg.output_dir):
+    with OutputDirLock(accelerator, run_dir.root):
         if overwrite:
-            start_over(accelerator, cfg.output_dir)
-        resume_from = resume_point(accelerator, cfg, resume, changes)
+            start_over(accelerator, run_dir.root)
+        resume_from = resume_point(accelerator, run_dir, plan.resume, plan.changes, cfg.train.global_batch_size)
         record_run_start(accelerator, cfg, start, resumed=resume_from is not None)
         if start is not None and resume_from is None:
-            start.record(accelerator, cfg.output_dir)
+            start.record(accelerator, run_dir)
         evaluators = tuple(map(stage.recording, evaluators_of(cfg, accelerator, stage)))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
-        start_tracking(accelerator, cfg, stage.name, metrics, resume_from, changes)
+        start_tracking(accelerator, plan, stage.name, metrics, resume_from)
         resume_log_lines(accelerator, checkpoint_step(resume_from) if resume_from else 0)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.data_units} with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
-                          f"{run_settings(accelerator, cfg, run.global_batch)}; {resolution(cfg.model.image_size, stage.data)}")
+                          f"{run_settings(accelerator, cfg, plan.global_batch)}; {resolution(cfg.model.image_size, stage.data)}")
         for state in stage.checkpointed:
             accelerator.register_for_checkpointing(state)
-        training_started = time.perf_counter()
+        training_started, workers = time.perf_counter(), data_workers(cfg.data.num_workers)
         with explained_out_of_memory(cfg.train):
-            trained = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, cfg.output_dir,
+            trained = train(accelerator, stage.objective, stage.batches, cfg.train, cfg.log, run_dir,
                             resume_from=resume_from, evaluators=evaluators, max_skip_fraction=cfg.data.max_skip_fraction,
-                            data_workers=data_workers(cfg.data.num_workers), resume_hint=resume_command())
-        trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * run.global_batch
+                            data_workers=workers, resume_hint=resume_command())
+        trained_images = (cfg.train.steps - (checkpoint_step(resume_from) if resume_from else 0)) * plan.global_batch
         # Every start's: the run's images over the seconds every start trained them (as wall_time_s adds them up);
         # this start's alone only where its checkpoint, of an earlier mpp, kept no time.
-        images_per_sec = (cfg.train.steps * run.global_batch / trained.seconds if trained.seconds else
+        images_per_sec = (cfg.train.steps * plan.global_batch / trained.seconds if trained.seconds else
                           trained_images / (time.perf_counter() - training_started))
         timing = {"wall_time_s": time.perf_counter() - started, "images_per_sec": images_per_sec} if trained_images else {}
-        results = stage_results(cfg, stage, metrics, trained, run.global_batch, resume_from is not None, timing)
+        results = stage_results(plan, stage, metrics, trained, resume_from is not None, timing)
         results["baselines"] = with_priors(results["final"], {tag: b for e in evaluators for tag, b in e.baselines().items()})
         declared = {m.tag: m for m in metrics}
         worse = {tag: beside(declared[tag].show(value), results["baselines"][tag], declared[tag].show)
                  for tag, value in results["final"].items()
                  if tag in results["baselines"] and tag in declared and not_above(tag, value, results["baselines"][tag])}
         results["at_or_below_baseline"] = sorted(worse)
+        advice = below_baseline(worse, likely_causes(
+            steps=cfg.train.steps, global_batch=plan.global_batch, samples=counted_training_samples(cfg),
+            image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
+            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts,
+            ema_decay=cfg.train.ema_decay)) if worse else None
         end_tracking(accelerator, results["final"], cfg.train.steps)
         if accelerator.is_main_process:
-            (Path(cfg.output_dir) / RESULTS).write_text(json.dumps(results, indent=2) + "\n")
+            run_dir.results.write_text(json.dumps(results, indent=2) + "\n")
     shown = ", ".join(f"{m.tag} {show_with_baseline(m, results)}" for m in metrics if m.headline and m.tag in results["final"])
     skipped = ", ".join(f"{count:.0f} {reason}" for reason, count in results["skipped"].items())
     this_start = time.perf_counter() - started
@@ -124,11 +127,8 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
     accelerator.print(f"{stage.name} done in {took} with {accelerator.num_processes} process(es): "
                       f"{shown or 'no step trained'}; skipped: {skipped or 'none'}; results in {cfg.output_dir}/{RESULTS}, "
                       f"weights in {cfg.output_dir}/{WEIGHTS}")
-    if worse:
-        accelerator.print(below_baseline(worse, likely_causes(
-            steps=cfg.train.steps, global_batch=run.global_batch, samples=counted_training_samples(cfg),
-            image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
-            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts, ema_decay=cfg.train.ema_decay)))
+    if advice:
+        accelerator.print(advice)
     return results
 
 
@@ -151,8 +151,8 @@ def resolution(image_size: int, data: ShardSummary | None) -> str:
             f"{sides['median']}; model.image_size sets it)")
 
 
-def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], trained: Trained, global_batch: int,
-                  resumed: bool, timing: dict[str, float]) -> dict:
+def stage_results(plan: RunPlan, stage: TrainingStage, metrics: list[Metric], trained: Trained, resumed: bool,
+                  timing: dict[str, float]) -> dict:
     """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
     skipped, how long it took (`timing`: wall_time_s of this invocation and images_per_sec over every invocation,
     empty if it trained nothing; wall_time_s then adds the earlier invocations' training up to the checkpoint this
@@ -164,7 +164,7 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], trai
     trains nothing and logs no training metric, and its results must not lose them, nor the command that trained it.
     """
     earlier = {}
-    saved = Path(cfg.output_dir) / RESULTS
+    cfg, saved = plan.cfg, plan.run_dir.results
     if resumed and saved.is_file():
         earlier = json.loads(saved.read_text())
     scores = trained.scores
@@ -176,10 +176,10 @@ def stage_results(cfg: Config, stage: TrainingStage, metrics: list[Metric], trai
         before = trained.earlier_seconds if trained.earlier_seconds is not None else earlier.get("wall_time_s", 0.0)
         timing = {**timing, "wall_time_s": before + timing["wall_time_s"]}
     now = command_line()
-    started_by = (read_run_manifest(cfg.output_dir) or {}).get("command") or earlier.get("command") or now
+    started_by = (read_run_manifest(plan.run_dir.root) or {}).get("command") or earlier.get("command") or now
     resumed_with = [*earlier.get("resumed_with", []), *([now] if resumed and timing else [])]
     return {"stage": stage.name, "objective": stage_objective(cfg, stage.name),
-            "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * global_batch,
+            "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * plan.global_batch,
             "wall_time_s": earlier.get("wall_time_s"), "images_per_sec": earlier.get("images_per_sec"), **timing,
             "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": started_by,
             **({"resumed_with": resumed_with} if resumed_with else {})}

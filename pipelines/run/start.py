@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from mpp.model.checkpoint import read_weights, resolve_checkpoint
-from mpp.config import Config, load_config
+from mpp.config import Config, dotted, load_config
 from mpp.errors import UserError
 from mpp.training.preemption import host_group, stop_when_parent_dies
 from mpp.rundir import run_config_of
@@ -40,21 +40,24 @@ def start_run(cfg: Config, *, per_process_seed: bool = True) -> Run:
     Training ranks get different seeds (different corruptions and augmentations; DDP keeps their weights in sync);
     an evaluation (per_process_seed=False) seeds every rank alike, so a fresh backbone is the same on all of them.
     Stages run one after another in one process (compare) share the process's Accelerate state: see
-    runtime.make_accelerator.
-
-    A process a launcher started stops (with a checkpoint, in training) when the launcher dies: see
-    preemption.stop_when_parent_dies. With several processes, every rank must have been given the same config:
-    RanksDisagree otherwise, on every rank.
+    runtime.make_accelerator. A training stage splits its config in its RunPlan and starts with `start_accelerator` alone.
     """
+    processes = process_state().num_processes
+    if processes > 1:  # before the split: a batch that one rank cannot split must not leave the others waiting
+        check_same_config(dotted(cfg.model_dump(mode="json")), processes)
+    cfg = cfg.split_over(processes)
+    return Run(start_accelerator(cfg, per_process_seed=per_process_seed), cfg, cfg.train.global_batch(processes))
+
+
+def start_accelerator(cfg: Config, *, per_process_seed: bool = True) -> Accelerator:
+    """The Accelerator of a stage under `cfg` (already split over the processes), this rank seeded (see start_run).
+    A process a launcher started stops (with a checkpoint, in training) when the launcher dies: see
+    preemption.stop_when_parent_dies."""
     if launched():
         stop_when_parent_dies()
-    state = process_state()
-    if state.num_processes > 1:
-        check_same_config(cfg, state.num_processes)
-    train_cfg = cfg.train.for_processes(state.num_processes)
-    accelerator = make_accelerator(train_cfg, cfg.output_dir, cfg.log.trackers)
-    set_seed(train_cfg.seed, device_specific=per_process_seed)
-    return Run(accelerator, cfg.model_copy(update={"train": train_cfg}, deep=True), train_cfg.global_batch(accelerator.num_processes))
+    accelerator = make_accelerator(cfg.train, cfg.output_dir, cfg.log.trackers)
+    set_seed(cfg.train.seed, device_specific=per_process_seed)
+    return accelerator
 
 
 # What `accelerate launch` (ACCELERATE_MIXED_PRECISION, for one process too) and torch's elastic agent (under torchrun
@@ -71,11 +74,12 @@ class RanksDisagree(UserError):
     """The processes of one run were given different configs. Every rank finds it at once, together: rank 0 says it."""
 
 
-def check_same_config(cfg: Config, processes: int) -> None:
-    """Every rank's resolved config, gathered over the host process group, must be the same: a rank given another
-    train.steps waits forever for the others at the end (DDP), another train.lr trains silently apart, another model
-    width ends in a DDP traceback. Raises RanksDisagree on every rank, naming the keys and each rank's value."""
-    mine = flat(cfg.model_dump(mode="json"))
+def check_same_config(settings: dict, processes: int) -> None:
+    """Every rank's resolved config (`settings`, as dotted keys), gathered over the host process group, must be the
+    same: a rank given another train.steps waits forever for the others at the end (DDP), another train.lr trains
+    silently apart, another model width ends in a DDP traceback. Raises RanksDisagree on every rank, naming the keys
+    and each rank's value."""
+    mine = {key: str(value) for key, value in settings.items()}
     every: list[dict[str, str]] = [{} for _ in range(processes)]
     torch.distributed.all_gather_object(every, mine, group=host_group())
     differing = sorted({key for config in every for key in config if any(c.get(key) != config.get(key) for c in every)})
@@ -85,17 +89,6 @@ def check_same_config(cfg: Config, processes: int) -> None:
     more = f" (and {len(differing) - 5} more keys)" if len(differing) > 5 else ""
     raise RanksDisagree(f"the {processes} processes of this run were given different configs: {shown}{more}; start "
                         f"them all with one command line (the same --config file and key=value overrides)")
-
-
-def flat(tree: dict, prefix: str = "") -> dict[str, str]:
-    """{'train': {'lr': 0.1}} -> {'train.lr': '0.1'}."""
-    out: dict[str, str] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = str(value)
-    return out
 
 
 def values_by_rank(every: list[dict[str, str]], key: str) -> str:

@@ -15,12 +15,13 @@ from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 from torch.utils.tensorboard import SummaryWriter
 
-from mpp.config import Config, Section, config_schema, config_to_yaml, dotted
+from mpp.config import Config, Section, config_schema, config_to_yaml
 from mpp.metrics import Metric, layout
-from mpp.rundir import CONFIG, checkpoint_step
+from mpp.rundir import checkpoint_step
 from mpp.model.registry import CLASSIFICATION_SETTINGS, OBJECTIVES
 from mpp.training.runtime import process_state
 from mpp.training.trackers import external_tracker_settings, log_final
+from .plan import RunPlan
 
 
 # Set by a comparison while it runs its stages: how it names a run (its output_dir) in HParams' table, whose first
@@ -89,12 +90,12 @@ def hparam_columns() -> tuple[str, ...]:
     return ("objective", *(f"{name}.{key}" for name, section in sections for key in section.hparams))
 
 
-def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics: list[Metric],
-                   resumed_from: Path | None = None, changes: list[str] = ()) -> None:
+def start_tracking(accelerator: Accelerator, plan: RunPlan, run_name: str, metrics: list[Metric],
+                   resumed_from: Path | None = None) -> None:
     """TensorBoard run under output_dir/tensorboard/<run_name>, config.yaml beside it.
 
-    config.yaml holds the settings now in force; a resume that changed some adds a comment line naming the
-    checkpoint and the earlier values, after those of earlier resumes.
+    config.yaml holds the settings now in force; a resume from `resumed_from` that changed some (plan.changes) adds a
+    comment line naming the checkpoint and the earlier values, after those of earlier resumes.
 
     The run gets the config as text, the settings that tell runs apart as HParams (run_hparams, with its headline
     metrics, their last logged values, so runs sort by them), and a Custom Scalars layout of `metrics` (what the
@@ -103,28 +104,30 @@ def start_tracking(accelerator: Accelerator, cfg: Config, run_name: str, metrics
     # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
     # A resume hides what the run logged after its checkpoint (steps it trains again, after a kill) from TensorBoard,
     # so each curve holds every step once.
+    cfg, changes = plan.cfg, plan.changes
+    columns, values = run_hparams(plan, stage_objective(cfg, run_name))
+    trial = trial_name(cfg.output_dir)  # a comparison's run: its test scores are metrics too, whichever run TensorBoard's columns come from
+    headline = [m.tag for m in metrics if m.headline] + (list(TEST_METRICS) if trial else [])
+    hparams = hparams_summaries(columns, values, headline, trial)
     purge = {"purge_step": checkpoint_step(resumed_from) + 1} if resumed_from else {}
     accelerator.init_trackers(run_name, init_kwargs={
         "tensorboard": purge, **external_tracker_settings(accelerator, cfg.log.trackers, cfg.output_dir)})
     if not accelerator.is_main_process:
         return
-    flat = dotted(cfg.model_dump(mode="json"))
     for tracker in accelerator.trackers:
         if tracker.name in ("mlflow", "wandb"):  # TensorBoard's are the HParams below
-            tracker.store_init_configuration({k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flat.items()})
+            tracker.store_init_configuration({k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
+                                              for k, v in plan.settings.items()})
     text = config_to_yaml(cfg)
-    saved = Path(cfg.output_dir) / CONFIG
+    saved = plan.run_dir.config
     notes = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith("#")] if resumed_from and saved.is_file() else []
     if resumed_from and changes:
         notes.append(f"# resumed from {resumed_from.name} with {', '.join(changes)}; the steps before it ran with the earlier values\n")
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    plan.run_dir.root.mkdir(parents=True, exist_ok=True)
     saved.write_text("".join(notes) + text)
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("config", f"```\n{text}\n```")
-    columns, values = run_hparams(cfg, stage_objective(cfg, run_name), cfg.train.global_batch(accelerator.num_processes))
-    trial = trial_name(cfg.output_dir)  # a comparison's run: its test scores are metrics too, whichever run TensorBoard's columns come from
-    headline = [m.tag for m in metrics if m.headline] + (list(TEST_METRICS) if trial else [])
-    for summary in hparams_summaries(columns, values, headline, trial):
+    for summary in hparams:
         writer.file_writer.add_summary(summary)
     writer.add_custom_scalars({category: {title: ["Multiline", tags] for title, tags in group.items()}
                                for category, group in layout(metrics).items()})
@@ -159,14 +162,15 @@ def stage_objective(cfg: Config, stage: str) -> str:
     return cfg.objective if stage == "pretrain" else "classification"
 
 
-def run_hparams(cfg: Config, objective: str, global_batch: int) -> tuple[dict, dict]:
-    """HParams of a run training `objective` under `cfg`: (every HParams column (hparam_columns) with the value the run's config gives
-    it, which also sets the column's type; the columns that apply to the run). The model's width and depth are its
-    resolved ones, train.global_batch_size the images per optimiser step over all processes."""
+def run_hparams(plan: RunPlan, objective: str) -> tuple[dict, dict]:
+    """HParams of a run training `objective` as `plan` runs it: (every HParams column (hparam_columns) with the value
+    the run's config gives it, which also sets the column's type; the columns that apply to the run). The model's
+    width and depth are its resolved ones, train.global_batch_size the images per optimiser step over all processes."""
     values = {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
-              for key, value in dotted(cfg.model_dump(mode="json")).items()}
-    values.update({"objective": objective, "model.width": cfg.model.variant.width, "model.depth": cfg.model.variant.depth,
-                   "train.global_batch_size": global_batch})
+              for key, value in plan.settings.items()}
+    variant = plan.cfg.model.variant
+    values.update({"objective": objective, "model.width": variant.width, "model.depth": variant.depth,
+                   "train.global_batch_size": plan.global_batch})
     columns = {key: values[key] for key in hparam_columns()}
     return columns, {key: value for key, value in columns.items() if applies(key, objective)}
 

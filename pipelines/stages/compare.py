@@ -57,7 +57,7 @@ from mpp.data.stream import BadLabel, LabelReader
 from mpp.errors import UserError
 from mpp.metrics import KNN_TOP1, TOP1, TOP5
 from mpp.model.vit import build_backbone
-from mpp.rundir import PREDICTIONS, RESULTS, TENSORBOARD, WEIGHTS, checkpoint_dir, checkpoint_step, complete_checkpoints, sha256
+from mpp.rundir import PREDICTIONS, RESULTS, TENSORBOARD, WEIGHTS, RunDir, checkpoint_step, complete_checkpoints, sha256
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.prepare_inputs import Sample, Source
@@ -644,7 +644,7 @@ class ArmRun:
         pre = self.pre
         points = {}
         for step in self.cc.checkpoints:
-            earlier = checkpoint_dir(pre, step)
+            earlier = RunDir(pre).checkpoint(step)
             if not earlier.is_dir():
                 kept = ", ".join(str(checkpoint_step(c)) for c in complete_checkpoints(pre)) or "none"
                 raise CompareError(f"{pre} keeps no checkpoint at step {step} (kept: {kept}); raise "
