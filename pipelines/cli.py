@@ -100,10 +100,10 @@ def run_config(args: argparse.Namespace) -> Config:
             return resume_config(default, args.overrides)
         path = config_file(args.stage, args.config or default)
         cfg = load_config(path, args.overrides)
-        if args.stage == "finetune" and args.ckpt and "pos_embed" not in cfg.model.model_fields_set:
-            from .run.start import with_saved_position_kind  # reads the weights, once the config holds
+        if args.stage == "finetune" and args.ckpt and not {"pos_embed", "stem_padding"} <= cfg.model.model_fields_set:
+            from .run.start import with_saved_kinds  # reads the weights, once the config holds
 
-            cfg = with_saved_position_kind(cfg, path, args.ckpt, args.overrides)
+            cfg = with_saved_kinds(cfg, path, args.ckpt, args.overrides)
         return cfg
     from .run.start import checkpoint_config
 
@@ -263,9 +263,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     checkpoint_stage(stages, "probe", "linear probe (SGD on frozen features, as MAE evaluates) of a backbone",
                      "data.val_shards=DIR probe.epochs=30")
 
-    export = stage_parser(stages, "export", "write a checkpoint as a Hugging Face transformers ViT")
+    export = stage_parser(stages, "export", "write a checkpoint as a Hugging Face transformers ViT, or a hybrid as timm's")
     export.add_argument("--ckpt", required=True, help="a run directory, a checkpoints/step_N directory or a .safetensors file")
-    export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR")
+    export.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR; timm DIR: a hybrid (model.stem=resnet) in timm's layout")
     export.add_argument("--config", help="YAML config (default: the config.yaml of the run that wrote --ckpt)")
     export.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.image_size=64")
 
