@@ -46,9 +46,6 @@ class PatchEmbed(nn.Module):
         return rearrange(self.proj.weight, "d (p1 p2 c) -> d p1 p2 c", p1=p, p2=p)
 
 
-STEM_PADDINGS = ("same", "symmetric")  # model.stem_padding: timm's hybrids' stem, or mpp's first one
-
-
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
     """TensorFlow's 'SAME' padding of one axis (timm's get_same_padding): enough for ceil(size / stride) outputs,
     the odd pixel after (bottom, right) rather than before."""
@@ -94,14 +91,14 @@ def group_norm(channels: int, eps: float) -> nn.GroupNorm:
     return nn.GroupNorm(math.gcd(32, channels), channels, eps=eps)
 
 
-# Each padding's GroupNorm epsilon: timm's GroupNormAct's 1e-5 with its SAME padding, 1e-6 in mpp's first stem.
+# model.stem_padding -> its GroupNorm epsilon: timm's GroupNormAct's 1e-5 with 'SAME', 1e-6 in mpp's first stem.
 STEM_NORM_EPS = {"same": 1e-5, "symmetric": 1e-6}
 
 
 class Bottleneck(nn.Module):
     """A ResNet bottleneck unit with GN and weight-standardised convolutions: 1x1 -> 3x3 (stride) -> 1x1 (4x wider),
     added to the shortcut (a strided 1x1 projection where the shape changes), then ReLU. The last GN starts at zero,
-    so every unit starts as its shortcut. `padding`: STEM_PADDINGS."""
+    so every unit starts as its shortcut. `padding`: same or symmetric (ResNetStem)."""
 
     def __init__(self, channels_in: int, mid: int, stride: int, padding: str = "same"):
         super().__init__()
@@ -255,9 +252,10 @@ class VisionTransformer(nn.Module):
 
     `stem`: patch, the paper's linear projection of P x P patches; resnet, the hybrid, whose tokens are the 1x1 cells
     of a ResNet's feature map (`stem_layers` units per stage, `stem_width` root channels, `stem_padding` as
-    ResNetStem's), a P x P region each, P the ResNet's stride. `pos_embed` (appendix D.4): learned, one learned vector per position (the paper's choice);
-    learned_2d, a learned row vector and a learned column vector of width D/2 each, concatenated; sincos_2d, fixed
-    sines and cosines of the row and column; none. The 2-D kinds give [class] no position embedding.
+    ResNetStem's), a P x P region each, P the ResNet's stride. `pos_embed` (appendix D.4): learned, one learned
+    vector per position (the paper's choice); learned_2d, a learned row vector and a learned column vector of width
+    D/2 each, concatenated; sincos_2d, fixed sines and cosines of the row and column; none. The 2-D kinds give
+    [class] no position embedding.
     """
 
     def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, drop_path: float = 0.0,
