@@ -112,7 +112,9 @@ def test_a_hybrid_saved_before_stem_padding_loads_and_predicts_as_it_did(tmp_pat
     del saved["model"]["stem_padding"]
     (tmp_path / "config.yaml").write_text(json.dumps(saved))
     assert checkpoint_config(str(tmp_path / "model.safetensors"), None, []).model.stem_padding == "symmetric"
-    # Fine-tuning from it keeps its stem; saying otherwise is one line.
+    # Fine-tuning from it keeps its stem (the config it records says so); saying otherwise is one line.
+    args = cli.parse_args(["finetune", "--ckpt", str(tmp_path / "model.safetensors"), *TINY, *HYBRID])
+    assert cli.run_config(args).model.stem_padding == "symmetric"
     finetune = tiny(*HYBRID, "model.stem_padding=same").model
     with pytest.raises(Exception, match="trained with model.stem_padding=symmetric but the config says model.stem_padding=same"):
         load_backbone(tmp_path / "model.safetensors", finetune)
