@@ -97,6 +97,7 @@ class ModelConfig(Section):
     stem: Literal["patch", "resnet"] = Field("patch", description="What turns the image into tokens: patch, a linear projection of each patch (the paper's ViT); resnet, the paper's hybrid, a ResNet (BiT's: Group Normalization, weight-standardised convolutions) whose feature map's 1x1 cells are the tokens, each the image region of the ResNet's stride (model.patch_size, which defaults to that stride).")
     stem_layers: list[int] = Field([3, 4, 9], min_length=1, max_length=4, description="With model.stem=resnet: bottleneck units per ResNet stage; the stride is 4 x 2^(stages - 1). The paper's R50 hybrid: [3, 4, 9] (ResNet-50 with stage 4's units moved into stage 3), stride 16.")
     stem_width: int = Field(64, gt=0, description="With model.stem=resnet: channels of the ResNet's root convolution; stage s has 4 x width x 2^s output channels (ResNet-50: 64).")
+    stem_padding: Literal["same", "symmetric"] = Field("same", description="With model.stem=resnet: how the ResNet pads its strided convolutions and max pool. same, TensorFlow's 'SAME' (the odd pixel after), with GroupNorm epsilon 1e-5, exactly as timm's vit_*_r50_* hybrids (so `export --to timm` can write it); symmetric, PyTorch's symmetric padding with epsilon 1e-6, the stem of runs and weights saved before this setting existed, which keep it.")
     pos_embed: Literal["learned", "learned_2d", "sincos_2d", "none"] = Field("learned", description="Position embeddings (the paper's appendix D.4): learned, one learned vector per patch position (the paper); learned_2d, a learned row and a learned column vector of half the width each, concatenated; sincos_2d, fixed 2-D sines and cosines (width divisible by 4); none. Learned kinds are interpolated when fine-tuning at another resolution.")
 
     @model_validator(mode="before")
@@ -390,6 +391,20 @@ def _explain(err: ValidationError) -> str:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file <- `a.b=value` overrides, validated into a Config."""
     return validate_config(read_layers(path, overrides))
+
+
+def load_saved_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """A run's saved config.yaml (then `overrides`), read as the run it describes was built (as_saved)."""
+    return validate_config(as_saved(read_layers(path, overrides)))
+
+
+def as_saved(tree: dict) -> dict:
+    """A run's saved config as data, with what an older mpp left out but built: a model section without
+    model.stem_padding was saved before that setting existed, when every hybrid stem padded symmetrically."""
+    model = tree.get("model")
+    if isinstance(model, dict) and "stem_padding" not in model:
+        return {**tree, "model": {**model, "stem_padding": "symmetric"}}
+    return tree
 
 
 def read_layers(path: str | Path | None, overrides: list[str], what: str = "config file", example: str | None = None) -> dict:

@@ -63,10 +63,10 @@ def run_config(args: argparse.Namespace) -> Config:
             return resume_config(default, args.overrides)
         path = config_file(args.stage, args.config or default)
         cfg = load_config(path, args.overrides)
-        if args.stage == "finetune" and args.ckpt and "pos_embed" not in cfg.model.model_fields_set:
-            from .run.start import with_saved_position_kind  # reads the weights, once the config holds
+        if args.stage == "finetune" and args.ckpt and not {"pos_embed", "stem_padding"} <= cfg.model.model_fields_set:
+            from .run.start import with_saved_kinds  # reads the weights, once the config holds
 
-            cfg = with_saved_position_kind(cfg, path, args.ckpt, args.overrides)
+            cfg = with_saved_kinds(cfg, path, args.ckpt, args.overrides)
         return cfg
     from .run.start import checkpoint_config
 

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mpp.config import as_saved
 from mpp.errors import UserError, command
 from mpp.model.hf import (HF_CONFIG, dinov2_extras, from_hf_state_dict, from_timm_state_dict, hf_architecture,
                           hf_class_names, is_hf_dinov2_classifier, is_hf_vit, is_timm_vit, timm_extras, vit_from_dinov2)
@@ -64,7 +65,7 @@ def save_weights(objective: Objective, path: str | Path) -> None:
     about = {"width": b.width, "depth": b.depth, "heads": b.heads, "patch_size": b.patch_size, "image_size": b.image_size,
              "stem": b.stem, "pos_embed": b.pos_embed_kind, "holds": CLASSIFIER if LINEAR_HEAD <= set(weights) else BACKBONE}
     if b.stem == "resnet":
-        about.update(stem_layers=list(b.stem_layers), stem_width=b.stem_width)
+        about.update(stem_layers=list(b.stem_layers), stem_width=b.stem_width, stem_padding=b.stem_padding)
     if about["holds"] == CLASSIFIER:  # what predict and export need of a file copied out of its run
         about["pool"] = getattr(objective, "pool", "cls")  # a Classification's; another objective's head reads [class]
         names = getattr(objective, "class_names", ())
@@ -113,7 +114,21 @@ def read_weights(ckpt: str | Path) -> SavedWeights:
         about = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
     except ValueError:
         raise CheckpointError(f"{path} has unreadable '{METADATA_KEY}' metadata (not JSON); pass a model.safetensors written by this project") from None
+    if about.get("stem") == "resnet" and "stem_padding" not in about:
+        about["stem_padding"] = "symmetric"  # a hybrid saved before model.stem_padding: the only stem then
     return SavedWeights(path, tensors, about)
+
+
+def stem_padding_of(saved: SavedWeights) -> str:
+    """The padding a hybrid's weights were trained with (model.stem_padding): their metadata says; a training
+    checkpoint's file has none, and the config.yaml its checkpoint (else its run) carries says; "symmetric" where
+    neither does, as every hybrid was before the setting."""
+    if "stem_padding" in saved.about:
+        return saved.about["stem_padding"]
+    carried = saved.path.parent / CONFIG
+    config = carried if carried.is_file() else run_config_of(saved.path)
+    model = (OmegaConf.to_container(OmegaConf.load(config)) or {}).get("model") if config is not None else None
+    return as_saved({"model": model})["model"]["stem_padding"] if isinstance(model, dict) else "symmetric"
 
 
 def hf_weights(path: Path, tensors: dict[str, torch.Tensor]) -> SavedWeights:
@@ -274,8 +289,14 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
     check_finite(path, weights)
     width = weights["cls_token"].shape[-1]
     stem = saved.about.get("stem") or ("resnet" if any(k.startswith("patch_embed.stem.") for k in weights) else "patch")
+    stem_padding = "same"  # unused by a linear patch embedding
     if stem == "resnet":
         patch, stem_layers, stem_width = resnet_architecture(path, weights, model_cfg)
+        stem_padding = stem_padding_of(saved)
+        if "stem_padding" in model_cfg.model_fields_set and model_cfg.stem_padding != stem_padding:
+            raise CheckpointError(f"{path} holds a hybrid ViT trained with model.stem_padding={stem_padding} but the "
+                                  f"config says model.stem_padding={model_cfg.stem_padding}; set "
+                                  f"model.stem_padding={stem_padding} (its weights were trained with that stem)")
     else:
         patch, stem_layers, stem_width = patch_size_of(path, weights, model_cfg), (), 0
     pos_embed = position_kind(path, saved.about, weights, model_cfg)
@@ -285,7 +306,7 @@ def load_backbone(ckpt: str | Path, model_cfg) -> VisionTransformer:
         raise CheckpointError(f"{path} has width {width}, which {heads} attention heads do not divide; set model.heads to the pretraining run's value")
 
     backbone = VisionTransformer(model_cfg.image_size, patch, width, depth, heads, stem=stem, stem_layers=stem_layers or (3, 4, 9),
-                                 stem_width=stem_width or 64, pos_embed=pos_embed)
+                                 stem_width=stem_width or 64, pos_embed=pos_embed, stem_padding=stem_padding)
     weights = resize_position_weights(weights, backbone.grid)
     try:
         backbone.load_state_dict(weights)

@@ -305,13 +305,10 @@ def preprocessor_config(image_size: int) -> dict:
     }
 
 
-# Why no library loads a hybrid (model.stem=resnet) as it computes: one line, with what would be needed.
+# Why a hybrid (model.stem=resnet) is not written here: one line, with where it goes.
 HYBRID_REFUSAL = (
     "this is a hybrid ViT (model.stem=resnet), which transformers 5 has no class for (ViTHybrid was removed; ViTModel "
-    "embeds patches linearly) and timm's hybrids do not compute as trained: their ResNetV2 pads its strided layers "
-    "'SAME' (asymmetrically) where mpp's stem pads symmetrically, and fixes GroupNorm's epsilon at 1e-5 where mpp's "
-    "stem uses 1e-6; exporting it would need a timm hybrid that takes both as arguments: use its model.safetensors "
-    "with mpp (predict, finetune), or pretrain with model.stem=patch to export")
+    "embeds patches linearly); export it to timm's layout with --to timm DIR (timm's vit_*_r*_s* hybrids)")
 
 
 def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, torch.Tensor] | None = None,

@@ -46,36 +46,72 @@ class PatchEmbed(nn.Module):
         return rearrange(self.proj.weight, "d (p1 p2 c) -> d p1 p2 c", p1=p, p2=p)
 
 
+def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """TensorFlow's 'SAME' padding of one axis (timm's get_same_padding): enough for ceil(size / stride) outputs,
+    the odd pixel after (bottom, right) rather than before."""
+    total = max((math.ceil(size / stride) - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> torch.Tensor:  # (B, C, H, W)
+    top, bottom = same_padding(x.shape[-2], kernel, stride)
+    left, right = same_padding(x.shape[-1], kernel, stride)
+    return F.pad(x, (left, right, top, bottom), value=value)
+
+
 class StdConv2d(nn.Conv2d):
     """A convolution with weight standardisation (Qiao et al. 2019), as BiT's ResNets: each filter is shifted to zero
-    mean and scaled to unit variance before it is applied, which suits Group Normalization and small batches."""
+    mean and scaled to unit variance (biased, epsilon 1e-8, as timm's hybrids) before it is applied, which suits
+    Group Normalization and small batches. `same`: TensorFlow's 'SAME' padding from the input's size (timm's
+    StdConv2dSame), else the symmetric `padding` given."""
+
+    def __init__(self, *args, same: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.same = same
+        if same:
+            self.padding = (0, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         mean, var = w.mean(dim=(1, 2, 3), keepdim=True), w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
+        if self.same:
+            x = pad_same(x, self.kernel_size[0], self.stride[0])
         return F.conv2d(x, (w - mean) / (var + 1e-8).sqrt(), self.bias, self.stride, self.padding)
 
 
-def group_norm(channels: int) -> nn.GroupNorm:
+class MaxPoolSame(nn.Module):
+    """3 x 3 max pooling at stride 2 with TensorFlow's 'SAME' padding (timm's MaxPool2dSame): padded with -inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(pad_same(x, 3, 2, value=-math.inf), 3, 2)
+
+
+def group_norm(channels: int, eps: float) -> nn.GroupNorm:
     """BiT's Group Normalization: 32 groups (fewer for a narrow CPU-sized stem: the largest count dividing the channels)."""
-    return nn.GroupNorm(math.gcd(32, channels), channels, eps=1e-6)
+    return nn.GroupNorm(math.gcd(32, channels), channels, eps=eps)
+
+
+# model.stem_padding -> its GroupNorm epsilon: timm's GroupNormAct's 1e-5 with 'SAME', 1e-6 in mpp's first stem.
+STEM_NORM_EPS = {"same": 1e-5, "symmetric": 1e-6}
 
 
 class Bottleneck(nn.Module):
     """A ResNet bottleneck unit with GN and weight-standardised convolutions: 1x1 -> 3x3 (stride) -> 1x1 (4x wider),
     added to the shortcut (a strided 1x1 projection where the shape changes), then ReLU. The last GN starts at zero,
-    so every unit starts as its shortcut."""
+    so every unit starts as its shortcut. `padding`: same or symmetric (ResNetStem)."""
 
-    def __init__(self, channels_in: int, mid: int, stride: int):
+    def __init__(self, channels_in: int, mid: int, stride: int, padding: str = "same"):
         super().__init__()
-        out = 4 * mid
-        self.conv1, self.norm1 = StdConv2d(channels_in, mid, 1, bias=False), group_norm(mid)
-        self.conv2, self.norm2 = StdConv2d(mid, mid, 3, stride=stride, padding=1, bias=False), group_norm(mid)
-        self.conv3, self.norm3 = StdConv2d(mid, out, 1, bias=False), group_norm(out)
+        out, same, eps = 4 * mid, padding == "same", STEM_NORM_EPS[padding]
+        self.conv1, self.norm1 = StdConv2d(channels_in, mid, 1, bias=False), group_norm(mid, eps)
+        self.conv2 = StdConv2d(mid, mid, 3, stride=stride, padding=1, bias=False, same=same)
+        self.norm2 = group_norm(mid, eps)
+        self.conv3, self.norm3 = StdConv2d(mid, out, 1, bias=False), group_norm(out, eps)
         nn.init.zeros_(self.norm3.weight)
         self.downsample = None
         if stride != 1 or channels_in != out:
-            self.downsample = nn.Sequential(StdConv2d(channels_in, out, 1, stride=stride, bias=False), group_norm(out))
+            self.downsample = nn.Sequential(StdConv2d(channels_in, out, 1, stride=stride, bias=False, same=same),
+                                            group_norm(out, eps))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C_in, H, W) -> (B, 4 mid, H / stride, W / stride)
         shortcut = x if self.downsample is None else self.downsample(x)
@@ -87,18 +123,24 @@ class Bottleneck(nn.Module):
 class ResNetStem(nn.Module):
     """The CNN of the paper's hybrid (section 3.1, appendix B): BiT's ResNet (Kolesnikov et al. 2020), GN and
     weight-standardised convolutions, with `layers` units per stage. The paper's R50 drops ResNet-50's stage 4 and
-    moves its units into stage 3: layers (3, 4, 9), a map of 1024 channels at 1/16 of the image side."""
+    moves its units into stage 3: layers (3, 4, 9), a map of 1024 channels at 1/16 of the image side.
 
-    def __init__(self, layers=(3, 4, 9), width: int = 64):
+    `padding` "same" computes what timm's vit_*_r50_* hybrids compute (the layout of Google's released R50+ViT
+    weights): 'SAME' padding on the strided convolutions and the max pool, GroupNorm epsilon 1e-5. "symmetric" is
+    mpp's first stem (PyTorch's symmetric padding, epsilon 1e-6), which models saved before the choice keep."""
+
+    def __init__(self, layers=(3, 4, 9), width: int = 64, padding: str = "same"):
         super().__init__()
         self.stride = resnet_stride(layers)
-        self.root = nn.Sequential(StdConv2d(3, width, 7, stride=2, padding=3, bias=False), group_norm(width), nn.ReLU(),
-                                  nn.MaxPool2d(3, stride=2, padding=1))
+        same = padding == "same"
+        self.root = nn.Sequential(StdConv2d(3, width, 7, stride=2, padding=3, bias=False, same=same),
+                                  group_norm(width, STEM_NORM_EPS[padding]), nn.ReLU(),
+                                  MaxPoolSame() if same else nn.MaxPool2d(3, stride=2, padding=1))
         stages, channels = [], width
         for s, units in enumerate(layers):
             mid = width * 2 ** s
-            stages.append(nn.Sequential(*(Bottleneck(channels if u == 0 else 4 * mid, mid, 2 if s > 0 and u == 0 else 1)
-                                          for u in range(units))))
+            stages.append(nn.Sequential(*(Bottleneck(channels if u == 0 else 4 * mid, mid, 2 if s > 0 and u == 0 else 1,
+                                                     padding) for u in range(units))))
             channels = 4 * mid
         self.stages = nn.Sequential(*stages)
         self.channels = channels
@@ -111,9 +153,9 @@ class HybridEmbed(nn.Module):
     """The hybrid's patch embedding (section 3.1): the input sequence is the CNN's feature map, each 1x1 cell a patch
     (a `stride` x `stride` region of the image), linearly projected to the model width."""
 
-    def __init__(self, layers, stem_width: int, dim: int):
+    def __init__(self, layers, stem_width: int, dim: int, padding: str = "same"):
         super().__init__()
-        self.stem = ResNetStem(layers, stem_width)
+        self.stem = ResNetStem(layers, stem_width, padding)
         self.patch_size = self.stem.stride
         self.proj = nn.Linear(self.stem.channels, dim)
 
@@ -209,15 +251,16 @@ class VisionTransformer(nn.Module):
     (MPP corrupts them) after the projection and before position embeddings are added.
 
     `stem`: patch, the paper's linear projection of P x P patches; resnet, the hybrid, whose tokens are the 1x1 cells
-    of a ResNet's feature map (`stem_layers` units per stage, `stem_width` root channels), a P x P region each, P
-    the ResNet's stride. `pos_embed` (appendix D.4): learned, one learned vector per position (the paper's choice);
-    learned_2d, a learned row vector and a learned column vector of width D/2 each, concatenated; sincos_2d, fixed
-    sines and cosines of the row and column; none. The 2-D kinds give [class] no position embedding.
+    of a ResNet's feature map (`stem_layers` units per stage, `stem_width` root channels, `stem_padding` as
+    ResNetStem's), a P x P region each, P the ResNet's stride. `pos_embed` (appendix D.4): learned, one learned
+    vector per position (the paper's choice); learned_2d, a learned row vector and a learned column vector of width
+    D/2 each, concatenated; sincos_2d, fixed sines and cosines of the row and column; none. The 2-D kinds give
+    [class] no position embedding.
     """
 
     def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, drop_path: float = 0.0,
                  grad_checkpointing: bool = False, stem: str = "patch", stem_layers=(3, 4, 9), stem_width: int = 64,
-                 pos_embed: str = "learned"):
+                 pos_embed: str = "learned", stem_padding: str = "same"):
         super().__init__()
         if stem == "resnet" and patch_size != resnet_stride(stem_layers):
             raise ValueError(f"patch size {patch_size} does not match the ResNet stem's stride {resnet_stride(stem_layers)}")
@@ -226,9 +269,11 @@ class VisionTransformer(nn.Module):
         self.image_size, self.patch_size, self.width = image_size, patch_size, width
         self.depth, self.heads = depth, heads
         self.stem, self.stem_layers, self.stem_width, self.pos_embed_kind = stem, tuple(stem_layers), stem_width, pos_embed
+        self.stem_padding = stem_padding
         self.grid = image_size // patch_size
         self.num_patches = self.grid * self.grid
-        self.patch_embed = PatchEmbed(patch_size, width) if stem == "patch" else HybridEmbed(stem_layers, stem_width, width)
+        self.patch_embed = (PatchEmbed(patch_size, width) if stem == "patch"
+                            else HybridEmbed(stem_layers, stem_width, width, stem_padding))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
         if pos_embed == "learned":
             self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches + 1, width))  # (1, 1 + N, D)
@@ -382,14 +427,14 @@ def init_weights(module: nn.Module) -> None:
 def build_vit(name: str, image_size: int, patch_size: int | None = None, *, width: int | None = None,
               depth: int | None = None, heads: int | None = None, drop_path: float = 0.0,
               grad_checkpointing: bool = False, stem: str = "patch", stem_layers=(3, 4, 9), stem_width: int = 64,
-              pos_embed: str = "learned") -> VisionTransformer:
+              pos_embed: str = "learned", stem_padding: str = "same") -> VisionTransformer:
     """A named variant (vit_b16, vit_ti, ...), optionally with its width, depth or heads overridden; with
     stem="resnet" the hybrid, whose patch size is the ResNet's stride unless given."""
     if stem == "resnet" and patch_size is None and parse_model_name(name)[1] is None:
         patch_size = resnet_stride(stem_layers)
     v = resolve_variant(name, patch_size, width=width, depth=depth, heads=heads)
     return VisionTransformer(image_size, v.patch_size, v.width, v.depth, v.heads, drop_path, grad_checkpointing,
-                             stem, stem_layers, stem_width, pos_embed)
+                             stem, stem_layers, stem_width, pos_embed, stem_padding)
 
 
 def build_backbone(model) -> VisionTransformer:
@@ -397,4 +442,4 @@ def build_backbone(model) -> VisionTransformer:
     return build_vit(model.name, model.image_size, model.patch_size, width=model.width, depth=model.depth,
                      heads=model.heads, drop_path=model.drop_path, grad_checkpointing=model.grad_checkpointing,
                      stem=model.stem, stem_layers=model.stem_layers, stem_width=model.stem_width,
-                     pos_embed=model.pos_embed)
+                     pos_embed=model.pos_embed, stem_padding=model.stem_padding)

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from mpp.model.checkpoint import resolve_checkpoint
-from mpp.config import Config, dotted, resumable_keys, load_config, read_layers
+from mpp.config import Config, as_saved, dotted, resumable_keys, load_config, load_saved_config, read_layers
 from mpp.errors import UserError
 from mpp.training.resume import resumable_checkpoint
 from mpp.rundir import (RunDir, CONFIG, LOCK, RUN_OUTPUTS, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256,
@@ -201,8 +201,10 @@ def trained_config(out: Path) -> tuple[dict, str]:
             raise ValueError("it holds no mapping of sections")
     except (ValueError, yaml.YAMLError) as exc:
         raise UserError(f"{saved} cannot be read ({one_line_cause(exc)}), and a resume starts from it; {restore}") from None
+    edited = as_saved(edited)  # both as the run was built, where an older mpp wrote them
     if carried is None:
         return edited, f"its {CONFIG}"
+    trained = as_saved(trained)
     resumable, flat = resumable_keys(), dotted(trained)
     for key, value in dotted(edited).items():
         if key not in resumable and key in flat and flat[key] != value:
@@ -250,7 +252,7 @@ def resume_config(default_config: str, overrides: list[str]) -> Config:
     if not complete_checkpoints(out):
         return load_config(default_config, overrides)
     trained_config(Path(out))  # a config.yaml that is missing, unreadable or edited is refused with its fix
-    return load_config(Path(out) / CONFIG, overrides).model_copy(update={"output_dir": str(out)})
+    return load_saved_config(Path(out) / CONFIG, overrides).model_copy(update={"output_dir": str(out)})
 
 
 class RunInUse(UserError):

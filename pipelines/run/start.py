@@ -11,8 +11,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from mpp.model.checkpoint import read_weights, resolve_checkpoint
-from mpp.config import Config, dotted, load_config
+from mpp.model.checkpoint import read_weights, resolve_checkpoint, stem_padding_of
+from mpp.config import Config, dotted, load_config, load_saved_config
 from mpp.errors import UserError
 from mpp.training.preemption import host_group, stop_when_parent_dies
 from mpp.rundir import run_config_of
@@ -111,15 +111,20 @@ def run_settings(accelerator: Accelerator, cfg: Config, global_batch: int) -> st
 
 
 ARCHITECTURE = ("image_size", "patch_size", "width", "depth", "heads")  # the model.* keys a weights file can say
-STEM = ("stem", "stem_layers", "stem_width", "pos_embed")  # and those newer files say too (older ones: the defaults)
+STEM = ("stem", "stem_layers", "stem_width", "stem_padding", "pos_embed")  # and those newer files say too (older ones: the defaults)
 
 
-def with_saved_position_kind(cfg: Config, config: str, ckpt: str, overrides: list[str]) -> Config:
-    """A fine-tuning's config (`config`, then the overrides) that leaves model.pos_embed unset, with the position
-    embeddings the weights in `ckpt` record, as their head count is taken: a ViT cannot change that kind, so the
-    default would only be refused."""
-    kind = read_weights(ckpt).about.get("pos_embed", cfg.model.pos_embed)
-    return cfg if kind == cfg.model.pos_embed else load_config(config, [f"model.pos_embed={kind}", *overrides])
+def with_saved_kinds(cfg: Config, config: str, ckpt: str, overrides: list[str]) -> Config:
+    """A fine-tuning's config (`config`, then the overrides), with the position embeddings and the hybrid stem's
+    padding the weights in `ckpt` were trained with where it leaves them unset, as their head count is taken: the
+    default would be refused (a ViT cannot change its position embeddings) or would misdescribe the stem."""
+    saved, unset = read_weights(ckpt), {"pos_embed", "stem_padding"} - cfg.model.model_fields_set
+    kinds = {"pos_embed": saved.about.get("pos_embed", cfg.model.pos_embed)}
+    if saved.about.get("stem") == "resnet" or any(k.startswith(("patch_embed.stem.", "backbone.patch_embed.stem."))
+                                                  for k in saved.tensors):
+        kinds["stem_padding"] = stem_padding_of(saved)
+    changed = [f"model.{key}={kind}" for key, kind in kinds.items() if key in unset and kind != getattr(cfg.model, key)]
+    return load_config(config, [*changed, *overrides]) if changed else cfg
 
 
 def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Config:
@@ -129,10 +134,11 @@ def checkpoint_config(ckpt: str, config: str | None, overrides: list[str]) -> Co
     if config is None:
         weights = resolve_checkpoint(ckpt)
         config = run_config_of(weights)
-        if config is None:
-            about = read_weights(weights).about
-            if all(key in about for key in ARCHITECTURE):
-                # A name without a patch size, so the file's own patch size is not contradicted by the default's.
-                said = [key for key in (*ARCHITECTURE, *STEM) if key in about]
-                overrides = ["model.name=vit_b", *(f"model.{key}={json.dumps(about[key])}" for key in said), *overrides]
+        if config is not None:
+            return load_saved_config(config, overrides)  # as its run was built
+        about = read_weights(weights).about
+        if all(key in about for key in ARCHITECTURE):
+            # A name without a patch size, so the file's own patch size is not contradicted by the default's.
+            said = [key for key in (*ARCHITECTURE, *STEM) if key in about]
+            overrides = ["model.name=vit_b", *(f"model.{key}={json.dumps(about[key])}" for key in said), *overrides]
     return load_config(config, overrides)

@@ -1,5 +1,5 @@
-"""Export stage: a checkpoint of this project as a Hugging Face `transformers` model (`mpp export --to hf DIR`), with
-a model card (README.md) that says what it is and how it was made."""
+"""Export stage: a checkpoint of this project as a Hugging Face `transformers` model (`mpp export --to hf DIR`), or
+a hybrid as a timm model (`--to timm DIR`), with a model card (README.md) that says what it is and how it was made."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from mpp.data.stream import DataError
 from mpp.data.readers import expand_shards
 from mpp.data.shardformat import ShardSummary, shard_summary
 from mpp.model.hf import ExportError, export_hf
+from mpp.model.timm_layout import export_timm, timm_refusal
 from mpp.model.vit import VisionTransformer
 from mpp.model.registry import OBJECTIVES
 from mpp.metrics import TOP1
@@ -21,7 +22,7 @@ from mpp.data.synthetic import CLASS_NAMES as SYNTHETIC_CLASS_NAMES, is_syntheti
 from ..run.invocation import command_line
 from ..run.run_policy import check_writable
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "timm")  # --to: transformers (plain ViTs), timm's layout (hybrids)
 
 
 def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
@@ -29,44 +30,56 @@ def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
     on the [class] token, Dinov2ForImageClassification on the mean of the patch outputs: mpp.model.hf).
 
     A pretraining run's head (MPP's colour head, supervised pretraining's MLP) is the paper's throwaway pretraining
-    head: a pretraining checkpoint exports as a backbone."""
+    head: a pretraining checkpoint exports as a backbone. `to` timm: a hybrid as timm's vit_*_r*_s* (mpp.model.timm_layout)."""
     if to not in FORMATS:
-        raise ExportError(f"unknown export format '{to}'; use --to hf DIR")
-    check_export_dir(Path(out_dir))
+        raise ExportError(f"unknown export format '{to}'; use --to hf DIR (a plain ViT) or --to timm DIR (a hybrid)")
+    check_export_dir(Path(out_dir), to)
     backbone = load_backbone(ckpt, cfg.model)
+    refusal = timm_refusal(backbone) if to == "timm" else None
+    if refusal is not None:
+        raise ExportError(f"cannot export to timm's layout: {refusal}")
     saved = read_weights(ckpt)
     head = classifier_head(ckpt)
     names, unnamed, naming = classifier_names(cfg, saved, head["weight"].shape[0]) if head is not None else (None, "", "")
     pool = classifier_pool(saved, cfg.finetune) if head is not None else "cls"
     try:
         with staged(Path(out_dir), out_dir) as stage:  # all the export's files, or none
-            kind = export_hf(backbone, stage, head, id2label=names, pool=pool)
-            (stage / "README.md").write_text(model_card(cfg, backbone, saved.path, kind, out_dir))
+            if to == "timm":
+                kind = export_timm(backbone, stage, head, list(names.values()) if names else None, pool)
+            else:
+                kind = export_hf(backbone, stage, head, id2label=names, pool=pool)
+            card = model_card(cfg, backbone, saved.path, kind, out_dir, pool if head is not None else None, to)
+            (stage / "README.md").write_text(card)
     except OutputNotWritten as failed:
         fix = "free some space" if failed.full else "make it writable"
-        raise ExportError(f"{failed}; nothing was written: {fix}, or choose another directory (--to hf DIR)") from None
+        raise ExportError(f"{failed}; nothing was written: {fix}, or choose another directory (--to {to} DIR)") from None
     if head is not None and names is None:  # said once the export is written (a refused one says why)
-        warnings.warn(f"{unnamed}, so the classifier's labels were exported as LABEL_0 to "
-                      f"LABEL_{head['weight'].shape[0] - 1}; {naming}", stacklevel=2)
+        labels = "without names" if to == "timm" else f"as LABEL_0 to LABEL_{head['weight'].shape[0] - 1}"
+        warnings.warn(f"{unnamed}, so the classifier's labels were exported {labels}; {naming}", stacklevel=2)
+    if to == "timm":
+        print(f"wrote timm's {kind} ({backbone.width} wide, {backbone.depth} blocks, {backbone.image_size} px; "
+              f"config.json's model_args size it) and its model card to {out_dir}; load it with "
+              f"timm.create_model('local-dir:{out_dir}', pretrained=True)")
+        return kind
     print(f"wrote a transformers {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
           f"{backbone.image_size} px) and its model card to {out_dir}; load it with {kind}.from_pretrained('{out_dir}')")
     return kind
 
 
-def check_export_dir(out: Path) -> None:
+def check_export_dir(out: Path, to: str = "hf") -> None:
     """Refuse, before any work, a directory the export cannot be written to or must not be: one holding a run, whose
     model.safetensors the transformers layout would replace (after which no stage could read the run)."""
     reason = too_long(out)
     if reason is not None:
-        raise ExportError(f"export directory {out} cannot be created: {reason}; choose a shorter path (--to hf DIR)")
+        raise ExportError(f"export directory {out} cannot be created: {reason}; choose a shorter path (--to {to} DIR)")
     if out.exists() and not out.is_dir():
-        raise ExportError(f"export directory {out} is a file; choose a directory (--to hf DIR)")
-    check_writable(out, "export directory", "set --to hf DIR to")
+        raise ExportError(f"export directory {out} is a file; choose a directory (--to {to} DIR)")
+    check_writable(out, "export directory", f"set --to {to} DIR to")
     found = run_files_in(out) if out.is_dir() else None
     if found is not None:
         raise ExportError(f"{out} holds a run of this project ({found}); the export would replace its {WEIGHTS} with "
-                          f"the transformers layout, which finetune, fewshot and knn cannot read: choose another "
-                          f"directory (--to hf DIR)")
+                          f"the exported layout, which finetune, fewshot and knn cannot read: choose another "
+                          f"directory (--to {to} DIR)")
 
 
 def classifier_names(cfg: Config, saved: SavedWeights, outputs: int) -> tuple[dict[int, str] | None, str, str]:
@@ -113,8 +126,13 @@ def run_record(weights_file: Path) -> tuple[dict, int | None]:
     return (json.loads(results.read_text()) if results.is_file() else {}), step
 
 
-def pooling_line(fine_tuned: bool, mean_pooled: bool) -> str:
+def pooling_line(fine_tuned: bool, mean_pooled: bool, to: str) -> str:
     """The model card's line on what the representation (and the classifier) reads."""
+    if to == "timm":
+        if mean_pooled:
+            return ("- **Pooling**: the mean of the patch outputs after the final LayerNorm (finetune.pool=mean): "
+                    "global_pool='avg' with fc_norm=False, which keeps that LayerNorm on every token before the mean.")
+        return "- **Pooling**: the [class] token after the final LayerNorm (global_pool='token')."
     if mean_pooled:
         return ("- **Pooling**: the mean of the patch outputs after the final LayerNorm (finetune.pool=mean). "
                 "Dinov2ForImageClassification's classifier reads [class ; mean of the patch outputs]; the [class] half "
@@ -123,10 +141,13 @@ def pooling_line(fine_tuned: bool, mean_pooled: bool) -> str:
             "the identity, so `pooler_output` is that same token" + (" and the classifier reads it." if fine_tuned else "."))
 
 
-def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kind: str, out_dir: str) -> str:
+def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kind: str, out_dir: str,
+               pool: str | None = None, to: str = "hf") -> str:
+    """README.md of an export of `kind` (a transformers class, or timm's architecture with `to` timm); `pool` what its
+    classifier reads (cls, mean), None for a backbone."""
     record, step = run_record(weights_file)
-    fine_tuned = kind.endswith("ForImageClassification")
-    mean_pooled = kind.startswith("Dinov2")
+    fine_tuned, mean_pooled = pool is not None, pool == "mean"
+    library = "timm" if to == "timm" else "transformers"
     summary = shards_summary(cfg)
     data = f"`{cfg.data.shards}`" + (f" ({summary.samples:,} images, {summary.classes} classes)" if summary and summary.samples is not None else "")
     if fine_tuned:
@@ -157,8 +178,8 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
     continued = "".join(f", continued with `{resume}`" for resume in record.get("resumed_with", []))
     batch = cfg.train.global_batch_size or f"{cfg.train.batch_size} per process x {cfg.train.grad_accum} accumulation"
     lines = [
-        "---", "library_name: transformers", f"pipeline_tag: {'image-classification' if fine_tuned else 'image-feature-extraction'}",
-        "tags: [vit, mpp, masked-patch-prediction]", "---", "",
+        "---", f"library_name: {library}", f"pipeline_tag: {'image-classification' if fine_tuned else 'image-feature-extraction'}",
+        f"tags: [vit, mpp, masked-patch-prediction{', hybrid' if backbone.stem == 'resnet' else ''}]", "---", "",
         f"# ViT ({backbone.width} wide, {backbone.depth} blocks, {backbone.heads} heads, patch {backbone.patch_size}, "
         f"{backbone.image_size} px), {'fine-tuned' if fine_tuned else 'pretrained'} with mpp", "",
         f"- **Objective**: {objective}.",
@@ -168,14 +189,30 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         f"({(backbone.image_size // backbone.patch_size) ** 2} patches).",
         *([] if backbone.pos_embed_kind == "learned" else [
             f"- **Position embeddings**: trained as {backbone.pos_embed_kind}, written as the one table they add at "
-            f"{backbone.image_size} px ({kind} has a learned table only); at another resolution transformers "
+            f"{backbone.image_size} px ({kind} has a learned table only); at another resolution {library} "
             f"interpolates that table."]),
-        pooling_line(fine_tuned, mean_pooled),
+        *([] if backbone.stem != "resnet" else [
+            f"- **Stem**: a ResNet (stem_layers {list(backbone.stem_layers)}, {backbone.stem_width} root channels) "
+            f"whose feature-map cells are the tokens, padded 'SAME' with GroupNorm epsilon 1e-5 as timm's {kind}."]),
+        pooling_line(fine_tuned, mean_pooled, to),
         f"- **{metrics_at}**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
         f"- **Produced by**: `{record['command']}`{continued}." if record.get("command") else "- **Produced by**: not recorded.",
         f"- **Exported by**: `{command_line()}`.", "",
         "## Use", "", "```python",
     ]
+    if to == "timm":
+        lines += ["import timm", "",
+                  f"model = timm.create_model('local-dir:{out_dir}', pretrained=True).eval()",
+                  "transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))",
+                  "outputs = model(transform(image)[None])  # " + ("(1, classes) logits" if fine_tuned else
+                                                                    "(1, D): the [class] token (num_classes 0)"),
+                  "```", "",
+                  "Written to timm 1.0.31's layout (tensor names and shapes as its source builds this architecture) "
+                  "and not loaded by timm, which could not run where it was written. timm's evaluation transform "
+                  "resizes the short side, then crops the centre square; mpp crops the centre square, then resizes "
+                  "(bilinear, antialiased) to the model's size and scales to (x / 255 - 0.5) / 0.5 per channel: on "
+                  "non-square images the two can sample slightly different pixels.", ""]
+        return "\n".join(lines)
     if fine_tuned:
         lines += ["from transformers import pipeline", "",
                   f"classify = pipeline('image-classification', model='{out_dir}')", "print(classify('image.jpg'))"]
