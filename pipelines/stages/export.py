@@ -198,8 +198,13 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
         f"- **{metrics_at}**: {metrics_line or 'not recorded (no results.json beside the weights)'}.",
         f"- **Produced by**: `{record['command']}`{continued}." if record.get("command") else "- **Produced by**: not recorded.",
         f"- **Exported by**: `{command_line()}`.", "",
-        "## Use", "", "```python",
     ]
+    return "\n".join(lines + usage_lines(fine_tuned, out_dir, to))
+
+
+def usage_lines(fine_tuned: bool, out_dir: str, to: str) -> list[str]:
+    """The card's "Use" section: loading the export with its library, and how inputs are prepared."""
+    lines = ["## Use", "", "```python"]
     if to == "timm":
         lines += ["import timm", "",
                   f"model = timm.create_model('local-dir:{out_dir}', pretrained=True).eval()",
@@ -212,7 +217,7 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
                   "resizes the short side, then crops the centre square; mpp crops the centre square, then resizes "
                   "(bilinear, antialiased) to the model's size and scales to (x / 255 - 0.5) / 0.5 per channel: on "
                   "non-square images the two can sample slightly different pixels.", ""]
-        return "\n".join(lines)
+        return lines
     if fine_tuned:
         lines += ["from transformers import pipeline", "",
                   f"classify = pipeline('image-classification', model='{out_dir}')", "print(classify('image.jpg'))"]
@@ -227,4 +232,4 @@ def model_card(cfg: Config, backbone: VisionTransformer, weights_file: Path, kin
                   "meaningless labels: fine-tune it first (`mpp finetune --ckpt RUN`, then export that run).", ""]
     lines += ["Inputs are prepared as mpp evaluates: the centre square of the short side, resized (bilinear) to the "
               "model's size and scaled to (x / 255 - 0.5) / 0.5 per channel (preprocessor_config.json).", ""]
-    return "\n".join(lines)
+    return lines
