@@ -557,6 +557,15 @@ def test_gaps_over_grouped_test_images_resample_the_groups_and_state_their_desig
     assert grouped["resolution"]["grouped"] and grouped["resolution"]["images_needed"] > 3 * plain["resolution"]["images_needed"]
     assert grouped["high"] - grouped["low"] > 1.5 * (plain["high"] - plain["low"])
     assert all(grouped["mcnemar"][s]["p_value"] > plain["mcnemar"][s]["p_value"] for s in ("0", "1"))
+    # The report says so: planned (groups assumed answered alike), observed, and which McNemar test it printed.
+    from pipelines.comparison.report import design_record, gap_lines, resolution_lines
+    cc = tiny(tmp_path, r"test_groups=-(\d+)$", "target_gap=0.2")
+    report = {"gaps": [grouped], "design": design_record(cc, keys, 2, None), "config": cc.model_dump(mode="json")}
+    text = "\n".join(resolution_lines(report) + gap_lines(report, [0, 1]))
+    assert ("400 test images in 100 groups (test_groups), each group's images assumed answered alike, so they count as "
+            "100 independent images") in text
+    assert "test images (grouped, with an observed design effect of 4.00: as 100 independent images)" in text
+    assert "the bootstrap resamples whole groups, and McNemar's test is the clustered one" in text
 
 
 def test_the_report_puts_the_test_sets_baselines_and_balanced_accuracy_beside_top1(tmp_path):
