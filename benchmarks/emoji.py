@@ -26,9 +26,10 @@ categories but Component (5 swatches) as the classes, SPLIT BY EMOJI:
 Emoji whose drawings are pixel-identical for some vendor (an obsoleted code and its successor, the flags of places
 that share one) are one emoji for the split, so no test image has a copy among the training images. Skin-tone
 variants are left out: they are one drawing recoloured five times or more, and would make People & Body most of the
-images and the test set near-copies of itself. The four vendors' drawings of a test emoji are all test images; the
-paired intervals treat them as independent, which they are not quite (the report's resolution is optimistic by that
-much). Transparent pixels are composited over mpp's own background (mpp.data.images.to_rgb, mid grey), so the images
+images and the test set near-copies of itself. The four vendors' drawings of a test emoji are all test images, so
+they are no four independent samples: each file is named `<vendor>-<code>_<emoji>.png`, `<emoji>` the first code of
+the emoji's set (the split's unit; its own code for most), which the plan's `test_groups` reads from the key to
+resample whole emoji (docs/statistics.md). Transparent pixels are composited over mpp's own background (mpp.data.images.to_rgb, mid grey), so the images
 on disk are the pixels every mpp run reads.
 
 `--shards DIR` then runs `prepare` on each folder, into DIR/<folder>: one command from the npm tarballs to shards.
@@ -197,6 +198,7 @@ def arrange_semi(packages: Path, out: Path, test_share: float) -> Counter:
             same.join(e["unified"], e["obsoleted_by"])
     category = {e["unified"]: e["category"] for e in entries.values()}
     by_category: dict[str, list[list[str]]] = {}
+    one_emoji = {code: codes[0].lower() for codes in same.groups() for code in codes}  # each code's split unit, named
     for codes in same.groups():
         by_category.setdefault(category[codes[0]], []).append(codes)
     test: set[str] = set()
@@ -212,7 +214,8 @@ def arrange_semi(packages: Path, out: Path, test_share: float) -> Counter:
     for (vendor, name), png in sorted(drawings.items()):
         entry = entries[name]
         part = "test" if entry["unified"] in test else "train"
-        target = out / part / folder_name(entry["category"]) / f"{vendor}-{name}"
+        # <vendor>-<code>_<emoji>.png: the emoji (the split's unit) last, so a plan's test_groups can read it from the key.
+        target = out / part / folder_name(entry["category"]) / f"{vendor}-{Path(name).stem}_{one_emoji[entry['unified']]}.png"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(png_bytes(to_rgb(Image.open(io.BytesIO(png)))))
         written[part, entry["category"]] += 1

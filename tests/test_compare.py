@@ -2,6 +2,7 @@ import io
 import json
 import re
 
+import numpy as np
 import pytest
 import webdataset as wds
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -9,6 +10,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from PIL import Image
 
 from mpp.config import ConfigError, load_config
+from mpp.evaluation.stats import gap_resolution
 from pipelines.stages import compare
 from pipelines.comparison.plan import load_compare_config, pretrain_config, recipes, stage_config
 
@@ -515,6 +517,55 @@ def test_dry_run_states_the_smallest_gap_the_design_resolves_and_trains_nothing(
     assert "the seeds' spread alone is too wide for it at 2 seed(s): it needs at least 63 seeds per arm" in capsys.readouterr().out
     assert cli.main(["compare", "--config", str(plan), "--dry-run", "target_gap=0.3"]) == 0
     assert "That is within the target_gap of 30.00 points." in capsys.readouterr().out
+
+
+def test_test_groups_that_miss_a_test_images_key_are_one_plain_error_naming_the_key_and_the_field(tmp_path, capsys):
+    import yaml
+    from pipelines import cli
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(tiny(tmp_path).model_dump(mode="json")))
+    assert cli.main(["compare", "--config", str(plan), "--dry-run", "test_groups=^shard-000000.tar/(00)-000"]) != 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.err.strip().count("\n") == 0
+    assert ("test image shard-000000.tar/00-0010 does not match test_groups '^shard-000000.tar/(00)-000', whose first "
+            "capture group must name what the image shows; fix the pattern or set test_groups: null") in captured.err
+    # Grouped by the key's last digit: 30 test images in 10 groups of 3, assumed answered alike (as 10 images).
+    assert cli.main(["compare", "--config", str(plan), "--dry-run", "test_groups=(.)$"]) == 0
+    assert "30 test images in 10 groups (test_groups), each group's images assumed answered alike, so they count as 10 " \
+           "independent images and 2 seed(s) per arm" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="test_groups 'abc' has no capture group"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["test_groups=abc"])
+
+
+def test_gaps_over_grouped_test_images_resample_the_groups_and_state_their_design_effect(tmp_path):
+    """Two arms' results on 100 images, each scored as 4 identical renditions: grouped, the comparison is the one on the
+    100 originals; without test_groups it would claim twice the precision."""
+    rng = np.random.default_rng(0)
+    right = {"a": rng.random((2, 100)) < 0.7, "b": rng.random((2, 100)) < 0.6}
+    keys = [f"s.tar/x_v{v}-{i:03d}" for i in range(100) for v in range(4)]
+    arms = {arm: {"correct": {str(seed): {k: int(row[i // 4]) for i, k in enumerate(keys)} for seed, row in enumerate(r)},
+                  "test": {"top1": float(r.mean()), "top1_std": float(r.mean(axis=1).std(ddof=1))}}
+            for arm, r in right.items()}
+    grouped, = compare.gaps(arms, tiny(tmp_path, r"test_groups=-(\d+)$", "target_gap=0.2"))
+    plain, = compare.gaps(arms, tiny(tmp_path, "target_gap=0.2"))
+    assert grouped["resolution"]["design_effect"] == pytest.approx(4.0) and plain["resolution"]["design_effect"] == 1.0
+    r = plain["resolution"]  # the same disagreement and seed spread, over the 100 originals
+    originals = gap_resolution(100, 2, r["disagreement"], r["seed_std"])
+    assert grouped["resolution"]["resolvable"] == pytest.approx(originals.resolvable)
+    assert originals.resolvable > r["resolvable"]
+    assert grouped["resolution"]["grouped"] and grouped["resolution"]["images_needed"] > 3 * plain["resolution"]["images_needed"]
+    assert grouped["high"] - grouped["low"] > 1.5 * (plain["high"] - plain["low"])
+    assert all(grouped["mcnemar"][s]["p_value"] > plain["mcnemar"][s]["p_value"] for s in ("0", "1"))
+    # The report says so: planned (groups assumed answered alike), observed, and which McNemar test it printed.
+    from pipelines.comparison.report import design_record, gap_lines, resolution_lines
+    cc = tiny(tmp_path, r"test_groups=-(\d+)$", "target_gap=0.2")
+    report = {"gaps": [grouped], "design": design_record(cc, keys, 2, None), "config": cc.model_dump(mode="json")}
+    text = "\n".join(resolution_lines(report) + gap_lines(report, [0, 1]))
+    assert ("400 test images in 100 groups (test_groups), each group's images assumed answered alike, so they count as "
+            "100 independent images") in text
+    assert "test images (grouped, with an observed design effect of 4.00: as 100 independent images)" in text
+    assert "the bootstrap resamples whole groups, and McNemar's test is the clustered one" in text
 
 
 def test_the_report_puts_the_test_sets_baselines_and_balanced_accuracy_beside_top1(tmp_path):

@@ -108,16 +108,20 @@ def test_the_semi_supervised_split_pools_every_vendor_and_keeps_each_emoji_on_on
     out = tmp_path / "out"
     assert sorted(p.name for p in (out / "train").iterdir()) == sorted(p.name for p in (out / "test").iterdir()) == SEMI_CLASSES
     files = {part: {p.name: p for p in (out / part).rglob("*.png")} for part in emoji.SEMI_PARTS}
-    code = lambda name: name.split("-")[1].removesuffix(".png")  # noqa: E731
+    code = lambda name: name.split("-")[1].split("_")[0]  # noqa: E731  <vendor>-<code>_<emoji>.png
+    one_emoji = lambda name: name.removesuffix(".png").rsplit("_", 1)[1]  # noqa: E731
     codes = {part: {code(n) for n in names} for part, names in files.items()}
     assert not codes["train"] & codes["test"]  # split by emoji: no emoji in both, in any vendor's drawing
     assert not any("1f3fb" in n for names in files.values() for n in names)  # skin-tone variants left out
     assert not any(c.startswith("09") for names in codes.values() for c in names)  # Component left out
     side = {c: part for part, cs in codes.items() for c in cs}
     assert all(side[a] == side[b] for a, b in pairs.items())  # an obsoleted code and a shared drawing
+    # Each file names its emoji (the split's unit, what test_groups reads): its own code, or the first of its pair's.
+    pair_of = {**pairs, **{b: a for a, b in pairs.items()}}
+    assert all(one_emoji(n) == min(code(n), pair_of.get(code(n), code(n))) for names in files.values() for n in names)
     # Every vendor's drawing of every emoji of the nine classes, once (Google never drew 0303), in its category.
     assert sum(map(len, files.values())) == 9 * 10 * 4 - 1 == sum(n for (p, c), n in written.items() if c != "emoji")
-    assert "google-0303.png" not in files["train"] | files["test"]
+    assert not any(n.startswith("google-0303_") for n in files["train"] | files["test"])
     category = lambda name: emoji.folder_name((emoji.UPSTREAM + emoji.DOWNSTREAM)[int(code(name)[:2], 16)])  # noqa: E731
     assert all(path.parent.name == category(name) for names in files.values() for name, path in names.items())
     # Stratified by emoji: round(0.3 x 10) = 3 of each category's emoji to test, round(0.3 x 9) = 3 where two are one.
@@ -149,7 +153,13 @@ def test_the_semi_supervised_plan_builds_its_shards_in_one_command_and_its_dry_r
     design = compare.check(cc)
     assert (design["test_images"], design["seeds"]) == (test_images, 3)
     out = capsys.readouterr().out
-    assert f"[compare] design: {test_images} test images and 3 seed(s) per arm" in out
+    # test_groups names each test drawing's emoji from its key: the drawings of one emoji are one group, assumed answered
+    # alike before the runs, so the design counts the test emoji as its independent images.
+    test_emoji = {p.stem.rsplit("_", 1)[1] for p in (tmp_path / "images" / "test").rglob("*.png")}
+    assert design["test_groups"] == len(test_emoji) == 27 and design["planned"]["design_effect"] > 3.9
+    assert (f"[compare] design: {test_images} test images in 27 groups (test_groups), each group's images assumed "
+            f"answered alike, so they count as {test_images / design['planned']['design_effect']:.0f} independent images "
+            f"and 3 seed(s) per arm") in out
     # Each budget's picks as its run will make them: 2 and 4 of each of 9 classes, under 500, so k-fold with k the
     # images per class; 2.8016 x sqrt(0.2 / n) is what n dev images resolve at 80% power.
     for per_class in (2, 4):

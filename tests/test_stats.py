@@ -6,8 +6,9 @@ import torch
 
 from mpp.evaluation.baselines import likely_causes
 from mpp.errors import UserError
-from mpp.evaluation.stats import (Candidate, FoldError, dev_resolution, disagreement, gap_resolution, mcnemar, mcnemar_p,
-                                 paired_bootstrap_gap, pick_recipe, seeds_needed, stratified_folds, images_to_resolve)
+from mpp.evaluation.stats import (Candidate, FoldError, assumed_design_effect, design_effect, dev_resolution, disagreement,
+                                 gap_resolution, images_to_resolve, mcnemar, mcnemar_p, paired_bootstrap_gap, pick_recipe,
+                                 seeds_needed, stratified_folds)
 
 
 def shifted(images: int, right: int, shift: int, seeds: int = 1, noise: int = 0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -63,6 +64,60 @@ def test_seeds_are_resampled_so_their_spread_widens_the_interval_and_arms_may_ha
     uneven = paired_bootstrap_gap(a, b[:2])
     assert uneven.gap == pytest.approx(a.mean() - b[:2].mean())
     assert uneven.low < uneven.gap < uneven.high
+
+
+def copies(correct: np.ndarray, times: int = 4) -> np.ndarray:
+    """Every image (column) repeated `times` times in a row: renditions of one thing answered exactly alike."""
+    return np.repeat(correct, times, axis=-1)
+
+
+def test_a_cluster_bootstrap_counts_an_images_four_copies_as_the_one_sample_they_are():
+    a, b = shifted(1000, 700, 50)
+    emoji = [f"code-{i}" for i in range(1000) for _ in range(4)]  # each image's group: the thing it shows
+    width = lambda interval: interval.high - interval.low  # noqa: E731
+    original = paired_bootstrap_gap(a, b)
+    grouped = paired_bootstrap_gap(copies(a), copies(b), groups=emoji)
+    independent = paired_bootstrap_gap(copies(a), copies(b))
+    assert grouped.gap == independent.gap == pytest.approx(original.gap)
+    # Grouped copies resample as the originals did (bootstrap noise: 10,000 replicates put the 2.5% and 97.5%
+    # quantiles within a few percent); counted as independent, 4,000 images halve the width, which is false.
+    assert width(grouped) == pytest.approx(width(original), rel=0.1)
+    assert width(independent) == pytest.approx(width(original) / 2, rel=0.15)
+    assert width(grouped) > 1.6 * width(independent)
+    # Groups of one image are the plain bootstrap (other draws, the same distribution).
+    assert width(paired_bootstrap_gap(a, b, groups=range(1000))) == pytest.approx(width(original), rel=0.1)
+    with pytest.raises(ValueError, match="groups names 1000 images' groups, but the arms were scored on 4000 images"):
+        paired_bootstrap_gap(copies(a), copies(b), groups=range(1000))
+
+
+def test_the_design_effect_is_the_group_size_for_copies_about_one_for_unrelated_images_and_widens_the_resolution():
+    a, b = shifted(1000, 700, 50, seeds=2, noise=30)
+    groups = np.repeat(np.arange(1000), 4)
+    assert design_effect(copies(a), copies(b), groups) == pytest.approx(4.0)
+    assert assumed_design_effect(groups) == 4.0 and assumed_design_effect(["x", "x", "x", "y"]) == (9 + 1) / 4
+    # Four unrelated images per group: no within-group correlation, so about 1 (and never below 1, which would claim
+    # more than independent images give).
+    rng = np.random.default_rng(3)
+    unrelated = design_effect(rng.random((2, 4000)) < 0.7, rng.random((2, 4000)) < 0.6, groups)
+    assert 1.0 <= unrelated < 1.2
+    assert design_effect(a, a.copy(), range(1000)) == 1.0  # arms that never differ
+    # 4,000 images in groups of 4 answered alike resolve what 1,000 independent images do.
+    assert gap_resolution(4000, 3, 0.2, 0.005, design_effect=4).resolvable == pytest.approx(
+        gap_resolution(1000, 3, 0.2, 0.005).resolvable)
+    assert images_to_resolve(0.02, 3, 0.2, 0.005, design_effect=4) == pytest.approx(4 * 5832, abs=4)
+
+
+def test_the_clustered_mcnemar_test_is_the_asymptotic_one_for_single_images_and_copies_do_not_sharpen_it():
+    a, b = np.zeros(100, dtype=bool), np.zeros(100, dtype=bool)
+    a[:10], b[10:12] = True, True
+    singles = mcnemar(a, b, groups=range(100))
+    # X^2 = (10 - 2)^2 / (10 + 2) = 5.33 on one degree of freedom: p = 0.0209 (the exact test's is 0.0386).
+    assert (singles.a_only, singles.b_only) == (10, 2)
+    assert singles.p_value == pytest.approx(math.erfc(math.sqrt(64 / 12 / 2))) == pytest.approx(0.0209, abs=1e-4)
+    grouped = mcnemar(copies(a), copies(b), groups=np.repeat(np.arange(100), 4))
+    assert (grouped.a_only, grouped.b_only, grouped.p_value) == (40, 8, pytest.approx(singles.p_value))
+    assert mcnemar(copies(a), copies(b)).p_value < 1e-4  # 40 vs 8 as independent images: far surer than the data
+    assert mcnemar(a, a.copy(), groups=range(100)).p_value == 1.0
 
 
 def test_bootstrap_is_deterministic_per_seed_and_takes_torch_tensors():

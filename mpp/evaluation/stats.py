@@ -1,8 +1,10 @@
 """Statistics for comparing fine-tuned classifiers: pure functions on per-image "correct" arrays, no I/O.
 
 - `paired_bootstrap_gap`: a 95% interval for the top-1 gap between two arms scored on the same test images, over
-  test images and fine-tuning seeds.
-- `mcnemar`: the exact McNemar test for two runs scored on the same images.
+  test images (or whole groups of them: a cluster bootstrap) and fine-tuning seeds.
+- `mcnemar`: the exact McNemar test for two runs scored on the same images (a clustered one for grouped images).
+- `assumed_design_effect`, `design_effect`: how much grouped test images (renditions of one thing) widen a gap's
+  variance over independent ones, assumed before the runs and observed after.
 - `dev_resolution`: what a dev split of n images can resolve.
 - `gap_resolution`, `images_to_resolve`, `disagreement`: the smallest gap a design (test images, seeds) resolves,
   planned from an assumed disagreement between the arms or read from the one observed.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -59,8 +61,18 @@ class GapInterval:
     resamples: int
 
 
+def group_index(groups: Sequence[Hashable] | None, images: int) -> np.ndarray | None:
+    """Each image's group as an index in [0, groups); None stays None (every image its own group)."""
+    if groups is None:
+        return None
+    if len(groups) != images:
+        raise ValueError(f"groups names {len(groups)} images' groups, but the arms were scored on {images} images")
+    first: dict[Hashable, int] = {}
+    return np.array([first.setdefault(g, len(first)) for g in groups], dtype=np.int64)
+
+
 def paired_bootstrap_gap(correct_a: Correct, correct_b: Correct, *, resamples: int = 10_000, confidence: float = 0.95,
-                         seed: int = 0) -> GapInterval:
+                         seed: int = 0, groups: Sequence[Hashable] | None = None) -> GapInterval:
     """The gap in top-1 between arms A and B, scored on the same test images, with a percentile bootstrap interval.
 
     `correct_a`, `correct_b`: (seeds, images) booleans, row s saying which test images seed s's run classified
@@ -70,6 +82,10 @@ def paired_bootstrap_gap(correct_a: Correct, correct_b: Correct, *, resamples: i
     cancels in the gap), and draws each arm's seeds with replacement, separately per arm (seed s of A and seed s of B
     are independent trainings, not a pair), then takes the gap of the resampled means. The interval is the
     (1-confidence)/2 and (1+confidence)/2 quantiles of the replicates' gaps. Deterministic for a given `seed`.
+
+    `groups` (one name per image, e.g. the emoji each drawing shows) makes it a cluster bootstrap: a replicate draws
+    whole groups with replacement, as many as there are, and each arm's top-1 is over the images of the drawn groups.
+    Renditions of one thing tend to be right or wrong together, so they count as the one sample they nearly are.
     """
     a, b = correct_matrix(correct_a, "correct_a"), correct_matrix(correct_b, "correct_b")
     if a.shape[1] != b.shape[1]:
@@ -79,15 +95,20 @@ def paired_bootstrap_gap(correct_a: Correct, correct_b: Correct, *, resamples: i
         raise ValueError(f"resamples must be >= 1 and confidence in (0, 1), got {resamples} and {confidence}")
     rng = np.random.default_rng(seed)
     images = a.shape[1]
+    index = group_index(groups, images)
+    units = images if index is None else int(index.max()) + 1  # what a replicate draws: images, or groups
     both = np.concatenate([a, b]).T  # (images, seeds of A + seeds of B)
     gaps = np.empty(resamples)
     chunk = max(1, CHUNK_ENTRIES // images)
     for start in range(0, resamples, chunk):
         n = min(chunk, resamples - start)
-        # How often each image is drawn in each replicate; then every seed's top-1 on that draw is one matrix product.
-        drawn = rng.integers(0, images, size=(n, images)) + images * np.arange(n)[:, None]
-        counts = np.bincount(drawn.ravel(), minlength=n * images).reshape(n, images).astype(np.float64)
-        top1 = counts @ both / images  # (n, seeds of A + seeds of B)
+        # How often each image (or group) is drawn in each replicate; then every seed's top-1 on that draw is one
+        # matrix product, over the images drawn (a fixed count only when every unit is one image).
+        drawn = rng.integers(0, units, size=(n, units)) + units * np.arange(n)[:, None]
+        counts = np.bincount(drawn.ravel(), minlength=n * units).reshape(n, units).astype(np.float64)
+        if index is not None:
+            counts = counts[:, index]  # each image is drawn as often as its group
+        top1 = counts @ both / counts.sum(axis=1, keepdims=True)  # (n, seeds of A + seeds of B)
         top1_a, top1_b = top1[:, : a.shape[0]], top1[:, a.shape[0] :]
         seeds_a = rng.integers(0, a.shape[0], size=(n, a.shape[0]))
         seeds_b = rng.integers(0, b.shape[0], size=(n, b.shape[0]))
@@ -115,15 +136,26 @@ def discordant(correct_a: Correct, correct_b: Correct) -> tuple[int, int]:
     return int((a > b).sum()), int((b > a).sum())
 
 
-def mcnemar(correct_a: Correct, correct_b: Correct) -> McNemar:
+def mcnemar(correct_a: Correct, correct_b: Correct, groups: Sequence[Hashable] | None = None) -> McNemar:
     """McNemar's exact test for two runs scored on the same images (one (images,) boolean vector each).
 
     Only the discordant images carry information on which run is more accurate. Under "equally accurate", each of
     the n = a_only + b_only discordant images is A's with probability 1/2, so p = P(Binomial(n, 1/2) is at least as
     far from n/2 as observed), both tails: 2 x P(X <= min(a_only, b_only)), capped at 1. Computed in exact integers.
+    With `groups` (one name per image), the images of a group are not independent coin flips, so the test is the
+    clustered McNemar test of Durkalski et al. (2003) instead: with D_g = a_only - b_only within group g,
+    X^2 = (sum D_g)^2 / sum D_g^2 against chi-square with one degree of freedom (an approximation; with groups of one
+    image it is the plain asymptotic McNemar test).
     """
     a_only, b_only = discordant(correct_a, correct_b)
-    return McNemar(a_only, b_only, mcnemar_p(a_only, b_only))
+    if groups is None:
+        return McNemar(a_only, b_only, mcnemar_p(a_only, b_only))
+    a, b = correct_matrix(correct_a, "correct_a")[0], correct_matrix(correct_b, "correct_b")[0]
+    index = group_index(groups, len(a))
+    per_group = np.bincount(index, weights=a - b)
+    spread = float((per_group**2).sum())
+    statistic = float(per_group.sum()) ** 2 / spread if spread else 0.0
+    return McNemar(a_only, b_only, math.erfc(math.sqrt(statistic / 2)))
 
 
 def mcnemar_p(a_only: int, b_only: int) -> float:
@@ -163,11 +195,12 @@ class GapResolution:
     seeds: int
     disagreement: float
     seed_std: float
-    standard_error: float  # of the gap: sqrt(disagreement / test_images + 2 seed_std^2 / seeds)
+    standard_error: float  # of the gap: sqrt(design_effect x disagreement / test_images + 2 seed_std^2 / seeds)
     half_width: float  # z(confidence) x standard_error: an observed gap larger than this has an interval that excludes 0
     resolvable: float  # (z(confidence) + z(power)) x standard_error: a true gap this large is resolved with that power
     confidence: float
     power: float
+    design_effect: float = 1.0  # how much grouped test images widen the images' variance (1: independent images)
 
 
 def gap_scale(confidence: float, power: float) -> float:
@@ -178,35 +211,38 @@ def gap_scale(confidence: float, power: float) -> float:
 
 
 def gap_resolution(test_images: int, seeds: int, disagreement: float, seed_std: float = 0.0, *,
-                   confidence: float = 0.95, power: float = 0.8) -> GapResolution:
+                   confidence: float = 0.95, power: float = 0.8, design_effect: float = 1.0) -> GapResolution:
     """The smallest top-1 gap a paired comparison resolves (docs/statistics.md, "What a design resolves").
 
     The gap's variance has two parts. The test images: each image's difference between the arms is -1, 0 or +1, so
     its variance is at most the fraction of images the arms disagree on, and the mean over n images has variance
     disagreement / n (an upper bound: averaging seeds only smooths it). The seeds: each arm's mean top-1 over `seeds`
     fine-tunings varies by seed_std^2 / seeds, twice over for two arms. A gap of `half_width` is where its interval
-    starts to exclude 0; a true gap of `resolvable` is resolved with probability `power`.
+    starts to exclude 0; a true gap of `resolvable` is resolved with probability `power`. Grouped test images
+    multiply the images' part by their `design_effect` (`assumed_design_effect`, `design_effect`).
     """
     if test_images < 1 or seeds < 1:
         raise ValueError(f"a comparison needs at least one test image and one seed, got {test_images} and {seeds}")
-    if not 0 <= disagreement <= 1 or seed_std < 0:
-        raise ValueError(f"disagreement must be in [0, 1] and seed_std >= 0, got {disagreement} and {seed_std}")
-    error = math.sqrt(disagreement / test_images + 2 * seed_std**2 / seeds)
+    if not 0 <= disagreement <= 1 or seed_std < 0 or design_effect < 1:
+        raise ValueError(f"disagreement must be in [0, 1], seed_std >= 0 and design_effect >= 1, got {disagreement}, "
+                         f"{seed_std} and {design_effect}")
+    error = math.sqrt(design_effect * disagreement / test_images + 2 * seed_std**2 / seeds)
     return GapResolution(test_images, seeds, disagreement, seed_std, error,
                          NormalDist().inv_cdf((1 + confidence) / 2) * error, gap_scale(confidence, power) * error,
-                         confidence, power)
+                         confidence, power, design_effect)
 
 
 def images_to_resolve(gap: float, seeds: int, disagreement: float, seed_std: float = 0.0, *,
-                       confidence: float = 0.95, power: float = 0.8) -> int | None:
-    """The fewest test images with which `gap_resolution` resolves `gap`; None when the seeds' spread alone is wider
-    than `gap` allows, so that no number of test images is enough (more seeds are)."""
+                       confidence: float = 0.95, power: float = 0.8, design_effect: float = 1.0) -> int | None:
+    """The fewest test images with which `gap_resolution` resolves `gap` (grouped as the design's, at its
+    `design_effect`); None when the seeds' spread alone is wider than `gap` allows, so that no number of test images
+    is enough (more seeds are)."""
     if gap <= 0:
         raise ValueError(f"the gap to resolve must be positive, got {gap}")
     room = (gap / gap_scale(confidence, power)) ** 2 - 2 * seed_std**2 / seeds  # the variance left for the images
     if room <= 0:
         return None
-    return max(1, math.ceil(disagreement / room))
+    return max(1, math.ceil(design_effect * disagreement / room))
 
 
 def seeds_needed(gap: float, seed_std: float, *, confidence: float = 0.95, power: float = 0.8) -> int:
@@ -224,6 +260,30 @@ def disagreement(correct_a: Correct, correct_b: Correct) -> float:
     right_a, right_b = a.sum(axis=0), b.sum(axis=0)
     differ = right_a * (b.shape[0] - right_b) + (a.shape[0] - right_a) * right_b
     return float(differ.sum() / (a.shape[0] * b.shape[0] * a.shape[1]))
+
+
+def assumed_design_effect(groups: Sequence[Hashable]) -> float:
+    """The design effect of test images in `groups` (one name per image) were every group's images answered alike
+    (right or wrong together, the worst case): sum of squared group sizes / images, so the images count as
+    images / design effect independent ones; with equal groups of m images that is m, and the groups count as the
+    samples."""
+    sizes = np.bincount(group_index(groups, len(groups))).astype(np.float64)
+    return float((sizes**2).sum() / sizes.sum())
+
+
+def design_effect(correct_a: Correct, correct_b: Correct, groups: Sequence[Hashable]) -> float:
+    """The design effect the runs showed: the variance of the mean per-image difference between the arms (each
+    arm's mean over its seeds) summed within groups, over its variance were the images independent; at least 1
+    (grouped images less alike than independent ones would narrow the interval, which is not claimed). 1 where the
+    arms never differ."""
+    a, b = correct_matrix(correct_a, "correct_a"), correct_matrix(correct_b, "correct_b")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"the arms were scored on different test sets ({a.shape[1]} and {b.shape[1]} images)")
+    difference = a.mean(axis=0) - b.mean(axis=0)
+    centred = difference - difference.mean()
+    independent = float((centred**2).sum())
+    grouped = float((np.bincount(group_index(groups, a.shape[1]), weights=centred) ** 2).sum())
+    return max(1.0, grouped / independent) if independent > 0 else 1.0
 
 
 @dataclass(frozen=True)

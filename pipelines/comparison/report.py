@@ -3,6 +3,7 @@ and the paper's numbers for reference, from the results compare.run gathered (th
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
 
@@ -10,8 +11,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mpp.config import Config
 from mpp.evaluation.baselines import beside, not_above
-from mpp.evaluation.stats import gap_resolution, images_to_resolve, seeds_needed
+from mpp.evaluation.stats import (assumed_design_effect, design_effect, disagreement, gap_resolution, images_to_resolve,
+                                 seeds_needed)
 from mpp.metrics import KNN_TOP1, LR, VAL_LOSS, VAL_PRETEXT_LOSS
+from .groups import key_groups
 from .plan import CompareConfig
 
 PRIOR = "_prior"  # a metric's baseline that knows nothing (the batch's most frequent colour, its mean pixels)
@@ -59,12 +62,15 @@ def last_quarter_change(curve: list[list[float]]) -> float | None:
     return last - before[-1] if before else None
 
 
-def design_record(cc: CompareConfig, test_images: int, seeds: int, dev_images: int | None) -> dict:
-    """What the plan's design resolves before it trains (results.json's `design`): its test images and seeds under the
-    plan's assumed disagreement and seed spread, what its dev split resolves between candidates, and what a missed
-    `target_gap` would need."""
-    planned = gap_resolution(test_images, seeds, cc.assumed_disagreement, cc.assumed_seed_std)
+def design_record(cc: CompareConfig, test_keys: Collection[str], seeds: int, dev_images: int | None) -> dict:
+    """What the plan's design resolves before it trains (results.json's `design`): its test images (grouped by
+    test_groups, each group's images assumed answered alike) and seeds under the plan's assumed disagreement and seed
+    spread, what its dev split resolves between candidates, and what a missed `target_gap` would need."""
+    test_images, groups = len(test_keys), key_groups(cc.test_groups, test_keys)
+    effect = assumed_design_effect(groups) if groups else 1.0
+    planned = gap_resolution(test_images, seeds, cc.assumed_disagreement, cc.assumed_seed_std, design_effect=effect)
     record = {"test_images": test_images, "seeds": seeds, "dev_images": dev_images, "target_gap": cc.target_gap,
+              "test_groups": len(set(groups)) if groups else None,
               "planned": asdict(planned),
               # A candidate is one run scored on the dev images: the images alone, no seed term.
               "dev_resolvable": gap_resolution(dev_images, 1, cc.assumed_disagreement).resolvable if dev_images else None}
@@ -75,9 +81,23 @@ def target_needs(target: float | None, resolution) -> dict:
     """Whether `resolution` reaches `target`, and where it does not, the test images (at its seeds) or seeds it needs."""
     if target is None:
         return {}
-    images = images_to_resolve(target, resolution.seeds, resolution.disagreement, resolution.seed_std)
-    return {"meets_target": resolution.resolvable <= target, "images_needed": images,
+    images = images_to_resolve(target, resolution.seeds, resolution.disagreement, resolution.seed_std,
+                               design_effect=resolution.design_effect)
+    return {"meets_target": resolution.resolvable <= target, "images_needed": images, "grouped": resolution.design_effect > 1,
             "seeds_needed": None if images is not None else seeds_needed(target, resolution.seed_std)}
+
+
+def observed_resolution(correct_a: list, correct_b: list, test_a: dict, test_b: dict, cc: CompareConfig, groups: list | None) -> dict:
+    """The smallest gap this pair resolved, from the disagreement its runs showed, its seeds' spread (the root mean
+    square of the two arms' standard deviations; the plan's assumed_seed_std where an arm has one seed) and the design
+    effect its grouped test images showed, with what a missed target_gap would need."""
+    stds = [test["top1_std"] for test in (test_a, test_b)]
+    seed_std = (sum(std**2 for std in stds) / 2) ** 0.5 if None not in stds else cc.assumed_seed_std
+    seeds = min(len(correct_a), len(correct_b))
+    resolution = gap_resolution(len(correct_a[0]), seeds, disagreement(correct_a, correct_b), seed_std,
+                                design_effect=design_effect(correct_a, correct_b, groups) if groups else 1.0)
+    return {**asdict(resolution), "seed_std_assumed": None in stds, "target_gap": cc.target_gap,
+            **target_needs(cc.target_gap, resolution)}
 
 
 def target_line(record: dict, resolvable: float) -> str | None:
@@ -85,7 +105,8 @@ def target_line(record: dict, resolvable: float) -> str | None:
     if record.get("meets_target", True):
         return None
     target = 100 * record["target_gap"]
-    need = (f"about {record['images_needed']:,} test images at {record['seeds']} seed(s) would resolve it"
+    need = (f"about {record['images_needed']:,} test images{' grouped as these are' if record.get('grouped') else ''} "
+            f"at {record['seeds']} seed(s) would resolve it"
             if record["images_needed"] is not None else
             f"the seeds' spread alone is too wide for it at {record['seeds']} seed(s): it needs at least "
             f"{record['seeds_needed']} seeds per arm, and then enough test images")
@@ -96,7 +117,10 @@ def target_line(record: dict, resolvable: float) -> str | None:
 def design_lines(record: dict) -> list[str]:
     """The design's resolution in words: printed at compare's start and by --dry-run, and in the report."""
     planned = record["planned"]
-    lines = [f"{record['test_images']:,} test images and {record['seeds']} seed(s) per arm; assuming two arms' runs "
+    grouped = (f" in {record['test_groups']:,} groups (test_groups), each group's images assumed answered alike, so "
+               f"they count as {record['test_images'] / planned['design_effect']:,.0f} independent images"
+               if record.get("test_groups") else "")
+    lines = [f"{record['test_images']:,} test images{grouped} and {record['seeds']} seed(s) per arm; assuming two arms' runs "
              f"disagree on {planned['disagreement']:.0%} of the test images and an arm's top-1 moves by "
              f"{100 * planned['seed_std']:.2f} points (std) between seeds, an observed gap beyond "
              f"±{100 * planned['half_width']:.2f} points is resolved (its 95% interval excludes 0), and a true gap of "
@@ -211,6 +235,10 @@ def gap_lines(report: dict, seeds: list[int]) -> list[str]:
              "(docs/statistics.md). An interval that excludes 0 resolves the gap; one that does not means the data "
              "cannot tell the arms apart. McNemar's exact test compares each seed's pair of runs on their discordant "
              "images.", ""]
+    if pattern := report["config"].get("test_groups"):
+        lines[-1:-1] = [f"The test images are grouped by test_groups {pattern!r} (renditions of one thing): the bootstrap "
+                        f"resamples whole groups, and McNemar's test is the clustered one (Durkalski et al., 2003; "
+                        f"chi-square, not exact).", ""]
     if not report["gaps"]:
         return lines + ["One arm: no gap to judge.", ""]
     for g in report["gaps"]:
@@ -390,7 +418,10 @@ def resolution_lines(report: dict) -> list[str]:
         spread = (f"the plan's assumed seed spread of {100 * r['seed_std']:.2f} points (one seed: none observed)"
                   if r["seed_std_assumed"] else f"a seed spread of {100 * r['seed_std']:.2f} points (std)")
         lines.append(f"- {a} - {b}, observed: their runs disagree on {r['disagreement']:.1%} of the {r['test_images']:,} "
-                     f"test images, with {spread}: an observed gap beyond ±{100 * r['half_width']:.2f} points is "
+                     f"test images" + (f" (grouped, with an observed design effect of {r['design_effect']:.2f}: as "
+                                       f"{r['test_images'] / r['design_effect']:,.0f} independent images)"
+                                       if report["design"].get("test_groups") else "")
+                     + f", with {spread}: an observed gap beyond ±{100 * r['half_width']:.2f} points is "
                      f"resolved, a true gap of {100 * r['resolvable']:.2f} points 4 times in 5."
                      + (f" **Short of the target:** {line}" if (line := target_line(r, r["resolvable"])) else ""))
     return lines + [""]

@@ -63,7 +63,7 @@ from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.prepare_inputs import Sample, Source
 from mpp.data.shardwriter import write_shards
 from mpp.evaluation.baselines import evaluation_baselines
-from mpp.evaluation.stats import (Candidate, balanced_accuracy, dev_resolution, disagreement, gap_resolution, mcnemar, paired_bootstrap_gap,
+from mpp.evaluation.stats import (Candidate, balanced_accuracy, dev_resolution, gap_resolution, mcnemar, paired_bootstrap_gap,
                                  pick_recipe, stratified_folds)
 from mpp.data.tars import ShardEnd, shard_samples
 from . import finetune, pretrain
@@ -71,10 +71,12 @@ from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
+from ..comparison.groups import key_groups
 from ..comparison.plan import (Arm, CompareConfig, arm_plan, budget_names, budget_takes, pretrain_config, recipes, stage_config,
                                trial_name)
 from ..comparison.plots import comparison_figure, label_efficiency_figure
-from ..comparison.report import PRETRAIN_CURVES, budget_markdown, design_lines, design_record, report_markdown, scalar_history, target_needs
+from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, design_lines, design_record, observed_resolution, report_markdown,
+                                 scalar_history)
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
 from ..run.tracking import TRIAL_NAMES, log_scores, log_session
@@ -132,7 +134,7 @@ def run_plan(cc: CompareConfig, pre: Path) -> dict:
     selection = Selection.of(cc, base, out, select=len(grid) > 1 or len(cc.lengths) > 1)
     labels = test_labels(base)
     dev_images = (selection.info.get("images") or selection.info["dev_images"]) if selection.splits else None
-    design = design_record(cc, len(labels), len(cc.seeds or [base.train.seed]), dev_images)
+    design = design_record(cc, labels, len(cc.seeds or [base.train.seed]), dev_images)
     say_design(design)
     arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection, pre).run() for arm in cc.arms}
     return collect(cc, base, grid, selection, arms, design, labels)
@@ -146,7 +148,7 @@ def check(cc: CompareConfig) -> dict:
     if budgets:  # each budget's run states its own dev images when it starts; the dry run says them here
         per_class = Counter(label for _, _, label in labelled_samples(base))
         check_budgets(cc, base, per_class)
-    design = design_record(cc, len(test_labels(base)), len(cc.seeds or [base.train.seed]),
+    design = design_record(cc, test_labels(base), len(cc.seeds or [base.train.seed]),
                            dev_image_count(cc, base) if select and not budgets else None)
     if budgets and select:
         design["budgets"] = {name: budget_dev(cc, take) for name, take in budget_takes(cc, per_class).items()}
@@ -694,28 +696,17 @@ def gaps(arms: dict[str, dict], cc: CompareConfig) -> list[dict]:
             raise CompareError(f"arms {a} and {b} were scored on different evaluation images; rerun their test stages "
                                f"on the plan's finetune data.val_shards")
         matrix = {name: [[e["correct"][seed][k] for k in keys] for seed in e["correct"]] for name, e in ((a, ea), (b, eb))}
-        interval = paired_bootstrap_gap(matrix[a], matrix[b])
-        per_seed = {seed: asdict(mcnemar(ra, rb)) for seed, ra, rb in zip(ea["correct"], matrix[a], matrix[b])}
+        groups = key_groups(cc.test_groups, keys)  # None: every test image independent
+        interval = paired_bootstrap_gap(matrix[a], matrix[b], groups=groups)
+        per_seed = {seed: asdict(mcnemar(ra, rb, groups)) for seed, ra, rb in zip(ea["correct"], matrix[a], matrix[b])}
         ta, tb = ea["test"], eb["test"]
         spread = None if ta["top1_std"] is None or tb["top1_std"] is None else ta["top1_std"] + tb["top1_std"]
         result.append({"arms": [a, b], "gap": ta["top1"] - tb["top1"], **{k: v for k, v in asdict(interval).items() if k != "gap"},
                        "images": len(keys), "mcnemar": per_seed, "spread": spread,
                        "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread,
-                       "resolution": observed_resolution(matrix[a], matrix[b], ta, tb, cc),
-                       **({"sensitivity": sensitivity(a, ea, b, eb, keys)} if "near_best" in ea or "near_best" in eb else {})})
+                       "resolution": observed_resolution(matrix[a], matrix[b], ta, tb, cc, groups),
+                       **({"sensitivity": sensitivity(a, ea, b, eb, keys, groups)} if "near_best" in ea or "near_best" in eb else {})})
     return result
-
-
-def observed_resolution(correct_a: list, correct_b: list, test_a: dict, test_b: dict, cc: CompareConfig) -> dict:
-    """The smallest gap this pair resolved, from the disagreement its runs showed and its seeds' spread (the root mean
-    square of the two arms' standard deviations; the plan's assumed_seed_std where an arm has one seed), with what
-    a missed target_gap would need."""
-    stds = [test["top1_std"] for test in (test_a, test_b)]
-    seed_std = (sum(std**2 for std in stds) / 2) ** 0.5 if None not in stds else cc.assumed_seed_std
-    seeds = min(len(correct_a), len(correct_b))
-    resolution = gap_resolution(len(correct_a[0]), seeds, disagreement(correct_a, correct_b), seed_std)
-    return {**asdict(resolution), "seed_std_assumed": None in stds, "target_gap": cc.target_gap,
-            **target_needs(cc.target_gap, resolution)}
 
 
 def verdict(interval) -> int:
@@ -723,7 +714,7 @@ def verdict(interval) -> int:
     return 0 if not interval.excludes_zero else (1 if interval.gap > 0 else -1)
 
 
-def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str]) -> list[dict]:
+def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str], groups: list | None) -> list[dict]:
     """The gap a - b with each arm at each of its near-best candidates (its pick included): every combination's paired
     interval and verdict, so the report can say whether the verdict depends on the picks."""
     def choices(entry: dict) -> dict[str, dict]:
@@ -731,7 +722,7 @@ def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str]) -> list[dic
 
     rows = []
     for (ra, ca), (rb, cb) in itertools.product(choices(ea).items(), choices(eb).items()):
-        interval = paired_bootstrap_gap([[ca[seed][k] for k in keys] for seed in ca], [[cb[seed][k] for k in keys] for seed in cb])
+        interval = paired_bootstrap_gap([[ca[seed][k] for k in keys] for seed in ca], [[cb[seed][k] for k in keys] for seed in cb], groups=groups)
         rows.append({a: ra, b: rb, "gap": interval.gap, "low": interval.low, "high": interval.high, "verdict": verdict(interval)})
     return rows
 

@@ -1,0 +1,27 @@
+"""Test images grouped by what they show (a plan's `test_groups`): each image's group, read from its key."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from mpp.errors import UserError
+
+
+class GroupKeyError(UserError):
+    """A test image's key that the plan's test_groups pattern does not name a group in."""
+
+
+def key_groups(pattern: str | None, keys: Iterable[str]) -> list[str] | None:
+    """Each key's group: the first capture group of `pattern` searched in the key; None without a pattern (every
+    image its own group). A key it does not match is refused in one line naming the key and the field."""
+    if pattern is None:
+        return None
+    regex, groups = re.compile(pattern), []
+    for key in keys:
+        match = regex.search(key)
+        if match is None or not match.group(1):
+            raise GroupKeyError(f"test image {key} does not match test_groups {pattern!r}, whose first capture group "
+                                 f"must name what the image shows; fix the pattern or set test_groups: null")
+        groups.append(match.group(1))
+    return groups
