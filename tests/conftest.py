@@ -7,7 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# Before torch loads OpenMP, which reads it once, as the command line does (pipelines/cli.py): the tests that train in
+# this process would otherwise leave OpenMP threads spinning between operations, burning the CPU the other test
+# process and the children of both need (test_reliability's bad-data run took 0.6 CPU s with it and 12.6 without,
+# side by side).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402 (after the OpenMP setting above)
 import webdataset as wds
 from accelerate.state import AcceleratorState, GradientState
 
