@@ -759,3 +759,15 @@ def test_the_pretraining_length_report_says_whether_each_curve_still_rises():
     assert not level["rising"] and rising_line("mpp", {"rising_step": level}, ["1", "2"]) == \
         "- mpp: not rising at the longest pretraining length, +0.00 points [+0.00, +0.00] from x1 to x2, not resolved."
     assert rising_step([entry(50)]) is None
+
+
+def test_pretraining_lengths_with_label_budgets_run_each_budget_per_length_and_scratch_once(tmp_path):
+    result = compare.run(tiny(tmp_path, "arms=[mpp,scratch]", "grid=[]", "seeds=[]", "labels_per_class=[4]",
+                              "pretrain_lengths=[1,2]"))
+    out = tmp_path / "cmp"
+    assert {p.parent.relative_to(out).as_posix() for p in out.glob("**/run.json")} == {
+        "pre/mpp", "budget-4/ft/mpp/base", "budget-4/ft/scratch/base", "pretrain-x2/pre/mpp", "pretrain-x2/budget-4/ft/mpp/base"}
+    points = result["budgets"]["4"]["mpp"]["points"]
+    budget = json.loads((out / "pretrain-x2" / "results.json").read_text())["budgets"]["4"]
+    assert points["2"]["gap"] == budget["gaps"][0]["gap"] and points["2"]["pretrain_steps"] == 6
+    assert "## Label budget 4" in (out / "pretrain_length.md").read_text()

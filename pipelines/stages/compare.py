@@ -7,7 +7,7 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
                                   small to rank the grid is refused before any pretraining
     pre/<arm>                     the arm's pretraining (none for scratch)
     ft/<arm>/<recipe>[-f<i>]      every grid recipe fine-tuned and scored on the dev split (or each fold)
-    ft/<arm>/<pick>-x<m>[-f<i>]   the pick fine-tuned longer (`lengths`) while dev top-1 does not fall
+    ft/<arm>/<pick>-x<m>[-f<i>]   the pick longer (`lengths`, then doubled up to `max_length`) while dev top-1 holds
     ft/<arm>/<kept>-s<seed>       the kept recipe and length at the other seeds (every seed under cross-validation,
                                   on all labelled images); every recipe for the arms in `ablate`
     test/<arm>/<run>              each of those runs scored on the evaluation shards, image by image
@@ -17,6 +17,8 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
 
 With label budgets (`labels_per_class`, `label_fractions`), budgets/<n> holds each budget's draw of the labelled
 images and budget-<n>/ everything above but pre/ and noise/ (one pretraining per arm, at the top) for that budget.
+With pretraining lengths (`pretrain_lengths`), x1 is all of the above in output_dir itself and pretrain-x<m>/ holds
+the same for the pretrained arms pretrained m times as long (scratch runs once, at x1).
 
 Collecting writes results.json, report.md (every gap with its paired 95% interval) and comparison.png/svg. A
 finished stage leaves stage.json and is skipped when the command is repeated; an interrupted training stage resumes
