@@ -29,6 +29,10 @@ SCRATCH = "scratch"
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # an arm's or recipe's name is a directory name
 
 
+class CompareError(UserError):
+    """A comparison directory that holds stages finished with other settings, or a plan its data cannot serve."""
+
+
 class Arm(Section):
     """One starting point: fresh (objective None, the arm named scratch), pretrained with an objective, or given
 weights (objective None, `weights` a path)."""
@@ -65,6 +69,8 @@ class CompareConfig(Section):
     dev_fraction: float = Field(0.1, gt=0, lt=1, description="Fraction of the downstream training images held out as the dev split that picks each arm's recipe (with dev_folds 0).")
     dev_folds: int | Literal["auto"] = Field("auto", description="With k >= 2, pick recipes and lengths by k-fold cross-validation over all downstream training images instead of one dev split (k fine-tunings per candidate), then fine-tune the pick on all of them; 0: one split of dev_fraction; auto: 5-fold when the downstream training set holds under 500 labelled images, else one split.")
     lengths: list[float] = Field([1.0], min_length=1, description="Multiples of the fine-tuning length (train.steps) tried in order with each arm's pick, going on while its dev top-1 does not fall below the best so far; the kept length is picked like a recipe (the best dev top-1; exactly equal scores to the longer); [1]: the plan's length only.")
+    max_length: float | None = Field(None, gt=1, description="The cap of the length search's automatic extension: an arm whose kept length is the longest tried is fine-tuned again at twice that multiple, and so on while the doubled multiple is at most this one; the report says where the cap stopped an arm. null: the plan's lengths only (an arm that keeps the longest is said to be maybe short).")
+    pretrain_lengths: list[float] = Field([], description="Multiples of each pretrained arm's pretraining length (its train.steps), e.g. [1, 3, 10]: each is its own pretraining, to its own schedule, and the whole fine-tuning side (picks, lengths, seeds, tests; budgets if set) runs from it, under pretrain-x<m>/ (1 is the plan's own run, in output_dir itself; scratch runs once); pretrain_length.md and its figure give each gap vs scratch per length. Empty: the plan's length alone.")
     sensitivity: bool = Field(True, description="Also fine-tune and test each arm's near-best candidates (those the dev split cannot tell from its pick) at every seed, and report whether each gap's verdict would change had each arm taken one of them.")
     checkpoints: list[int] = Field([], description="Earlier pretraining steps whose checkpoints each ablated arm's pick is also fine-tuned from, at every seed, with the frozen features scored there too: the report's pretraining-length ablation (pretrain.train.keep_checkpoints must keep them).")
     ablate: list[str] = Field([], description="Arms whose every grid recipe, not only the dev pick, is fine-tuned at every seed and scored on the evaluation shards: the report's lever ablation; names of arms not in `arms` are ignored.")
@@ -123,6 +129,15 @@ class CompareConfig(Section):
     def _check(self) -> CompareConfig:
         if self.lengths[0] != 1 or any(b <= a for a, b in zip(self.lengths, self.lengths[1:])):
             raise ValueError(f"lengths must start at 1 (the plan's train.steps) and increase, got {self.lengths}; e.g. [1, 2, 4]")
+        if self.max_length is not None and self.max_length < self.lengths[-1]:
+            raise ValueError(f"max_length {self.max_length:g} is below the longest of lengths {self.lengths}; the cap of "
+                             f"the length search's extension must be at least {self.lengths[-1]:g}")
+        if self.pretrain_lengths and (self.pretrain_lengths[0] != 1 or any(b <= a for a, b in zip(self.pretrain_lengths, self.pretrain_lengths[1:]))):
+            raise ValueError(f"pretrain_lengths must start at 1 (the plan's pretraining) and increase, got "
+                             f"{self.pretrain_lengths}; e.g. [1, 3, 10]")
+        if self.pretrain_lengths and (SCRATCH not in [arm.name for arm in self.arms] or len(self.arms) < 2):
+            raise ValueError("pretrain_lengths gives each pretrained arm's gap over scratch per pretraining length; "
+                             "the plan needs the arm scratch and at least one arm that pretrains")
         if self.grid and self.lrs:
             raise ValueError("a comparison plan sets both lrs and grid; put the learning rates into the grid's recipes and drop lrs")
         if self.labels_per_class and self.label_fractions:
@@ -158,6 +173,34 @@ def budget_takes(cc: CompareConfig, per_class: dict[int, int]) -> dict[str, dict
             for name, budget in zip(budget_names(cc), budgets)}
 
 
+def searches_length(cc: CompareConfig) -> bool:
+    """Whether each arm's fine-tuning length is searched on the dev split: several lengths, or an extension cap."""
+    return len(cc.lengths) > 1 or cc.max_length is not None
+
+
+def next_length(cc: CompareConfig, longest: float) -> float | None:
+    """The multiple the length search tries after `longest` when an arm keeps it: twice it, if max_length allows."""
+    return 2 * longest if cc.max_length is not None and 2 * longest <= cc.max_length else None
+
+
+def pretrain_length_dir(cc: CompareConfig, multiple: float) -> Path:
+    """Where everything run from one pretraining length lies: output_dir itself for 1 (the plan without the axis)."""
+    return Path(cc.output_dir) if multiple == 1 else Path(cc.output_dir) / f"pretrain-x{multiple:g}"
+
+
+def pretrain_length_plan(cc: CompareConfig, multiple: float) -> CompareConfig:
+    """The plan as it runs at one pretraining length: without the axis, in pretrain_length_dir, and every pretrained
+    arm's train.steps times `multiple` (its own steps: an arm may set them in its pretrain keys). At 1 it is the plan
+    without the axis, run for run, so adding the axis to a plan that already ran keeps what it ran."""
+    if multiple == 1:
+        return cc.model_copy(update={"pretrain_lengths": []})
+    arms = [arm if arm.objective is None else
+            arm.model_copy(update={"pretrain": {**dotted(arm.pretrain), "train.steps": round(
+                multiple * pretrain_config(arm_plan(cc, arm), arm).train.steps)}})
+            for arm in cc.arms]
+    return cc.model_copy(update={"pretrain_lengths": [], "arms": arms, "output_dir": str(pretrain_length_dir(cc, multiple))})
+
+
 def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareConfig:
     """The comparison YAML <- `key=value` overrides (e.g. pretrain.train.steps=2000); every stage's config is validated now."""
     raw = read_layers(path, overrides, "comparison config", "(arms:, common:, pretrain:, ...) as in configs/compare/tiny.yaml")
@@ -173,12 +216,13 @@ def load_compare_config(path: str | Path, overrides: list[str] = ()) -> CompareC
     stages.update({f"{arm.name} fine-tuning": stage_config(arm_plan(cc, arm), "finetune") for arm in cc.arms if arm.model})
     stages["fine-tuning and few-shot evaluation"] = stage_config(cc, "finetune")
     stages.update({f"fine-tuning recipe {name}": stage_config(cc, "finetune", **recipe) for name, recipe in recipes(cc).items()})
-    for arm in cc.arms:
-        steps = pretrain_config(arm_plan(cc, arm), arm).train.steps if arm.objective else None
-        if steps and any(not 0 < step < steps for step in cc.checkpoints):
-            raise ConfigError(f"checkpoints {cc.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
-        if steps and arm.name in cc.ablate:
-            check_checkpoints_kept(cc.checkpoints, pretrain_config(cc, arm).train, arm.name)
+    for plan in [pretrain_length_plan(cc, multiple) for multiple in cc.pretrain_lengths or [1]]:
+        for arm in plan.arms:
+            steps = pretrain_config(arm_plan(plan, arm), arm).train.steps if arm.objective else None
+            if steps and any(not 0 < step < steps for step in plan.checkpoints):
+                raise ConfigError(f"checkpoints {plan.checkpoints} must be pretraining steps between 0 and pretrain.train.steps ({steps}), exclusive")
+            if steps and arm.name in plan.ablate:
+                check_checkpoints_kept(plan.checkpoints, pretrain_config(plan, arm).train, arm.name)
     if any(c.train.epochs is not None for c in stages.values()):
         raise ConfigError("a comparison plan gives its runs' lengths in train.steps (its lengths multiply them and its "
                           "checkpoints name pretraining steps); set train.steps in the plan instead of train.epochs")

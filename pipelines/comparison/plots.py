@@ -167,3 +167,31 @@ def label_efficiency_figure(result: Mapping, path: str | Path) -> tuple[Path, Pa
     if pairs:
         gaps.legend(fontsize="small")
     return saved(figure, path)
+
+
+def pretrain_length_figure(result: Mapping, path: str | Path) -> tuple[Path, Path]:
+    """Each pretrained arm's gap over scratch against its pretraining length (pretrain_length.json's content), with
+    its paired 95% interval as an error bar and a line at 0; one panel per label budget. Written as path.png and .svg."""
+    budgets = result["budgets"]
+    multiples = [float(m) for m in result["multiples"]]
+    figure = Figure(figsize=(5.5 * len(budgets), 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = np.atleast_1d(figure.subplots(1, len(budgets)))
+    for ax, (budget, arms) in zip(axes, budgets.items()):
+        colours = arm_colours(list(arms))
+        for i, (arm, entry) in enumerate(arms.items()):
+            points = list(entry["points"].values())
+            gap = np.array([100 * p["gap"] for p in points])
+            low, high = np.array([100 * p["low"] for p in points]), np.array([100 * p["high"] for p in points])
+            x = np.array(multiples) * 1.04 ** (i - (len(arms) - 1) / 2)  # arms side by side at each length
+            ax.errorbar(x, gap, yerr=[gap - low, high - gap], fmt="o-", capsize=4, color=colours[arm], label=f"{arm} − scratch")
+        ax.axhline(0, color="grey", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xticks(multiples, [f"x{m:g}" for m in multiples])
+        ax.minorticks_off()
+        ax.set_xlabel("pretraining length (multiple of the plan's pretraining steps)")
+        ax.set_ylabel("test top-1 gap over scratch (points)")
+        ax.set_title(f"label budget {budget}: gaps, paired 95% intervals" if budget else "gaps with their paired 95% intervals")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return saved(figure, path)

@@ -175,6 +175,52 @@ def budget_markdown(result: dict, cc: CompareConfig) -> str:
     return "\n".join(lines)
 
 
+def pretrain_length_markdown(result: dict, cc: CompareConfig) -> str:
+    """pretrain_length.md: each pretrained arm's gap over scratch per pretraining length with its paired 95% interval
+    (per label budget where the plan has budgets), and in words whether each curve still rises at the longest."""
+    multiples = result["multiples"]
+    lines = ["# Pretraining length: each gap over scratch", ""]
+    if cc.note:
+        lines += [f"> **Note:** {cc.note}", ""]
+    lines += [f"Each pretrained arm pretrained at {', '.join(f'x{m}' for m in multiples)} its plan's pretraining steps, "
+              f"each length its own run to its own schedule (warmup, then cosine to its last step), and the whole "
+              f"fine-tuning side (picks, lengths, seeds, tests) run from each. x1 is the plan as it runs without this "
+              f"axis (its report: report.md); x<m> lies in pretrain-x<m>/. Scratch is run once and paired with every "
+              f"length. Each cell: test top-1 gap over scratch in points, with its paired 95% interval over the test "
+              f"images and seeds; resolved where the interval excludes 0.", ""]
+    for budget, arms in result["budgets"].items():
+        if budget:
+            lines += [f"## Label budget {budget}", ""]
+        scratch = result["scratch"][budget]
+        rows = [[arm, *[f"{100 * p['gap']:+.2f} [{100 * p['low']:+.2f}, {100 * p['high']:+.2f}]"
+                        + (" resolved" if p["excludes_zero"] else "") + f" ({p['pretrain_steps']:,} steps)"
+                        for p in (e["points"][m] for m in multiples)]] for arm, e in arms.items()]
+        lines += table(["arm − scratch", *[f"x{m}" for m in multiples]], rows)
+        lines += ["", f"Scratch: {percent_with_spread(scratch)} test top-1.", ""]
+        lines += [rising_line(arm, e, multiples) for arm, e in arms.items()] + [""]
+    lines += ["The curve still rises at the longest length when the arm's test top-1 grew over the last step up, its "
+              "point estimate above 0, resolved or not (docs/statistics.md): a rise the interval does not resolve is no "
+              "evidence that the curve has levelled off.", ""]
+    return "\n".join(lines)
+
+
+def rising_line(arm: str, entry: dict, multiples: list[str]) -> str:
+    """In words: whether `arm`'s gap over scratch still rises at the longest pretraining length."""
+    step = entry["rising_step"]
+    if step is None:
+        return f"- {arm}: one pretraining length, so no curve to say whether it still rises."
+    before, last = multiples[-2:]
+    shown = f"{100 * step['gap']:+.2f} points [{100 * step['low']:+.2f}, {100 * step['high']:+.2f}] from x{before} to x{last}"
+    if step["rising"] and step["excludes_zero"]:
+        return (f"- **{arm}: still rising at the longest pretraining length**, {shown}, resolved: pretraining longer "
+                f"than x{last} may gain more.")
+    if step["rising"]:
+        return (f"- **{arm}: still rising at the longest pretraining length** by its point estimate, {shown}, not "
+                f"resolved: it may or may not gain more; pretrain longer (or test on more images) to know.")
+    fell = ", a resolved fall" if step["excludes_zero"] else ", not resolved"
+    return f"- {arm}: not rising at the longest pretraining length, {shown}{fell}."
+
+
 def val_shards_name(cfg: Config) -> str:
     return f"data.val_shards ({cfg.data.val_shards})"
 
@@ -324,7 +370,7 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
     lines = results_lines(report, cc, base, seeds_note)
     lines += frozen_lines(arms, base, shots)
     lines += curve_lines(arms)
-    lines += length_lines(arms, base)
+    lines += length_lines(arms, base, cc)
     lines += ablation_lines(arms, seeds_note)
     for arm, e in arms.items():
         if e.get("checkpoints"):
@@ -479,27 +525,40 @@ def curve_lines(arms: dict) -> list[str]:
     return lines
 
 
-def length_lines(arms: dict, base: Config) -> list[str]:
+def length_lines(arms: dict, base: Config, cc: CompareConfig) -> list[str]:
     multiples = sorted({float(m) for e in arms.values() for m in e["lengths"]})
     if len(multiples) <= 1:
         return []
     lines = ["## Fine-tuning length", "",
              f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
-             f"fell below its best so far by more than the dev split resolves (McNemar's exact p < 0.05); the kept "
-             f"length, the best dev top-1 (exactly equal: the longer), is in bold (its name ends in -x<multiple> when "
-             f"longer).", ""]
+             f"fell below its best so far by more than the dev split resolves (McNemar's exact p < 0.05)"
+             + (f", then doubled while the kept length was the longest tried, up to max_length {cc.max_length:g}"
+                if cc.max_length is not None else "")
+             + "; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its name ends in "
+               "-x<multiple> when longer).", ""]
     rows = []
     for arm, e in arms.items():
         rows.append([arm, e["grid_pick"], *[("" if f"{m:g}" not in e["lengths"] else
                                              (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == e["length"]
                                               else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
     lines += table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
-    short = [arm for arm, e in arms.items() if e.get("at_longest_length")]
-    if short:
-        lines += [f"**{', '.join(short)} kept the longest length the plan tries (x{multiples[-1]:g}): "
-                  f"{'its' if len(short) == 1 else 'their'} dev top-1 may still have been rising, so "
-                  f"{'that arm' if len(short) == 1 else 'those arms'} may be short of {'its' if len(short) == 1 else 'their'} "
-                  f"best; add a longer multiple to `lengths` to know.**", ""]
+    lines += [f"- {arm} kept the longest length tried, so the search doubled it past the plan's lengths: "
+              f"x{', x'.join(e['extended'])} tried." for arm, e in arms.items() if e.get("extended")]
+    for arm, e in arms.items():
+        if not e.get("at_longest_length"):
+            continue
+        if e.get("length_cap_reached"):
+            lines.append(f"- **{arm} kept x{e['length']}, the longest length the cap allows (max_length "
+                         f"{cc.max_length:g}): the cap stopped its search while its dev top-1 may still have been rising, "
+                         f"so it may be short of its best; raise max_length to know.**")
+        else:
+            lines.append(f"- **{arm} kept the longest length the plan tries (x{e['length']}): its dev top-1 may still "
+                         f"have been rising, so that arm may be short of its best; add a longer multiple to `lengths`, "
+                         f"or set max_length to extend the search, to know.**")
+    if any(e.get("extended") or e.get("at_longest_length") for e in arms.values()):
+        lines.append("")
+    elif cc.max_length is not None:
+        lines += [f"No arm kept its longest length, so none needed the extension up to max_length {cc.max_length:g}.", ""]
     return lines
 
 

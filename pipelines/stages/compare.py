@@ -7,7 +7,7 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
                                   small to rank the grid is refused before any pretraining
     pre/<arm>                     the arm's pretraining (none for scratch, nor for an arm of given weights)
     ft/<arm>/<recipe>[-f<i>]      every grid recipe fine-tuned and scored on the dev split (or each fold)
-    ft/<arm>/<pick>-x<m>[-f<i>]   the pick fine-tuned longer (`lengths`) while dev top-1 does not fall
+    ft/<arm>/<pick>-x<m>[-f<i>]   the pick longer (`lengths`, then doubled up to `max_length`) while dev top-1 holds
     ft/<arm>/<kept>-s<seed>       the kept recipe and length at the other seeds (every seed under cross-validation,
                                   on all labelled images); every recipe for the arms in `ablate`
     test/<arm>/<run>              each of those runs scored on the evaluation shards, image by image
@@ -18,6 +18,8 @@ that each live in their own directory under output_dir (so `tensorboard --logdir
 
 With label budgets (`labels_per_class`, `label_fractions`), budgets/<n> holds each budget's draw of the labelled
 images and budget-<n>/ everything above but pre/ and noise/ (one pretraining per arm, at the top) for that budget.
+With pretraining lengths (`pretrain_lengths`), x1 is all of the above in output_dir itself and pretrain-x<m>/ holds
+the same for the pretrained arms pretrained m times as long (scratch runs once, at x1).
 
 Collecting writes results.json, report.md (every gap with its paired 95% interval) and comparison.png/svg. A
 finished stage leaves stage.json and is skipped when the command is repeated; an interrupted training stage resumes
@@ -54,7 +56,6 @@ from safetensors.torch import load_file
 from mpp.model.checkpoint import load_backbone, resolve_checkpoint
 from mpp.config import Config, Pooling
 from mpp.data.stream import BadLabel, LabelReader
-from mpp.errors import UserError
 from mpp.metrics import KNN_TOP1, TOP1, TOP5
 from mpp.model.vit import build_backbone
 from mpp.rundir import PREDICTIONS, RESULTS, TENSORBOARD, WEIGHTS, RunDir, checkpoint_step, complete_checkpoints, sha256
@@ -63,20 +64,20 @@ from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.prepare_inputs import Sample, Source
 from mpp.data.shardwriter import write_shards
 from mpp.evaluation.baselines import evaluation_baselines
-from mpp.evaluation.stats import (Candidate, balanced_accuracy, dev_resolution, gap_resolution, mcnemar, paired_bootstrap_gap,
-                                 pick_recipe, stratified_folds)
+from mpp.evaluation.stats import Candidate, dev_resolution, gap_resolution, pick_recipe, stratified_folds
 from mpp.data.tars import ShardEnd, shard_samples
 from . import finetune, pretrain
 from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
-from ..comparison.groups import key_groups
-from ..comparison.plan import (Arm, CompareConfig, arm_plan, budget_names, budget_takes, pretrain_config, recipes, stage_config,
-                               trial_name)
-from ..comparison.plots import comparison_figure, label_efficiency_figure
-from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, design_lines, design_record, observed_resolution, report_markdown,
-                                 scalar_history)
+from ..comparison.gaps import balanced_over_seeds, gaps, pretrain_length_results
+from ..comparison.plan import (Arm, CompareConfig, CompareError, arm_plan, budget_names, budget_takes, next_length,
+                               pretrain_config, pretrain_length_dir, pretrain_length_plan, recipes, searches_length,
+                               stage_config, trial_name)
+from ..comparison.plots import comparison_figure, label_efficiency_figure, pretrain_length_figure
+from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, design_lines, design_record, pretrain_length_markdown,
+                                 report_markdown, scalar_history)
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
 from ..run.tracking import TRIAL_NAMES, log_scores, log_session
@@ -93,22 +94,52 @@ SIGNIFICANCE = 0.05  # a dev difference with McNemar's exact p below this is one
 WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
 
 
-class CompareError(UserError):
-    """A comparison directory that holds stages finished with other settings, or a plan its data cannot serve."""
-
-
 def run(cc: CompareConfig) -> dict:
     """Run the plan `cc` (resuming what an earlier invocation left) and write its report; returns results.json."""
     naming = TRIAL_NAMES.set(functools.partial(trial_name, root=Path(cc.output_dir)))
     try:
-        return run_budgets(cc) if cc.labels_per_class or cc.label_fractions else run_plan(cc, Path(cc.output_dir) / "pre")
+        return run_pretrain_lengths(cc) if cc.pretrain_lengths else run_once(cc, {})
     finally:
         TRIAL_NAMES.reset(naming)
 
 
-def run_budgets(cc: CompareConfig) -> dict:
+def run_once(cc: CompareConfig, entries: dict[str, dict[str, dict]]) -> dict:
+    """The plan at one pretraining length. `entries` ({budget name, '' without budgets: {arm: its entry}}) receives
+    every arm's entry, per-image test hits included; an arm already there is reused, not run again."""
+    if cc.labels_per_class or cc.label_fractions:
+        return run_budgets(cc, entries)
+    return run_plan(cc, Path(cc.output_dir) / "pre", entries.setdefault("", {}))
+
+
+def run_pretrain_lengths(cc: CompareConfig) -> dict:
+    """The plan once per pretraining length (plan.pretrain_length_plan: x1 is the plan without the axis, in
+    output_dir itself, the others in pretrain-x<m>/), each pretrained arm pretrained anew to that length's own
+    schedule; the scratch arm's runs at x1 serve every length, since nothing of them depends on pretraining. Then
+    pretrain_length.md/.json/.png/.svg: each gap over scratch per pretraining length."""
+    reports, entries, steps = {}, {}, {}
+    for multiple in cc.pretrain_lengths:
+        plan = pretrain_length_plan(cc, multiple)
+        first = entries.get(f"{cc.pretrain_lengths[0]:g}", {})
+        entries[f"{multiple:g}"] = {budget: {arm: e for arm, e in arms.items() if e["pretrain"] is None}
+                                    for budget, arms in first.items()}
+        steps[f"{multiple:g}"] = {arm.name: pretrain_config(arm_plan(plan, arm), arm).train.steps
+                                  for arm in plan.arms if arm.objective}
+        print(f"[compare] pretraining length x{multiple:g} (in {pretrain_length_dir(cc, multiple)}):", flush=True)
+        reports[f"{multiple:g}"] = run_once(plan, entries[f"{multiple:g}"])
+    result = pretrain_length_results(cc, reports, entries, steps)
+    out = Path(cc.output_dir)
+    if process_state().is_main_process:
+        (out / "pretrain_length.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "pretrain_length.md").write_text(pretrain_length_markdown(result, cc))
+        pretrain_length_figure(result, out / "pretrain_length.png")
+        print(f"[compare] pretraining-length report in {out / 'pretrain_length.md'}, its figure in "
+              f"{out / 'pretrain_length.png'} and .svg; x1's own report is {out / 'report.md'}", flush=True)
+    return result
+
+
+def run_budgets(cc: CompareConfig, entries: dict[str, dict[str, dict]]) -> dict:
     """The plan once per label budget, each on its draw of the labelled images (`budget_stage`) under budget-<name>/,
-    every arm pretrained once under pre/; then the label-efficiency report over the budgets."""
+    every arm pretrained once under pre/; then the label-efficiency report over the budgets. `entries`: as run_once's."""
     out = Path(cc.output_dir)
     base = stage_config(cc, "finetune")
     names = budget_names(cc)
@@ -121,29 +152,32 @@ def run_budgets(cc: CompareConfig) -> dict:
         plan = cc.model_copy(update={"output_dir": str(out / f"budget-{name}"), "labels_per_class": [],
                                      "label_fractions": [], "finetune": OmegaConf.to_container(finetune)})
         print(f"[compare] label budget {name} ({draws[name]['images']} labelled images):", flush=True)
-        reports[name] = run_plan(plan, out / "pre")
+        reports[name] = run_plan(plan, out / "pre", entries.setdefault(name, {}))
     return collect_budgets(cc, draws, reports)
 
 
-def run_plan(cc: CompareConfig, pre: Path) -> dict:
-    """The plan on its finetune data.shards, every arm pretrained in pre/<arm> (shared by the label budgets)."""
+def run_plan(cc: CompareConfig, pre: Path, entries: dict[str, dict]) -> dict:
+    """The plan on its finetune data.shards, every arm pretrained in pre/<arm> (shared by the label budgets); an arm
+    in `entries` is reused as it is there, and every arm's entry is put there."""
     out = Path(cc.output_dir)
     base = stage_config(cc, "finetune")
     grid = recipes(cc)
     # First, so a useless split costs no pretraining; useless only where nothing is picked: one recipe at one length.
-    selection = Selection.of(cc, base, out, select=len(grid) > 1 or len(cc.lengths) > 1)
+    selection = Selection.of(cc, base, out, select=len(grid) > 1 or searches_length(cc))
     labels = test_labels(base)
     dev_images = (selection.info.get("images") or selection.info["dev_images"]) if selection.splits else None
     design = design_record(cc, labels, len(cc.seeds or [base.train.seed]), dev_images)
     say_design(design)
-    arms = {arm.name: ArmRun(arm_plan(cc, arm), arm, base, grid, selection, pre).run() for arm in cc.arms}
+    arms = {arm.name: entries.get(arm.name) or ArmRun(arm_plan(cc, arm), arm, base, grid, selection, pre).run()
+            for arm in cc.arms}
+    entries.update(arms)
     return collect(cc, base, grid, selection, arms, design, labels)
 
 
 def check(cc: CompareConfig) -> dict:
     """compare --dry-run: what the plan's design resolves, from its data, without writing or training anything."""
     base = stage_config(cc, "finetune")
-    select = len(recipes(cc)) > 1 or len(cc.lengths) > 1
+    select = len(recipes(cc)) > 1 or searches_length(cc)
     budgets = bool(cc.labels_per_class or cc.label_fractions)
     if budgets:  # each budget's run states its own dev images when it starts; the dry run says them here
         per_class = Counter(label for _, _, label in labelled_samples(base))
@@ -518,9 +552,13 @@ class ArmRun:
         names = [kept.pick] + ([n for n in self.grid if n != kept.pick] if ablated else [])
         tests = {name: self.tested(name) for name in names}
         test = over_seeds(tests[kept.pick], self.seeds)
-        # Kept at the plan's longest length: its dev top-1 may still have been rising, so the arm may be short.
-        longest = bool(lengths) and kept.pick == f"{grid_pick.pick}-x{self.cc.lengths[-1]:g}"
-        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "weights": self.arm.weights, "control": self.arm.control, "recipe": kept.pick, "at_longest_length": longest, "grid_pick": grid_pick.pick,
+        # Kept at the longest length tried: its dev top-1 may still have been rising, so the arm may be short; where
+        # the search could extend no further (no max_length, or twice the length is beyond it) that is said.
+        tried = max(map(float, lengths), default=1.0)
+        longest = bool(lengths) and kept.pick == length_run(grid_pick.pick, tried)
+        entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "weights": self.arm.weights, "control": self.arm.control, "recipe": kept.pick,
+                 "at_longest_length": longest, "length_cap_reached": longest and self.cc.max_length is not None,
+                 "extended": [m for m in lengths if float(m) > self.cc.lengths[-1]], "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
                  "length": kept.pick.rsplit("-x", 1)[1] if kept.pick != grid_pick.pick else "1",
@@ -597,16 +635,20 @@ class ArmRun:
     def search_length(self, grid_pick: Choice) -> tuple[Choice, dict[str, float]]:
         """The grid's pick fine-tuned at the plan's `lengths` multiples, going on until a length falls below the best
         so far by more than the dev split resolves (McNemar's exact test, p < 0.05: one image down is noise, not a
-        reason to stop); the kept length is picked among those tried like a recipe (the best dev top-1)."""
-        if len(self.cc.lengths) == 1 or not self.selection.splits:
+        reason to stop); then, while the kept length is the longest tried, at twice it, up to max_length (an arm
+        still improving at the plan's longest is not left short). The kept length is picked among those tried like
+        a recipe (the best dev top-1)."""
+        if not searches_length(self.cc) or not self.selection.splits:
             return grid_pick, {}
         name = grid_pick.pick
         steps = stage_config(self.cc, "finetune", self.grid[name]).train.steps
         tried: dict[str, dict] = {name: self.grid[name]}
         choice = self.choose(tried)
-        for multiple in self.cc.lengths[1:]:
+        planned, multiple = list(self.cc.lengths[1:]), 1.0
+        while planned or (choice.pick == length_run(name, multiple) and next_length(self.cc, multiple) is not None):
+            multiple = planned.pop(0) if planned else next_length(self.cc, multiple)
             best_so_far = max(choice.top1.values())
-            longer = f"{name}-x{multiple:g}"
+            longer = length_run(name, multiple)
             tried[longer] = self.recipes[longer] = {**self.grid[name], "train.steps": round(steps * multiple)}
             choice = self.choose(tried)
             if choice.top1[longer] < best_so_far and choice.p_value[longer] < SIGNIFICANCE:
@@ -657,6 +699,11 @@ class ArmRun:
         return points
 
 
+def length_run(name: str, multiple: float) -> str:
+    """The run name of recipe `name` fine-tuned at `multiple` times its length: the recipe's own at 1."""
+    return name if multiple == 1 else f"{name}-x{multiple:g}"
+
+
 @dataclass(frozen=True)
 class Choice:
     """A pick among candidates scored on the dev split(s): see mpp.evaluation.stats.Pick."""
@@ -681,60 +728,6 @@ def over_seeds(tests: dict[int, dict], seeds: list[int]) -> dict:
 
 
 # ---------------------------------------------------------------- collect
-
-
-def gaps(arms: dict[str, dict], cc: CompareConfig) -> list[dict]:
-    """Every pair of arms: the difference of mean test top-1, its paired 95% bootstrap interval over the test images
-    and the seeds (mpp.evaluation.stats.paired_bootstrap_gap), McNemar's exact test for each seed's pair of runs, whether
-    the gap exceeds the seeds' spread (the sum of the two standard deviations; None with one seed), and the resolution
-    the comparison turned out to have (`observed_resolution`)."""
-    result = []
-    for a, b in itertools.combinations(arms, 2):
-        ea, eb = arms[a], arms[b]
-        keys = sorted(next(iter(ea["correct"].values())))
-        if sorted(next(iter(eb["correct"].values()))) != keys:
-            raise CompareError(f"arms {a} and {b} were scored on different evaluation images; rerun their test stages "
-                               f"on the plan's finetune data.val_shards")
-        matrix = {name: [[e["correct"][seed][k] for k in keys] for seed in e["correct"]] for name, e in ((a, ea), (b, eb))}
-        groups = key_groups(cc.test_groups, keys)  # None: every test image independent
-        interval = paired_bootstrap_gap(matrix[a], matrix[b], groups=groups)
-        per_seed = {seed: asdict(mcnemar(ra, rb, groups)) for seed, ra, rb in zip(ea["correct"], matrix[a], matrix[b])}
-        ta, tb = ea["test"], eb["test"]
-        spread = None if ta["top1_std"] is None or tb["top1_std"] is None else ta["top1_std"] + tb["top1_std"]
-        result.append({"arms": [a, b], "gap": ta["top1"] - tb["top1"], **{k: v for k, v in asdict(interval).items() if k != "gap"},
-                       "images": len(keys), "mcnemar": per_seed, "spread": spread,
-                       "exceeds_spread": None if spread is None else abs(ta["top1"] - tb["top1"]) > spread,
-                       "resolution": observed_resolution(matrix[a], matrix[b], ta, tb, cc, groups),
-                       **({"sensitivity": sensitivity(a, ea, b, eb, keys, groups)} if "near_best" in ea or "near_best" in eb else {})})
-    return result
-
-
-def verdict(interval) -> int:
-    """+1: the first arm is better, -1: the second, 0: the interval includes 0 (unresolved)."""
-    return 0 if not interval.excludes_zero else (1 if interval.gap > 0 else -1)
-
-
-def sensitivity(a: str, ea: dict, b: str, eb: dict, keys: list[str], groups: list | None) -> list[dict]:
-    """The gap a - b with each arm at each of its near-best candidates (its pick included): every combination's paired
-    interval and verdict, so the report can say whether the verdict depends on the picks."""
-    def choices(entry: dict) -> dict[str, dict]:
-        return {entry["recipe"]: entry["correct"], **{name: alt["correct"] for name, alt in entry.get("near_best", {}).items()}}
-
-    rows = []
-    for (ra, ca), (rb, cb) in itertools.product(choices(ea).items(), choices(eb).items()):
-        interval = paired_bootstrap_gap([[ca[seed][k] for k in keys] for seed in ca], [[cb[seed][k] for k in keys] for seed in cb], groups=groups)
-        rows.append({a: ra, b: rb, "gap": interval.gap, "low": interval.low, "high": interval.high, "verdict": verdict(interval)})
-    return rows
-
-
-def balanced_over_seeds(correct: dict[str, dict[str, int]], labels: dict[str, int]) -> dict:
-    """Balanced accuracy (mean per-class recall) of one arm's runs on the test set: mean over seeds and each seed's."""
-    missing = set(next(iter(correct.values()))) - set(labels)
-    if missing:
-        raise CompareError(f"{len(missing)} of the images the arms were scored on (e.g. {min(missing)}) are not labelled "
-                           f"images of the evaluation shards ({len(labels)}); rerun the comparison in a new output_dir")
-    seeds = {seed: balanced_accuracy(hits, {key: labels[key] for key in hits}) for seed, hits in correct.items()}
-    return {"mean": statistics.fmean(seeds.values()), "seeds": seeds}
 
 
 def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: Selection, arms: dict[str, dict],
