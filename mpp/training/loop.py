@@ -24,14 +24,14 @@ from mpp.config import LogConfig, TrainConfig
 from mpp.data.stream import Batch, StreamState
 from mpp.training.ema import WeightAverage
 from mpp.errors import UserError
-from mpp.training.meters import LOOP_METRICS, LogWindow, ProgressBar, TrainingDiverged
+from mpp.training.meters import LOOP_METRICS, LogWindow, ProgressBar, write_line
 from mpp.metrics import Metric
 from mpp.model.objectives import Objective, StepOutput
 from mpp.training.optim import LambdaLR, apply_hyperparameters, build_optimizer, build_schedule, head_lr, param_groups
 from mpp.training.panel import log_panel
 from mpp.training.preemption import Preempted, SignalWhileWaiting, StopOnSignal, stopped_waiting
 from mpp.training.resume import WRITE_ERRORS, load_checkpoint, save_checkpoint, weights_not_saved
-from mpp.rundir import RunDir, complete_checkpoints
+from mpp.rundir import RunDir
 from mpp.training.runtime import Device, compiled, resolve_compile
 
 
@@ -203,7 +203,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.step()
 
             if step % log.every == 0 or last:
-                results.update(write_line(window, step, head_lr(optimizer), run_dir, cfg, resume_hint))
+                results.update(write_line(window, step, head_lr(optimizer), run_dir, cfg.checkpoint_every, resume_hint))
                 bar.update(results)
             if step % log.images_every == 0 or last:
                 log_panel(accelerator, objective, feed.last, step)
@@ -222,19 +222,6 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
 
     save_final_weights(accelerator, scored, run_dir, resume_hint)
     return Trained(results, progress.earlier_seconds, progress.seconds)
-
-
-def write_line(window: LogWindow, step: int, lr: float, run_dir: RunDir, cfg: TrainConfig, resume_hint: str) -> dict[str, float]:
-    """The log line of `step` (LogWindow.write); a stop on non-finite steps says what the run continues with: its
-    newest checkpoint, or, before its first, a new start."""
-    try:
-        return window.write(step, lr)
-    except TrainingDiverged as diverged:
-        saved = complete_checkpoints(run_dir.root)
-        then = (f"continue from its last checkpoint {saved[-1]} with {resume_hint}" if saved else
-                f"start the run again with --overwrite: it saved no checkpoint to continue from (the first was due at "
-                f"step {cfg.checkpoint_every}, train.checkpoint_every)")
-        raise TrainingDiverged(f"{diverged}, then {then}") from None
 
 
 def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):
