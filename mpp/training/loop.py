@@ -191,7 +191,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
                 progress.record(results, window.state_dict() if accelerator.num_processes == 1 else None)  # see stopped_waiting
-                raise stopped_waiting(accelerator, run_dir, progress.step, cfg, signalled, resume_hint, stream) from None
+                raise stopped_waiting(accelerator, run_dir, progress.step, cfg.steps, cfg.keep_checkpoints, signalled, resume_hint, stream) from None
             if ema:
                 ema.update(objective)
             progress.step += 1
