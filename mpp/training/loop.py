@@ -23,15 +23,14 @@ from mpp.model.checkpoint import save_weights
 from mpp.config import LogConfig, TrainConfig
 from mpp.data.stream import Batch, StreamState
 from mpp.training.ema import WeightAverage
-from mpp.errors import UserError
-from mpp.training.meters import LOOP_METRICS, LogWindow, ProgressBar, TrainingDiverged
+from mpp.training.meters import LOOP_METRICS, LogWindow, ProgressBar, write_line
 from mpp.metrics import Metric
 from mpp.model.objectives import Objective, StepOutput
-from mpp.training.optim import LambdaLR, apply_hyperparameters, build_optimizer, build_schedule, head_lr, param_groups
+from mpp.training.optim import LambdaLR, build_optimizer, build_schedule, head_lr, param_groups
 from mpp.training.panel import log_panel
 from mpp.training.preemption import Preempted, SignalWhileWaiting, StopOnSignal, stopped_waiting
-from mpp.training.resume import WRITE_ERRORS, load_checkpoint, save_checkpoint, weights_not_saved
-from mpp.rundir import RunDir, complete_checkpoints
+from mpp.training.resume import WRITE_ERRORS, restore, save_checkpoint, weights_not_saved
+from mpp.rundir import RunDir
 from mpp.training.runtime import Device, compiled, resolve_compile
 
 
@@ -173,13 +172,11 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     scored = ema.module if ema else objective  # what the evaluators score and model.safetensors holds
     progress, stream = Progress(), StreamState()
     accelerator.register_for_checkpointing(scheduler, progress, *([ema] if ema else []))
-    evaluations = Evaluations(accelerator, scored, evaluators, cfg.steps, progress)
-    results: dict[str, float] = {}
-
     if resume_from is not None:
-        restore(accelerator, resume_from, stream, progress, optimizer, scheduler, cfg)
-        results.update(progress.logged)
-        results.update(evaluations.pending())
+        restore(accelerator, resume_from, stream, optimizer, scheduler, cfg)
+    results = dict(progress.logged)  # a resumed run's scalars up to its checkpoint; none for a fresh one
+    evaluations = Evaluations(accelerator, scored, evaluators, cfg.steps, progress)
+    results.update(evaluations.pending())  # none for a fresh run: nothing precedes step 0
     progress.start_clock()
 
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
@@ -194,7 +191,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
                 progress.record(results, window.state_dict() if accelerator.num_processes == 1 else None)  # see stopped_waiting
-                raise stopped_waiting(accelerator, run_dir, progress.step, cfg, signalled, resume_hint, stream) from None
+                raise stopped_waiting(accelerator, run_dir, progress.step, cfg.steps, cfg.keep_checkpoints, signalled, resume_hint, stream) from None
             if ema:
                 ema.update(objective)
             progress.step += 1
@@ -203,7 +200,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             bar.step()
 
             if step % log.every == 0 or last:
-                results.update(write_line(window, step, head_lr(optimizer), run_dir, cfg, resume_hint))
+                results.update(write_line(window, step, head_lr(optimizer), run_dir, cfg.checkpoint_every, resume_hint))
                 bar.update(results)
             if step % log.images_every == 0 or last:
                 log_panel(accelerator, objective, feed.last, step)
@@ -222,19 +219,6 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
 
     save_final_weights(accelerator, scored, run_dir, resume_hint)
     return Trained(results, progress.earlier_seconds, progress.seconds)
-
-
-def write_line(window: LogWindow, step: int, lr: float, run_dir: RunDir, cfg: TrainConfig, resume_hint: str) -> dict[str, float]:
-    """The log line of `step` (LogWindow.write); a stop on non-finite steps says what the run continues with: its
-    newest checkpoint, or, before its first, a new start."""
-    try:
-        return window.write(step, lr)
-    except TrainingDiverged as diverged:
-        saved = complete_checkpoints(run_dir.root)
-        then = (f"continue from its last checkpoint {saved[-1]} with {resume_hint}" if saved else
-                f"start the run again with --overwrite: it saved no checkpoint to continue from (the first was due at "
-                f"step {cfg.checkpoint_every}, train.checkpoint_every)")
-        raise TrainingDiverged(f"{diverged}, then {then}") from None
 
 
 def prepare_to_train(accelerator: Accelerator, objective: Objective, cfg: TrainConfig):
@@ -259,18 +243,6 @@ def save_final_weights(accelerator: Accelerator, scored: nn.Module, run_dir: Run
         except WRITE_ERRORS as exc:
             raise weights_not_saved(run_dir, exc, resume_hint) or exc
     accelerator.wait_for_everyone()
-
-
-def restore(accelerator: Accelerator, checkpoint: Path, stream: StreamState, progress: Progress, optimizer,
-            scheduler: LambdaLR, cfg: TrainConfig) -> None:
-    """Continue from `checkpoint` under `cfg`, whose schedule and optimiser hyperparameters apply from here on."""
-    load_checkpoint(accelerator, checkpoint, stream, cfg.seed)
-    if progress.step > cfg.steps:
-        raise UserError(f"{checkpoint} is at step {progress.step}, past train.steps={cfg.steps}; set train.steps to "
-                        f"at least {progress.step} to resume it, or finetune/fewshot from it with --ckpt")
-    apply_hyperparameters(optimizer, scheduler, cfg)
-    finished = f": the run is finished (train.steps={cfg.steps}), nothing to train" if progress.step == cfg.steps else ""
-    accelerator.print(f"resumed from {checkpoint} at step {progress.step}{finished}")
 
 
 class Evaluations:

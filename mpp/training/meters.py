@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from mpp.data.stream import Batch, DataError
 from mpp.errors import UserError
 from mpp.metrics import LR, Category, Metric
+from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.runtime import available_cpus
 
 # The run's own measures, after the model's in TensorBoard and left out of its results.
@@ -182,6 +183,20 @@ class LogWindow:
         self.images = round(state["images"]) // accelerator.num_processes
         self.waited, self.start = state["waited"], time.perf_counter() - state["seconds"]
         self.nonfinite = {k: torch.tensor(v, dtype=torch.long, device=accelerator.device) for k, v in state["nonfinite"].items()}
+
+
+def write_line(window: LogWindow, step: int, lr: float, run_dir: RunDir, checkpoint_every: int,
+               resume_hint: str) -> dict[str, float]:
+    """The log line of `step` (LogWindow.write); a stop on non-finite steps says what the run continues with: its
+    newest checkpoint in `run_dir`, or, before its first (due at `checkpoint_every`), a new start."""
+    try:
+        return window.write(step, lr)
+    except TrainingDiverged as diverged:
+        saved = complete_checkpoints(run_dir.root)
+        then = (f"continue from its last checkpoint {saved[-1]} with {resume_hint}" if saved else
+                f"start the run again with --overwrite: it saved no checkpoint to continue from (the first was due at "
+                f"step {checkpoint_every}, train.checkpoint_every)")
+        raise TrainingDiverged(f"{diverged}, then {then}") from None
 
 
 def check_skip_rate(skipped: float, used: float, max_fraction: float) -> None:

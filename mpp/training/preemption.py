@@ -179,9 +179,10 @@ def host_group():
     return torch.distributed.new_group(backend="gloo")
 
 
-def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, cfg, signalled: SignalWhileWaiting,
-                    resume_hint: str, stream: StreamState) -> Preempted:
-    """The stop for a signal that came while the loop waited for data, after saving what can be saved.
+def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, steps: int, keep: int,
+                    signalled: SignalWhileWaiting, resume_hint: str, stream: StreamState) -> Preempted:
+    """The stop at `step` of `steps` (train.steps) for a signal that came while the loop waited for data, after
+    saving what can be saved (keeping `keep` checkpoints, train.keep_checkpoints).
 
     Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
     end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
@@ -190,11 +191,11 @@ def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, cfg, s
     newest = complete_checkpoints(run_dir.root)
     if signalled.at_step_boundary and accelerator.num_processes == 1 and step > 0:
         if not newest or newest[-1].name != run_dir.checkpoint(step).name:
-            newest = [save_checkpoint(accelerator, run_dir, step, cfg.keep_checkpoints, stream, resume_hint)]
+            newest = [save_checkpoint(accelerator, run_dir, step, keep, stream, resume_hint)]
         accelerator.end_training()
-        return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data; checkpoint "
+        return Preempted(f"stopped at step {step} of {steps} on {signalled} while waiting for data; checkpoint "
                          f"saved in {newest[-1]}; continue with {resume_hint}")
     accelerator.end_training()
     kept = f"the newest checkpoint is {newest[-1]}; continue with {resume_hint}" if newest else "no checkpoint was written yet"
-    return Preempted(f"stopped at step {step} of {cfg.steps} on {signalled} while waiting for data, without saving "
+    return Preempted(f"stopped at step {step} of {steps} on {signalled} while waiting for data, without saving "
                      f"this step; {kept}")

@@ -19,7 +19,9 @@ from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from safetensors import SafetensorError
 
 from mpp.data.stream import StreamState
+from mpp.config import TrainConfig
 from mpp.errors import UserError
+from mpp.training.optim import LambdaLR, apply_hyperparameters
 from mpp.rundir import (MANIFEST, RunDir, checkpoint_fault, checkpoint_step, complete_checkpoints, newest_verified,
                         saved_processes, cause_of, out_of_space)
 
@@ -198,3 +200,17 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, stream: StreamSt
 def fresh_seed(seed: int, step: int, rank: int) -> int:
     """A seed for the random number generators of `rank` from `step` on, distinct for every (seed, step, rank)."""
     return int.from_bytes(hashlib.sha256(f"{seed}-{step}-{rank}".encode()).digest()[:4], "little")
+
+
+def restore(accelerator: Accelerator, checkpoint: Path, stream: StreamState, optimizer, scheduler: LambdaLR,
+            cfg: TrainConfig) -> None:
+    """Continue from `checkpoint` under `cfg`, whose schedule and optimiser hyperparameters apply from here on. Its
+    step is its name's (RunDir.checkpoint), as the Progress it holds says."""
+    load_checkpoint(accelerator, checkpoint, stream, cfg.seed)
+    step = checkpoint_step(checkpoint)
+    if step > cfg.steps:
+        raise UserError(f"{checkpoint} is at step {step}, past train.steps={cfg.steps}; set train.steps to "
+                        f"at least {step} to resume it, or finetune/fewshot from it with --ckpt")
+    apply_hyperparameters(optimizer, scheduler, cfg)
+    finished = f": the run is finished (train.steps={cfg.steps}), nothing to train" if step == cfg.steps else ""
+    accelerator.print(f"resumed from {checkpoint} at step {step}{finished}")
