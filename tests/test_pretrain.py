@@ -90,7 +90,7 @@ def test_a_registered_objective_is_chosen_by_the_config_and_shows_everywhere(tmp
                  "eval.every=2", "eval.images=8", "eval.batch_size=4", "brightness.weight=2")
     pretrain.run(cfg)
     shows = where_metrics_show(tmp_path / "run", "pretrain")
-    assert shows["values"]["brightness.weight"] == 2 and "mpp.target" not in shows["values"]  # MPP's columns blank
+    assert shows["values"]["brightness.weight"] == "2" and "mpp.target" not in shows["values"]  # MPP's columns blank
     assert shows["charts"]["training"] == ["train/loss"] and shows["charts"]["pretext validation"] == ["val/loss"]
     assert {"train/loss", "val/loss"} <= set(shows["hparams"]) and {"train/loss", "val/loss"} <= set(shows["results"]["final"])
     assert shows["results"]["description"] == MeanBrightness.description

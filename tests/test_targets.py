@@ -151,7 +151,7 @@ def test_a_registered_target_shows_everywhere(tmp_path, make_shards, monkeypatch
     shows = where_metrics_show(tmp_path / "run", "pretrain")
     # Its own setting: in the config reference (--help and docs/reference.md), an HParams column, config.yaml.
     assert ("mpp.gray_gamma", "1.0", GraySettings.model_fields["gray_gamma"].description) in config_reference()
-    assert "mpp.gray_gamma" in shows["columns"] and shows["values"]["mpp.gray_gamma"] == 0.5
+    assert "mpp.gray_gamma" in shows["columns"] and shows["values"]["mpp.gray_gamma"] == "0.5"  # as written
     assert load_config(tmp_path / "run" / "config.yaml").mpp.gray_gamma == 0.5
     assert "mpp.target" in [key for key, _, meaning in config_reference() if "gray, its mean grey level" in meaning]
     assert shows["charts"]["training"] == ["train/pretext_loss", "train/gray_error"]

@@ -186,12 +186,12 @@ def applies(key: str, objective: str) -> bool:
 
 def hparam_kind(value: bool | int | float | str) -> tuple[str, str, bool | str]:
     """(HParams data type, field of the value, the value as stored) of `value`. bool is tested before int, which it
-    subclasses; a number is stored as its shortest text (6, 0.001, 2e-05), since HParams shows every number to five
-    significant digits (6 steps as 6.0000, lr 0.001 as 0.0010000)."""
+    subclasses; a number is stored as its shortest text (6, 0.001, 2e-05; a whole float as an int: weight=2 as 2, not
+    2.0), since HParams shows every number to five significant digits (6 steps as 6.0000, lr 0.001 as 0.0010000)."""
     if isinstance(value, bool):
         return "DATA_TYPE_BOOL", "bool_value", value
     if isinstance(value, (int, float)):
-        return "DATA_TYPE_STRING", "string_value", repr(value)
+        return "DATA_TYPE_STRING", "string_value", repr(value).removesuffix(".0")
     return "DATA_TYPE_STRING", "string_value", value
 
 

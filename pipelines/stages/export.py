@@ -78,7 +78,7 @@ def check_export_dir(out: Path, to: str = "hf") -> None:
     found = run_files_in(out) if out.is_dir() else None
     if found is not None:
         raise ExportError(f"{out} holds a run of this project ({found}); the export would replace its {WEIGHTS} with "
-                          f"the exported layout, which finetune, fewshot and knn cannot read: choose another "
+                          f"{'timm' if to == 'timm' else 'the transformers'} layout, which finetune, fewshot and knn cannot read: choose another "
                           f"directory (--to {to} DIR)")
 
 
