@@ -28,7 +28,7 @@ that share one) are one emoji for the split, so no test image has a copy among t
 variants are left out: they are one drawing recoloured five times or more, and would make People & Body most of the
 images and the test set near-copies of itself. The four vendors' drawings of a test emoji are all test images, so
 they are no four independent samples: each file is named `<vendor>-<code>_<emoji>.png`, `<emoji>` the first code of
-the emoji's set (the split's unit; its own code for most), which the plan's `test_groups` reads from the key to
+the emoji's set (the split's unit; its own code for most), which the plan's `image_groups` reads from the key to
 resample whole emoji (docs/statistics.md). Transparent pixels are composited over mpp's own background (mpp.data.images.to_rgb, mid grey), so the images
 on disk are the pixels every mpp run reads.
 
@@ -214,7 +214,7 @@ def arrange_semi(packages: Path, out: Path, test_share: float) -> Counter:
     for (vendor, name), png in sorted(drawings.items()):
         entry = entries[name]
         part = "test" if entry["unified"] in test else "train"
-        # <vendor>-<code>_<emoji>.png: the emoji (the split's unit) last, so a plan's test_groups can read it from the key.
+        # <vendor>-<code>_<emoji>.png: the emoji (the split's unit) last, so a plan's image_groups can read it from the key.
         target = out / part / folder_name(entry["category"]) / f"{vendor}-{Path(name).stem}_{one_emoji[entry['unified']]}.png"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(png_bytes(to_rgb(Image.open(io.BytesIO(png)))))

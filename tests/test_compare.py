@@ -299,6 +299,23 @@ def test_dev_split_is_stratified_exact_per_class_and_deterministic(tmp_path):
     assert split_keys(tmp_path / "b" / "dev") == dev  # the same images, whatever the shard order
 
 
+def test_image_groups_keep_each_group_on_one_side_of_the_dev_split_and_in_one_fold(tmp_path):
+    # Groups of 10 images per class (keys c<class>-<group><digit>): the emoji plan's drawings of one emoji, in miniature.
+    uneven_shards(tmp_path / "down", {0: 100, 1: 50, 2: 30})
+    cfg, pattern = load_config(None, [f"data.shards={tmp_path / 'down'}"]), r"(c\d-\d{3})\d$"
+    group = lambda key: key[-6:-1]  # noqa: E731 (the key's group, as the pattern reads it)
+    split = compare.split_stage(cfg, tmp_path / "a", 0.35, pattern)
+    dev, train = split_keys(tmp_path / "a" / "dev"), split_keys(tmp_path / "a" / "train")
+    assert not {group(k) for k in dev} & {group(k) for k in train} and len(dev) + len(train) == 180
+    assert split["dev_images_per_class"] == {"0": 30, "1": 20, "2": 10}  # whole groups, nearest 35% of each class
+    assert compare.split_stage(cfg, tmp_path / "b", 0.35, pattern)["dev_images_per_class"] == split["dev_images_per_class"]
+    assert split_keys(tmp_path / "b" / "dev") == dev  # deterministic
+    folds = compare.fold_stage(cfg, tmp_path / "f", 3, pattern)["folds"]
+    fold_groups = [{group(k) for k in split_keys(tmp_path / "f" / f"fold{i}" / "dev")} for i in range(len(folds))]
+    assert sum(map(len, fold_groups)) == len(set().union(*fold_groups)) == 18  # every group in exactly one fold
+    assert all(len({g[:2] for g in groups}) == 3 for groups in fold_groups)  # every fold holds every class
+
+
 def test_dev_split_too_small_to_rank_the_grid_is_refused(tmp_path):
     uneven_shards(tmp_path / "down", {0: 100, 1: 50, 2: 30})
     cfg = load_config(None, [f"data.shards={tmp_path / 'down'}"])
@@ -437,35 +454,35 @@ def test_dry_run_states_the_smallest_gap_the_design_resolves_and_trains_nothing(
     assert "That is within the target_gap of 30.00 points." in capsys.readouterr().out
 
 
-def test_test_groups_that_miss_a_test_images_key_are_one_plain_error_naming_the_key_and_the_field(tmp_path, capsys):
+def test_image_groups_that_miss_a_test_images_key_are_one_plain_error_naming_the_key_and_the_field(tmp_path, capsys):
     import yaml
     from pipelines import cli
 
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump(tiny(tmp_path).model_dump(mode="json")))
-    assert cli.main(["compare", "--config", str(plan), "--dry-run", "test_groups=^shard-000000.tar/(00)-000"]) != 0
+    assert cli.main(["compare", "--config", str(plan), "--dry-run", "image_groups=^shard-000000.tar/(00)-000"]) != 0
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and captured.err.strip().count("\n") == 0
-    assert ("test image shard-000000.tar/00-0010 does not match test_groups '^shard-000000.tar/(00)-000', whose first "
-            "capture group must name what the image shows; fix the pattern or set test_groups: null") in captured.err
+    assert ("image shard-000000.tar/00-0010 does not match image_groups '^shard-000000.tar/(00)-000', whose first "
+            "capture group must name what the image shows; fix the pattern or set image_groups: null") in captured.err
     # Grouped by the key's last digit: 30 test images in 10 groups of 3, assumed answered alike (as 10 images).
-    assert cli.main(["compare", "--config", str(plan), "--dry-run", "test_groups=(.)$"]) == 0
-    assert "30 test images in 10 groups (test_groups), each group's images assumed answered alike, so they count as 10 " \
+    assert cli.main(["compare", "--config", str(plan), "--dry-run", "image_groups=(.)$"]) == 0
+    assert "30 test images in 10 groups (image_groups), each group's images assumed answered alike, so they count as 10 " \
            "independent images and 2 seed(s) per arm" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="test_groups 'abc' has no capture group"):
-        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["test_groups=abc"])
+    with pytest.raises(ConfigError, match="image_groups 'abc' has no capture group"):
+        load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", ["image_groups=abc"])
 
 
 def test_gaps_over_grouped_test_images_resample_the_groups_and_state_their_design_effect(tmp_path):
     """Two arms' results on 100 images, each scored as 4 identical renditions: grouped, the comparison is the one on the
-    100 originals; without test_groups it would claim twice the precision."""
+    100 originals; without image_groups it would claim twice the precision."""
     rng = np.random.default_rng(0)
     right = {"a": rng.random((2, 100)) < 0.7, "b": rng.random((2, 100)) < 0.6}
     keys = [f"s.tar/x_v{v}-{i:03d}" for i in range(100) for v in range(4)]
     arms = {arm: {"correct": {str(seed): {k: int(row[i // 4]) for i, k in enumerate(keys)} for seed, row in enumerate(r)},
                   "test": {"top1": float(r.mean()), "top1_std": float(r.mean(axis=1).std(ddof=1))}}
             for arm, r in right.items()}
-    grouped, = compare.gaps(arms, tiny(tmp_path, r"test_groups=-(\d+)$", "target_gap=0.2"))
+    grouped, = compare.gaps(arms, tiny(tmp_path, r"image_groups=-(\d+)$", "target_gap=0.2"))
     plain, = compare.gaps(arms, tiny(tmp_path, "target_gap=0.2"))
     assert grouped["resolution"]["design_effect"] == pytest.approx(4.0) and plain["resolution"]["design_effect"] == 1.0
     r = plain["resolution"]  # the same disagreement and seed spread, over the 100 originals
@@ -477,10 +494,10 @@ def test_gaps_over_grouped_test_images_resample_the_groups_and_state_their_desig
     assert all(grouped["mcnemar"][s]["p_value"] > plain["mcnemar"][s]["p_value"] for s in ("0", "1"))
     # The report says so: planned (groups assumed answered alike), observed, and which McNemar test it printed.
     from pipelines.comparison.report import design_record, gap_lines, resolution_lines
-    cc = tiny(tmp_path, r"test_groups=-(\d+)$", "target_gap=0.2")
+    cc = tiny(tmp_path, r"image_groups=-(\d+)$", "target_gap=0.2")
     report = {"gaps": [grouped], "design": design_record(cc, keys, 2, None), "config": cc.model_dump(mode="json")}
     text = "\n".join(resolution_lines(report) + gap_lines(report, [0, 1]))
-    assert ("400 test images in 100 groups (test_groups), each group's images assumed answered alike, so they count as "
+    assert ("400 test images in 100 groups (image_groups), each group's images assumed answered alike, so they count as "
             "100 independent images") in text
     assert "test images (grouped, with an observed design effect of 4.00: as 100 independent images)" in text
     assert "the bootstrap resamples whole groups, and McNemar's test is the clustered one" in text

@@ -116,7 +116,7 @@ def test_the_semi_supervised_split_pools_every_vendor_and_keeps_each_emoji_on_on
     assert not any(c.startswith("09") for names in codes.values() for c in names)  # Component left out
     side = {c: part for part, cs in codes.items() for c in cs}
     assert all(side[a] == side[b] for a, b in pairs.items())  # an obsoleted code and a shared drawing
-    # Each file names its emoji (the split's unit, what test_groups reads): its own code, or the first of its pair's.
+    # Each file names its emoji (the split's unit, what image_groups reads): its own code, or the first of its pair's.
     pair_of = {**pairs, **{b: a for a, b in pairs.items()}}
     assert all(one_emoji(n) == min(code(n), pair_of.get(code(n), code(n))) for names in files.values() for n in names)
     # Every vendor's drawing of every emoji of the nine classes, once (Google never drew 0303), in its category.
@@ -153,11 +153,11 @@ def test_the_semi_supervised_plan_builds_its_shards_in_one_command_and_its_dry_r
     design = compare.check(cc)
     assert (design["test_images"], design["seeds"]) == (test_images, 3)
     out = capsys.readouterr().out
-    # test_groups names each test drawing's emoji from its key: the drawings of one emoji are one group, assumed answered
+    # image_groups names each test drawing's emoji from its key: the drawings of one emoji are one group, assumed answered
     # alike before the runs, so the design counts the test emoji as its independent images.
     test_emoji = {p.stem.rsplit("_", 1)[1] for p in (tmp_path / "images" / "test").rglob("*.png")}
     assert design["test_groups"] == len(test_emoji) == 27 and design["planned"]["design_effect"] > 3.9
-    assert (f"[compare] design: {test_images} test images in 27 groups (test_groups), each group's images assumed "
+    assert (f"[compare] design: {test_images} test images in 27 groups (image_groups), each group's images assumed "
             f"answered alike, so they count as {test_images / design['planned']['design_effect']:.0f} independent images "
             f"and 3 seed(s) per arm") in out
     # Each budget's picks as its run will make them: 2 and 4 of each of 9 classes, under 500, so k-fold with k the

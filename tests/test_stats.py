@@ -8,7 +8,7 @@ from mpp.evaluation.baselines import likely_causes
 from mpp.errors import UserError
 from mpp.evaluation.stats import (Candidate, FoldError, assumed_design_effect, design_effect, dev_resolution, disagreement,
                                  gap_resolution, images_to_resolve, mcnemar, mcnemar_p, paired_bootstrap_gap, pick_recipe,
-                                 seeds_needed, stratified_folds)
+                                 dev_split, seeds_needed, stratified_folds)
 
 
 def shifted(images: int, right: int, shift: int, seeds: int = 1, noise: int = 0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -270,3 +270,57 @@ def test_a_weight_average_slower_than_the_run_is_named_among_the_likely_causes()
     assert causes[0] == ("the weight average: train.ema_decay=0.999999 averages over about 1,000,000 steps, more than the "
                          "run's 20, so the evaluated and saved weights are mostly the initial ones (lower it, or set it to null)")
     assert not any("weight average" in cause for cause in likely_causes(**common, ema_decay=0.9))
+
+
+def grouped_pool(groups_per_class: dict[int, int], shuffle_seed: int = 0) -> tuple[list[tuple[str, int]], list[str]]:
+    """Renditions of one thing: group g of class c holds 1-5 images (keys '<vendor>-<g>'), in a shuffled order."""
+    rows = [(f"v{v}-c{c}g{g}", c, f"c{c}g{g}") for c, n in groups_per_class.items() for g in range(n)
+            for v in range(1 + (g * 7 + c) % 5)]
+    np.random.default_rng(shuffle_seed).shuffle(rows)
+    return [(key, label) for key, label, _ in rows], [group for _, _, group in rows]
+
+
+def test_grouped_folds_keep_every_group_in_one_fold_stratified_and_deterministic():
+    samples, groups = grouped_pool({0: 40, 1: 25, 2: 12})
+    folds = stratified_folds(samples, 4, groups)
+    fold_of_group: dict[str, set[int]] = {}
+    for group, fold in zip(groups, folds):
+        fold_of_group.setdefault(group, set()).add(fold)
+    assert all(len(f) == 1 for f in fold_of_group.values())  # no group across folds
+    for label in (0, 1, 2):  # every fold holds about a quarter of each class (within one group of at most 5)
+        per_fold = [sum(1 for (_, c), f in zip(samples, folds) if c == label and f == i) for i in range(4)]
+        assert max(per_fold) - min(per_fold) <= 5 and min(per_fold) > 0
+    again, again_groups = grouped_pool({0: 40, 1: 25, 2: 12}, shuffle_seed=1)  # the same images in another order
+    assert dict(zip((k for k, _ in again), stratified_folds(again, 4, again_groups))) == dict(zip((k for k, _ in samples), folds))
+    few, few_groups = grouped_pool({0: 10, 1: 10, 2: 4})
+    with pytest.raises(FoldError, match=r"dev_folds 5 needs at least 5 groups \(image_groups\) of every class, and class 2 has 4"):
+        stratified_folds(few, 5, few_groups)
+
+
+def test_a_group_spanning_classes_goes_whole_with_its_majority_class():
+    samples = [("a1", 0), ("a2", 0), ("a3", 1)] + [(f"x{i}", i % 2) for i in range(20)]
+    groups = ["a", "a", "a"] + [f"x{i}" for i in range(20)]
+    folds = stratified_folds(samples, 2, groups)
+    assert len(set(folds[:3])) == 1
+    assert len(dev_split(samples, 0.5, groups) & {"a1", "a2", "a3"}) in (0, 3)
+
+
+def test_grouped_dev_split_keeps_groups_whole_near_each_class_share_and_deterministic():
+    samples, groups = grouped_pool({0: 40, 1: 25, 2: 12})
+    dev = dev_split(samples, 0.3, groups)
+    sides: dict[str, set[bool]] = {}
+    for (key, _), group in zip(samples, groups):
+        sides.setdefault(group, set()).add(key in dev)
+    assert all(len(s) == 1 for s in sides.values())  # no group on both sides
+    for label in (0, 1, 2):  # each class's dev share within half the largest group (5 images) of round(0.3 x n)
+        images = sum(1 for _, c in samples if c == label)
+        assert abs(sum(1 for k, c in samples if c == label and k in dev) - round(0.3 * images)) <= 2.5
+    again, again_groups = grouped_pool({0: 40, 1: 25, 2: 12}, shuffle_seed=1)
+    assert dev_split(again, 0.3, again_groups) == dev
+
+
+def test_ungrouped_dev_split_is_the_split_compare_always_made():
+    # The keys main's split_stage put in dev for this pool (dev_fraction 0.3), before the split moved here.
+    samples = [(f"shard-{i % 3:06d}.tar/k{i:03d}", (i * 7) % 3) for i in range(30)]
+    assert sorted(key.split("/")[1] for key in dev_split(samples, 0.3)) == [
+        "k000", "k004", "k008", "k010", "k014", "k018", "k020", "k024", "k028"]

@@ -9,7 +9,8 @@
 - `gap_resolution`, `images_to_resolve`, `disagreement`: the smallest gap a design (test images, seeds) resolves,
   planned from an assumed disagreement between the arms or read from the one observed.
 - `pick_recipe`: the dev pick that treats differences the dev split cannot resolve as ties.
-- `stratified_folds`: a stratified, key-hashed k-fold assignment.
+- `stratified_folds`, `dev_split`: a stratified, key-hashed k-fold assignment and dev split, grouped where the images
+  are (renditions of one thing kept on one side).
 - `balanced_accuracy`: the mean per-class recall, top-1's counterpart on a test set whose classes are imbalanced.
 
 docs/statistics.md gives the method, its assumptions and a worked example.
@@ -343,24 +344,27 @@ class FoldError(UserError):
     """A labelled set too small for the k-fold split asked for."""
 
 
-def stratified_folds(samples: Iterable[tuple[str, int]], k: int) -> list[int]:
+def stratified_folds(samples: Iterable[tuple[str, int]], k: int, groups: Sequence[Hashable] | None = None) -> list[int]:
     """A fold index in [0, k) for each (key, label) sample, in the samples' order.
 
     Stratified: within each class the samples are ordered by a hash of their key (zlib.crc32, then the key) and dealt
     to the folds in turn, continuing from where the previous class (in label order) stopped; so every fold holds each
     class's images to within one, and the folds' sizes differ by at most one. The same keys give the same folds on
     every run and machine, whatever order the samples come in. Refuses a class with fewer than k images: a fold
-    without that class could not score it.
+    without that class could not score it. With `groups` (each sample's group, e.g. renditions of one thing), whole
+    groups are dealt instead (`grouped_folds`).
     """
     samples = list(samples)
     if k < 2:
         raise ValueError(f"k-fold needs k >= 2, got {k}")
-    by_class: dict[int, list[int]] = {}
-    for index, (_, label) in enumerate(samples):
-        by_class.setdefault(int(label), []).append(index)
     keys = [key for key, _ in samples]
     if len(set(keys)) != len(keys):
         raise ValueError("stratified_folds needs distinct keys (the hash that deals the folds is of the key)")
+    if groups is not None:
+        return grouped_folds([label for _, label in samples], groups, k)
+    by_class: dict[int, list[int]] = {}
+    for index, (_, label) in enumerate(samples):
+        by_class.setdefault(int(label), []).append(index)
     if not by_class:
         raise FoldError(f"dev_folds {k} needs labelled images, and there are none; point data.shards at labelled shards")
     fewest = min(by_class, key=lambda label: (len(by_class[label]), label))
@@ -375,6 +379,74 @@ def stratified_folds(samples: Iterable[tuple[str, int]], k: int) -> list[int]:
             folds[index] = (dealt + rank) % k
         dealt += len(ranked)
     return folds
+
+
+def groups_by_class(labels: Sequence[int], groups: Sequence[Hashable]) -> dict[int, dict[Hashable, list[int]]]:
+    """{class: {group: its images' indices}}, each group under its majority class (the lowest such label on a tie:
+    a group whose images span classes is kept whole, so it counts wholly as that class in stratification)."""
+    if len(groups) != len(labels):
+        raise ValueError(f"one group per image is needed, got {len(groups)} for {len(labels)} images")
+    members: dict[Hashable, list[int]] = {}
+    for index, group in enumerate(groups):
+        members.setdefault(group, []).append(index)
+    by_class: dict[int, dict[Hashable, list[int]]] = {}
+    for group, indices in members.items():
+        votes = np.bincount([int(labels[i]) for i in indices])
+        by_class.setdefault(int(votes.argmax()), {})[group] = indices
+    return by_class
+
+
+def group_rank(group: Hashable) -> tuple[int, str]:
+    """A group's place in the hash order that deals groups (the same on every run and machine)."""
+    return zlib.crc32(str(group).encode()), str(group)
+
+
+def grouped_folds(labels: Sequence[int], groups: Sequence[Hashable], k: int) -> list[int]:
+    """A fold index in [0, k) for each image, every image of a group in one fold. Stratified by each group's majority
+    class (`groups_by_class`): class by class (in label order), its groups, largest first and then in hash order, go
+    each to the fold holding the fewest of that class's images (then the fewest images in all, then the lowest
+    index), so every fold holds every class and the folds' sizes differ by about a group. Refuses a class with
+    fewer than k groups."""
+    by_class = groups_by_class(labels, groups)
+    if not by_class:
+        raise FoldError(f"dev_folds {k} needs labelled images, and there are none; point data.shards at labelled shards")
+    fewest = min(by_class, key=lambda label: (len(by_class[label]), label))
+    if len(by_class[fewest]) < k:
+        raise FoldError(f"dev_folds {k} needs at least {k} groups (image_groups) of every class, and class {fewest} "
+                        f"has {len(by_class[fewest])}; lower dev_folds to {max(2, len(by_class[fewest]))} or add images of class {fewest}")
+    folds, fold_images = [0] * len(labels), [0] * k
+    for label in sorted(by_class):
+        class_images = [0] * k
+        for group, indices in sorted(by_class[label].items(), key=lambda item: (-len(item[1]), group_rank(item[0]))):
+            fold = min(range(k), key=lambda f: (class_images[f], fold_images[f], f))
+            for index in indices:
+                folds[index] = fold
+            class_images[fold] += len(indices)
+            fold_images[fold] += len(indices)
+    return folds
+
+
+def dev_split(samples: Iterable[tuple[str, int]], dev_fraction: float, groups: Sequence[Hashable] | None = None) -> set[str]:
+    """The keys of a stratified dev split of (key, label) samples: each class gives round(dev_fraction x its images)
+    (half up), its images ordered by a hash of the key's last part (after "/": the sample key, whatever the shard).
+    With `groups` (each sample's group), whole groups go to dev, each under its majority class (`groups_by_class`):
+    in hash order of the group, a group is taken where it brings the class's dev images nearer round(dev_fraction x
+    the class's images), so each class's dev share is met to within about a group."""
+    samples = list(samples)
+    if groups is None:
+        by_class: dict[int, list[str]] = {}
+        for key, label in samples:
+            by_class.setdefault(int(label), []).append(key)
+        return {key for keys in by_class.values()
+                for key in sorted(keys, key=lambda k: (zlib.crc32(k.rsplit("/", 1)[-1].encode()), k))[:math.floor(dev_fraction * len(keys) + 0.5)]}
+    dev: set[str] = set()
+    for members in groups_by_class([label for _, label in samples], groups).values():
+        target, taken = math.floor(dev_fraction * sum(map(len, members.values())) + 0.5), 0
+        for group in sorted(members, key=group_rank):
+            if abs(taken + len(members[group]) - target) < abs(taken - target):
+                dev.update(samples[i][0] for i in members[group])
+                taken += len(members[group])
+    return dev
 
 
 def balanced_accuracy(correct: dict[str, int | bool], labels: dict[str, int]) -> float:

@@ -26,7 +26,7 @@ def gaps(arms: dict[str, dict], cc: CompareConfig) -> list[dict]:
             raise CompareError(f"arms {a} and {b} were scored on different evaluation images; rerun their test stages "
                                f"on the plan's finetune data.val_shards")
         matrix = {name: [[e["correct"][seed][k] for k in keys] for seed in e["correct"]] for name, e in ((a, ea), (b, eb))}
-        groups = key_groups(cc.test_groups, keys)  # None: every test image independent
+        groups = key_groups(cc.image_groups, keys)  # None: every test image independent
         interval = paired_bootstrap_gap(matrix[a], matrix[b], groups=groups)
         per_seed = {seed: asdict(mcnemar(ra, rb, groups)) for seed, ra, rb in zip(ea["correct"], matrix[a], matrix[b])}
         ta, tb = ea["test"], eb["test"]
@@ -87,23 +87,23 @@ def pretrain_length_results(cc: CompareConfig, reports: dict[str, dict], entries
                 low, high = sorted((sign * gap["low"], sign * gap["high"]))
                 points[multiple] = {"pretrain_steps": steps[multiple][arm], "test": report["arms"][arm]["test"],
                                     "gap": sign * gap["gap"], "low": low, "high": high, "excludes_zero": gap["excludes_zero"]}
-            arms[arm] = {"points": points, "rising_step": rising_step([entries[m][budget][arm] for m in multiples[-2:]], cc.test_groups)}
+            arms[arm] = {"points": points, "rising_step": rising_step([entries[m][budget][arm] for m in multiples[-2:]], cc.image_groups)}
         budgets[budget] = arms
     return {"config": cc.model_dump(mode="json"), "multiples": multiples, "budgets": budgets, "scratch": scratch}
 
 
-def rising_step(entries: list[dict], test_groups: str | None = None) -> dict | None:
+def rising_step(entries: list[dict], image_groups: str | None = None) -> dict | None:
     """The last step up the pretraining lengths of one arm: its test top-1 at the longest minus at the one before, with
     the paired 95% interval over the test images and seeds (scratch is one set of runs at every length, so this is also
     the step of the gap over scratch). The curve still rises there when the step's point estimate is above 0 (whether
     or not the interval resolves it: an unresolved rise is no evidence the curve has levelled off); test images grouped
-    by `test_groups` are resampled by group, as in `gaps`. None: one length."""
+    by `image_groups` are resampled by group, as in `gaps`. None: one length."""
     if len(entries) < 2:
         return None
     before, last = entries
     keys = sorted(next(iter(last["correct"].values())))
     interval = paired_bootstrap_gap([[hits[k] for k in keys] for hits in last["correct"].values()],
                                     [[hits[k] for k in keys] for hits in before["correct"].values()],
-                                    groups=key_groups(test_groups, keys))
+                                    groups=key_groups(image_groups, keys))
     return {"gap": interval.gap, "low": interval.low, "high": interval.high, "excludes_zero": interval.excludes_zero,
             "rising": interval.gap > 0}

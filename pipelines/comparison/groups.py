@@ -1,4 +1,5 @@
-"""Test images grouped by what they show (a plan's `test_groups`): each image's group, read from its key."""
+"""Images grouped by what they show (a plan's `image_groups`): the test images the intervals resample and the labelled
+pool the dev split and folds divide; each image's group, read from its key."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from mpp.errors import UserError
 
 
 class GroupKeyError(UserError):
-    """A test image's key that the plan's test_groups pattern does not name a group in."""
+    """An image's key that the plan's image_groups pattern does not name a group in."""
 
 
 def key_groups(pattern: str | None, keys: Iterable[str]) -> list[str] | None:
@@ -21,7 +22,7 @@ def key_groups(pattern: str | None, keys: Iterable[str]) -> list[str] | None:
     for key in keys:
         match = regex.search(key)
         if match is None or not match.group(1):
-            raise GroupKeyError(f"test image {key} does not match test_groups {pattern!r}, whose first capture group "
-                                 f"must name what the image shows; fix the pattern or set test_groups: null")
+            raise GroupKeyError(f"image {key} does not match image_groups {pattern!r}, whose first capture group "
+                                 f"must name what the image shows; fix the pattern or set image_groups: null")
         groups.append(match.group(1))
     return groups

@@ -79,7 +79,7 @@ class CompareConfig(Section):
     label_fractions: list[float] = Field([], description="Label budgets as fractions of every class's labelled images instead of labels_per_class (e.g. [0.01, 0.1, 1.0]), drawn and run the same way.")
     target_gap: float | None = Field(None, gt=0, lt=1, description="The smallest top-1 gap (a fraction: 0.02 is 2 points) the comparison should resolve; where its design resolves only wider gaps, compare says so in one line at its start, in --dry-run and in the report, with the test images and seeds it would need. null: no target.")
     assumed_disagreement: float = Field(0.2, gt=0, le=1, description="The fraction of test images two arms' runs are assumed to classify differently (typically 0.1-0.25), from which compare states before training the smallest gap its design resolves; the report restates it from the disagreement observed.")
-    test_groups: str | None = Field(None, description="A regular expression searched in each test image's key (<shard file>/<sample key>) whose first capture group names what the image shows, for test sets holding several renditions of one thing (e.g. '_([0-9a-f-]+)$' for the emoji of configs/compare/emoji_semi.yaml): the paired intervals resample whole groups and the resolution counts them as correlated (docs/statistics.md). null: every test image independent.")
+    image_groups: str | None = Field(None, description="A regular expression searched in each image's key (<shard file>/<sample key>) whose first capture group names what the image shows, for data holding several renditions of one thing (e.g. '_([0-9a-f-]+)$' for the emoji of configs/compare/emoji_semi.yaml): the paired intervals resample whole test groups, the resolution counts them as correlated, and the dev split and folds keep each group on one side (docs/statistics.md). null: every image independent.")
     assumed_seed_std: float = Field(0.005, ge=0, lt=1, description="The assumed spread (standard deviation, a fraction) of an arm's test top-1 between fine-tuning seeds, for the same statement; the report uses the spread observed where there are several seeds.")
 
     @field_validator("arms")
@@ -107,15 +107,15 @@ class CompareConfig(Section):
                 raise ValueError(f"arm '{arm.name}' names objective '{arm.objective}'; choose one of {', '.join(OBJECTIVES)} (or the arm {SCRATCH})")
         return resolved
 
-    @field_validator("test_groups")
+    @field_validator("image_groups")
     @classmethod
-    def _test_groups(cls, pattern: str | None) -> str | None:
+    def _image_groups(cls, pattern: str | None) -> str | None:
         try:
             groups = None if pattern is None else re.compile(pattern).groups
         except re.error as e:
-            raise ValueError(f"test_groups {pattern!r} is not a regular expression ({e})") from None
+            raise ValueError(f"image_groups {pattern!r} is not a regular expression ({e})") from None
         if groups == 0:
-            raise ValueError(f"test_groups {pattern!r} has no capture group; put the part of the key that names what "
+            raise ValueError(f"image_groups {pattern!r} has no capture group; put the part of the key that names what "
                              f"the image shows in parentheses")
         return pattern
 

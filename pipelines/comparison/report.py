@@ -64,9 +64,9 @@ def last_quarter_change(curve: list[list[float]]) -> float | None:
 
 def design_record(cc: CompareConfig, test_keys: Collection[str], seeds: int, dev_images: int | None) -> dict:
     """What the plan's design resolves before it trains (results.json's `design`): its test images (grouped by
-    test_groups, each group's images assumed answered alike) and seeds under the plan's assumed disagreement and seed
+    image_groups, each group's images assumed answered alike) and seeds under the plan's assumed disagreement and seed
     spread, what its dev split resolves between candidates, and what a missed `target_gap` would need."""
-    test_images, groups = len(test_keys), key_groups(cc.test_groups, test_keys)
+    test_images, groups = len(test_keys), key_groups(cc.image_groups, test_keys)
     effect = assumed_design_effect(groups) if groups else 1.0
     planned = gap_resolution(test_images, seeds, cc.assumed_disagreement, cc.assumed_seed_std, design_effect=effect)
     record = {"test_images": test_images, "seeds": seeds, "dev_images": dev_images, "target_gap": cc.target_gap,
@@ -117,7 +117,7 @@ def target_line(record: dict, resolvable: float) -> str | None:
 def design_lines(record: dict) -> list[str]:
     """The design's resolution in words: printed at compare's start and by --dry-run, and in the report."""
     planned = record["planned"]
-    grouped = (f" in {record['test_groups']:,} groups (test_groups), each group's images assumed answered alike, so "
+    grouped = (f" in {record['test_groups']:,} groups (image_groups), each group's images assumed answered alike, so "
                f"they count as {record['test_images'] / planned['design_effect']:,.0f} independent images"
                if record.get("test_groups") else "")
     lines = [f"{record['test_images']:,} test images{grouped} and {record['seeds']} seed(s) per arm; assuming two arms' runs "
@@ -281,8 +281,8 @@ def gap_lines(report: dict, seeds: list[int]) -> list[str]:
              "(docs/statistics.md). An interval that excludes 0 resolves the gap; one that does not means the data "
              "cannot tell the arms apart. McNemar's exact test compares each seed's pair of runs on their discordant "
              "images.", ""]
-    if pattern := report["config"].get("test_groups"):
-        lines[-1:-1] = [f"The test images are grouped by test_groups {pattern!r} (renditions of one thing): the bootstrap "
+    if pattern := report["config"].get("image_groups"):
+        lines[-1:-1] = [f"The test images are grouped by image_groups {pattern!r} (renditions of one thing): the bootstrap "
                         f"resamples whole groups, and McNemar's test is the clustered one (Durkalski et al., 2003; "
                         f"chi-square, not exact).", ""]
     if not report["gaps"]:

@@ -64,13 +64,14 @@ from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.prepare_inputs import Sample, Source
 from mpp.data.shardwriter import write_shards
 from mpp.evaluation.baselines import evaluation_baselines
-from mpp.evaluation.stats import Candidate, dev_resolution, gap_resolution, pick_recipe, stratified_folds
+from mpp.evaluation.stats import Candidate, dev_resolution, dev_split, gap_resolution, pick_recipe, stratified_folds
 from mpp.data.tars import ShardEnd, shard_samples
 from . import finetune, pretrain
 from ..evaluations.evaluators import Stage, TopK
 from ..evaluations.fewshot import FewShot
 from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
+from ..comparison.groups import key_groups
 from ..comparison.gaps import balanced_over_seeds, gaps, pretrain_length_results
 from ..comparison.plan import (Arm, CompareConfig, CompareError, arm_plan, budget_names, budget_takes, next_length,
                                pretrain_config, pretrain_length_dir, pretrain_length_plan, recipes, searches_length,
@@ -364,15 +365,16 @@ class Selection:
         if not select:
             return cls((), base.data.shards, base.data.val_shards, {})
         folds, auto = (cc.dev_folds, None) if cc.dev_folds != "auto" else auto_folds(base)
+        grouped = {"image_groups": cc.image_groups} if cc.image_groups else {}  # ungrouped plans' stages resume as before
         if folds:
             info = stage(out / "split", f"{folds}-fold split of {base.data.shards}",
-                         {"shards": base.data.shards, "dev_folds": folds},
-                         lambda: fold_stage(base, out / "split", folds))
+                         {"shards": base.data.shards, "dev_folds": folds, **grouped},
+                         lambda: fold_stage(base, out / "split", folds, cc.image_groups))
             splits = tuple((fold["train"], fold["dev"]) for fold in info["folds"])
             return cls(splits, base.data.shards, base.data.val_shards, {**info, "auto_folds": auto})
         info = stage(out / "split", f"dev split ({cc.dev_fraction:.0%} of {base.data.shards})",
-                     {"shards": base.data.shards, "dev_fraction": cc.dev_fraction},
-                     lambda: split_stage(base, out / "split", cc.dev_fraction))
+                     {"shards": base.data.shards, "dev_fraction": cc.dev_fraction, **grouped},
+                     lambda: split_stage(base, out / "split", cc.dev_fraction, cc.image_groups))
         return cls(((info["train"], info["dev"]),), info["train"], info["dev"], info)
 
     @property
@@ -438,27 +440,24 @@ def write_part(cfg: Config, out: Path, keep: Callable[[str], bool]) -> int:
     return write_shards(Source(f"part of {cfg.data.shards}", 0, read, names), out, overwrite=True)["samples"]
 
 
-def split_stage(cfg: Config, out: Path, dev_fraction: float) -> dict:
-    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev, stratified: each class gives
-    round(dev_fraction x its images) to dev, chosen by a hash of the key (the same split on every run and machine).
+def split_stage(cfg: Config, out: Path, dev_fraction: float, image_groups: str | None = None) -> dict:
+    """Copy the downstream training shards (cfg.data.shards) into out/train and out/dev, stratified by class and
+    chosen by a hash of the key, whole groups of the plan's image_groups on one side (mpp.evaluation.stats.dev_split).
 
     Refuses a dev split with fewer than DEV_MIN_PER_CLASS images of some class: it could not rank the grid.
     """
-    by_class: dict[int, list[str]] = {}
-    for ident, _, label in labelled_samples(cfg):
-        by_class.setdefault(label, []).append(ident)
-    dev_counts = {label: math.floor(dev_fraction * len(idents) + 0.5) for label, idents in by_class.items()}
-    if not by_class or min(dev_counts.values()) < DEV_MIN_PER_CLASS:
-        fewest = min(by_class, key=lambda label: len(by_class[label])) if by_class else None
-        have = f"class {fewest} has {len(by_class[fewest])} images, so {dev_counts[fewest]} in dev" if by_class else "no labelled images"
+    samples = [(ident, label) for ident, _, label in labelled_samples(cfg)]
+    dev = dev_split(samples, dev_fraction, key_groups(image_groups, (ident for ident, _ in samples)))
+    images, dev_counts = Counter(label for _, label in samples), Counter(label for ident, label in samples if ident in dev)
+    fewest = min(images, key=lambda label: (dev_counts[label], images[label])) if images else None
+    if fewest is None or dev_counts[fewest] < DEV_MIN_PER_CLASS:
+        have = f"class {fewest} has {images[fewest]} images, so {dev_counts[fewest]} in dev" if images else "no labelled images"
         raise CompareError(f"the dev split ({dev_fraction:g} of {cfg.data.shards}) is too small to pick recipes: it "
                            f"needs at least {DEV_MIN_PER_CLASS} images of every class ({have}); raise dev_fraction, use "
                            f"dev_folds (cross-validation over every image), or use more training images")
-    dev = {ident for label, idents in by_class.items()
-           for ident in sorted(idents, key=lambda i: (zlib.crc32(i.rsplit("/", 1)[-1].encode()), i))[:dev_counts[label]]}
     counts = {name: write_part(cfg, out / name, lambda ident, name=name: (ident in dev) == (name == "dev")) for name in ("train", "dev")}
     return {"train": str(out / "train"), "dev": str(out / "dev"), "train_images": counts["train"], "dev_images": counts["dev"],
-            "dev_images_per_class": {str(k): v for k, v in sorted(dev_counts.items())}}
+            "dev_images_per_class": {str(k): dev_counts[k] for k in sorted(images)}}
 
 
 def check_budgets(cc: CompareConfig, cfg: Config, per_class: Counter) -> None:
@@ -512,10 +511,12 @@ def budget_stage(cfg: Config, out: Path, cc: CompareConfig) -> dict:
     return draws
 
 
-def fold_stage(cfg: Config, out: Path, k: int) -> dict:
-    """k stratified folds of cfg.data.shards (mpp.evaluation.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
+def fold_stage(cfg: Config, out: Path, k: int, image_groups: str | None = None) -> dict:
+    """k stratified folds of cfg.data.shards, whole groups of the plan's image_groups in one fold
+    (mpp.evaluation.stats.stratified_folds), each written as out/fold<i>/{train,dev}."""
     samples = [(ident, label) for ident, _, label in labelled_samples(cfg)]
-    fold_of = dict(zip((ident for ident, _ in samples), stratified_folds(samples, k)))
+    groups = key_groups(image_groups, (ident for ident, _ in samples))
+    fold_of = dict(zip((ident for ident, _ in samples), stratified_folds(samples, k, groups)))
     folds = []
     for i in range(k):
         parts = {name: write_part(cfg, out / f"fold{i}" / name, lambda ident, name=name: (fold_of[ident] == i) == (name == "dev"))
