@@ -220,15 +220,10 @@ def test_labels(base: Config) -> dict[str, int]:
 
 def dev_image_count(cc: CompareConfig, base: Config) -> int:
     """The images the plan's candidates are scored on, as Selection.of will split them: every labelled image under
-    k-fold, else round(dev_fraction x its images) of each class."""
-    per_class: dict[int, int] = {}
-    for _, _, label in labelled_samples(base):
-        per_class[label] = per_class.get(label, 0) + 1
+    k-fold, else the dev split's (whole groups where the plan names image_groups)."""
+    samples = [(ident, label) for ident, _, label in labelled_samples(base)]
     folds = cc.dev_folds if cc.dev_folds != "auto" else auto_folds(base)[0]
-    return sum(per_class.values()) if folds else sum(math.floor(cc.dev_fraction * n + 0.5) for n in per_class.values())
-
-
-# ---------------------------------------------------------------- stages
+    return len(samples) if folds else len(dev_split(samples, cc.dev_fraction, key_groups(cc.image_groups, (i for i, _ in samples))))
 
 
 def wait_while_running_elsewhere(directory: Path, name: str) -> None:
