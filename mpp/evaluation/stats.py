@@ -365,12 +365,7 @@ def stratified_folds(samples: Iterable[tuple[str, int]], k: int, groups: Sequenc
     by_class: dict[int, list[int]] = {}
     for index, (_, label) in enumerate(samples):
         by_class.setdefault(int(label), []).append(index)
-    if not by_class:
-        raise FoldError(f"dev_folds {k} needs labelled images, and there are none; point data.shards at labelled shards")
-    fewest = min(by_class, key=lambda label: (len(by_class[label]), label))
-    if len(by_class[fewest]) < k:
-        raise FoldError(f"dev_folds {k} needs at least {k} images of every class, and class {fewest} has "
-                        f"{len(by_class[fewest])}; lower dev_folds to {max(2, len(by_class[fewest]))} or add images of class {fewest}")
+    check_fold_classes({label: len(indices) for label, indices in by_class.items()}, k, "images")
     folds = [0] * len(samples)
     dealt = 0
     for label in sorted(by_class):
@@ -379,6 +374,16 @@ def stratified_folds(samples: Iterable[tuple[str, int]], k: int, groups: Sequenc
             folds[index] = (dealt + rank) % k
         dealt += len(ranked)
     return folds
+
+
+def check_fold_classes(counts: dict[int, int], k: int, units: str) -> None:
+    """Refuse k folds of classes holding `counts` units (images, or groups of them) where a class has fewer than k."""
+    if not counts:
+        raise FoldError(f"dev_folds {k} needs labelled images, and there are none; point data.shards at labelled shards")
+    fewest = min(counts, key=lambda label: (counts[label], label))
+    if counts[fewest] < k:
+        raise FoldError(f"dev_folds {k} needs at least {k} {units} of every class, and class {fewest} has "
+                        f"{counts[fewest]}; lower dev_folds to {max(2, counts[fewest])} or add images of class {fewest}")
 
 
 def groups_by_class(labels: Sequence[int], groups: Sequence[Hashable]) -> dict[int, dict[Hashable, list[int]]]:
@@ -408,12 +413,7 @@ def grouped_folds(labels: Sequence[int], groups: Sequence[Hashable], k: int) -> 
     index), so every fold holds every class and the folds' sizes differ by about a group. Refuses a class with
     fewer than k groups."""
     by_class = groups_by_class(labels, groups)
-    if not by_class:
-        raise FoldError(f"dev_folds {k} needs labelled images, and there are none; point data.shards at labelled shards")
-    fewest = min(by_class, key=lambda label: (len(by_class[label]), label))
-    if len(by_class[fewest]) < k:
-        raise FoldError(f"dev_folds {k} needs at least {k} groups (image_groups) of every class, and class {fewest} "
-                        f"has {len(by_class[fewest])}; lower dev_folds to {max(2, len(by_class[fewest]))} or add images of class {fewest}")
+    check_fold_classes({label: len(members) for label, members in by_class.items()}, k, "groups (image_groups)")
     folds, fold_images = [0] * len(labels), [0] * k
     for label in sorted(by_class):
         class_images = [0] * k
