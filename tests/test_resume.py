@@ -296,30 +296,29 @@ def test_a_resume_that_splits_the_global_batch_into_more_micro_batches_steps_on_
     # steps of one micro-batch left it at 3, and two micro-batches a step then stepped the optimiser after the first
     # of each. Supervised pretraining in fp32 draws no randomness per batch, so 2 x 4 images trains as 1 x 8.
     make_shards([40, 40], size=32)
-    split = ["objective=supervised", "model.num_classes=10", "train.global_batch_size=8", "train.mixed_precision=no",
-             "train.checkpoint_every=3"]
-    pretrain.run(pretrain_config(tmp_path, *split))
+    assert resumed_with_another_split(tmp_path, 8, [], ["train.grad_accum=2"]) < 1e-5
+
+
+def resumed_with_another_split(tmp_path, global_batch: int, first: list[str], then: list[str]) -> float:
+    """Supervised pretraining in fp32 (no randomness per batch) of `global_batch` images a step, checkpointed every 3
+    steps, run through with `first`, then resumed from its step-3 checkpoint with `then` instead: the largest
+    difference of any weight between the two ends."""
+    split = ["objective=supervised", "model.num_classes=10", f"train.global_batch_size={global_batch}",
+             "train.mixed_precision=no", "train.checkpoint_every=3"]
+    pretrain.run(pretrain_config(tmp_path, *split, *first))
     uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
     shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])  # as if it had died after step 3's checkpoint
     reset_accelerator()
-    pretrain.run(pretrain_config(tmp_path, *split, "train.grad_accum=2"), resume=True)
+    pretrain.run(pretrain_config(tmp_path, *split, *then), resume=True)
     resumed = load_file(tmp_path / "run" / "model.safetensors")
-    assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted) < 1e-5
+    return max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
 
 
 def test_a_run_sized_by_its_global_batch_may_split_it_into_other_micro_batches_on_resume(tmp_path, make_shards):
     # A global batch of 12 in micro-batches of 4 cannot move to 2 processes (6 each); the advice is another
     # micro_batch_size, which a resume used to refuse as a changed 'train' config (red team round 5, rows 32-33).
     make_shards([40, 40], size=32)
-    split = ["objective=supervised", "model.num_classes=10", "train.global_batch_size=12", "train.mixed_precision=no",
-             "train.checkpoint_every=3"]
-    pretrain.run(pretrain_config(tmp_path, *split, "train.micro_batch_size=4"))
-    uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
-    shutil.rmtree(complete_checkpoints(tmp_path / "run")[-1])  # as if it had died after step 3's checkpoint
-    reset_accelerator()
-    pretrain.run(pretrain_config(tmp_path, *split, "train.micro_batch_size=2"), resume=True)
-    resumed = load_file(tmp_path / "run" / "model.safetensors")
-    assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted) < 1e-5
+    assert resumed_with_another_split(tmp_path, 12, ["train.micro_batch_size=4"], ["train.micro_batch_size=2"]) < 1e-5
 
 
 def test_a_resume_shorter_than_its_checkpoint_is_refused(tmp_path, finished_run):

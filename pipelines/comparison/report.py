@@ -62,6 +62,11 @@ def last_quarter_change(curve: list[list[float]]) -> float | None:
     return last - before[-1] if before else None
 
 
+def heading(title: str, cc: CompareConfig) -> list[str]:
+    """A report's first lines: its title, then the plan's note where it has one."""
+    return [f"# {title}", ""] + ([f"> **Note:** {cc.note}", ""] if cc.note else [])
+
+
 def design_record(cc: CompareConfig, test_keys: Collection[str], seeds: int, dev_images: int | None) -> dict:
     """What the plan's design resolves before it trains (results.json's `design`): its test images (grouped by
     image_groups, each group's images assumed answered alike) and seeds under the plan's assumed disagreement and seed
@@ -148,9 +153,7 @@ def budget_markdown(result: dict, cc: CompareConfig) -> str:
     seeds = result["seeds"]
     seeds_note = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
     known = beside("", result["test_set"]["baselines"], lambda b: f"{100 * b:.2f}%").strip(" ()")
-    lines = [f"# Label efficiency: {' vs '.join(arms)}", ""]
-    if cc.note:
-        lines += [f"> **Note:** {cc.note}", ""]
+    lines = heading(f"Label efficiency: {' vs '.join(arms)}", cc)
     lines += [f"Each budget ({kind}) is a stratified draw of the labelled images, nested (each smaller draw inside every "
               f"larger one) and the same for every arm and seed; each arm was pretrained once, and at every budget its "
               f"recipe, length and seeds were picked and run as in a plan of its own (its report: budget-<budget>/report.md). "
@@ -179,9 +182,7 @@ def pretrain_length_markdown(result: dict, cc: CompareConfig) -> str:
     """pretrain_length.md: each pretrained arm's gap over scratch per pretraining length with its paired 95% interval
     (per label budget where the plan has budgets), and in words whether each curve still rises at the longest."""
     multiples = result["multiples"]
-    lines = ["# Pretraining length: each gap over scratch", ""]
-    if cc.note:
-        lines += [f"> **Note:** {cc.note}", ""]
+    lines = heading("Pretraining length: each gap over scratch", cc)
     lines += [f"Each pretrained arm pretrained at {', '.join(f'x{m}' for m in multiples)} its plan's pretraining steps, "
               f"each length its own run to its own schedule (warmup, then cosine to its last step), and the whole "
               f"fine-tuning side (picks, lengths, seeds, tests) run from each. x1 is the plan as it runs without this "
@@ -383,9 +384,7 @@ def report_markdown(report: dict, cc: CompareConfig, base: Config) -> str:
 def results_lines(report: dict, cc: CompareConfig, base: Config, seeds_note: str) -> list[str]:
     """The title, the note and warnings, how fine-tuning ran and was picked, the arms' table, the gaps and picks."""
     arms, on_dev = report["arms"], report["select_on_dev"]
-    lines = [f"# {' vs '.join(arms)}", ""]
-    if cc.note:
-        lines += [f"> **Note:** {cc.note}", ""]
+    lines = heading(' vs '.join(arms), cc)
     for arm, e in arms.items():
         if flagged := never_learned(e["pretrain"]):
             lines += [f"> **Warning:** the {arm} pretraining ended with {'; '.join(flagged)}: it never beat a guess that "

@@ -129,13 +129,23 @@ def run_pretrain_lengths(cc: CompareConfig) -> dict:
         reports[f"{multiple:g}"] = run_once(plan, entries[f"{multiple:g}"])
     result = pretrain_length_results(cc, reports, entries, steps)
     out = Path(cc.output_dir)
-    if process_state().is_main_process:
-        (out / "pretrain_length.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-        (out / "pretrain_length.md").write_text(pretrain_length_markdown(result, cc))
-        pretrain_length_figure(result, out / "pretrain_length.png")
-        print(f"[compare] pretraining-length report in {out / 'pretrain_length.md'}, its figure in "
-              f"{out / 'pretrain_length.png'} and .svg; x1's own report is {out / 'report.md'}", flush=True)
+    publish(result, out / "pretrain_length.json", out / "pretrain_length.md", lambda: pretrain_length_markdown(result, cc),
+            lambda: pretrain_length_figure(result, out / "pretrain_length.png"),
+            f"pretraining-length report in {out / 'pretrain_length.md'}, its figure in {out / 'pretrain_length.png'} "
+            f"and .svg; x1's own report is {out / 'report.md'}")
     return result
+
+
+def publish(result: dict, json_path: Path, md_path: Path, markdown: Callable[[], str], draw: Callable[[], None],
+            said: str) -> None:
+    """On the main process only: a comparison's results as json_path, its report as md_path, its figure (`draw`),
+    and a line saying where they are."""
+    if not process_state().is_main_process:
+        return
+    json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    md_path.write_text(markdown())
+    draw()
+    print(f"[compare] {said}", flush=True)
 
 
 def run_budgets(cc: CompareConfig, entries: dict[str, dict[str, dict]]) -> dict:
@@ -743,15 +753,13 @@ def collect(cc: CompareConfig, base: Config, grid: dict[str, dict], selection: S
         scores = {"test/top1": e["test"]["top1"], **({"test/top5": e["test"]["top5"]} if "top5" in e["test"] else {}),
                   "test/balanced_acc": e["balanced_accuracy"]["mean"]}
         log_session(out / "summary" / name, Path(e["run"]) / TENSORBOARD / "finetune", ("train.seed",), scores, e["finetune"]["steps"])
-    if process_state().is_main_process:
-        (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        (out / "report.md").write_text(report_markdown(report, cc, base))
-        ylabel = "dev top-1" if selection.folds == 0 and selection.splits else "evaluation top-1"
-        comparison_figure({name: e["history"] for name, e in arms.items()},
-                          {name: e.get("pretrain_curves", {}) for name, e in arms.items()},
-                          [g for g in report["gaps"]], out / "comparison.png", ylabel=ylabel)
-        print(f"[compare] report in {out / 'report.md'}, plots in {out / 'comparison.png'} and .svg, "
-              f"all runs in TensorBoard: tensorboard --logdir {out}")
+    ylabel = "dev top-1" if selection.folds == 0 and selection.splits else "evaluation top-1"
+    publish(report, out / "results.json", out / "report.md", lambda: report_markdown(report, cc, base),
+            lambda: comparison_figure({name: e["history"] for name, e in arms.items()},
+                                      {name: e.get("pretrain_curves", {}) for name, e in arms.items()},
+                                      report["gaps"], out / "comparison.png", ylabel=ylabel),
+            f"report in {out / 'report.md'}, plots in {out / 'comparison.png'} and .svg, all runs in TensorBoard: "
+            f"tensorboard --logdir {out}")
     return report
 
 
@@ -769,10 +777,8 @@ def collect_budgets(cc: CompareConfig, draws: dict, reports: dict[str, dict]) ->
                                  "gaps": [{k: g[k] for k in ("arms", "gap", "low", "high", "excludes_zero", "images")}
                                           for g in report["gaps"]]}
                           for name, report in reports.items()}}
-    if process_state().is_main_process:
-        (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-        (out / "report.md").write_text(budget_markdown(result, cc))
-        label_efficiency_figure(result, out / "label_efficiency.png")
-        print(f"[compare] label-efficiency report in {out / 'report.md'}, its curve in {out / 'label_efficiency.png'} "
-              f"and .svg; each budget's own report in {out}/budget-<budget>/report.md", flush=True)
+    publish(result, out / "results.json", out / "report.md", lambda: budget_markdown(result, cc),
+            lambda: label_efficiency_figure(result, out / "label_efficiency.png"),
+            f"label-efficiency report in {out / 'report.md'}, its curve in {out / 'label_efficiency.png'} and .svg; "
+            f"each budget's own report in {out}/budget-<budget>/report.md")
     return result
