@@ -400,10 +400,12 @@ def load_saved_config(path: str | Path, overrides: list[str] = ()) -> Config:
 
 def as_saved(tree: dict) -> dict:
     """A run's saved config as data, with what an older mpp left out but built: a model section without
-    model.stem_padding was saved before that setting existed, when every hybrid stem padded symmetrically."""
+    model.stem_padding was saved before that setting existed, when every hybrid stem padded symmetrically (a patch
+    stem pads nothing, so it reads as the default and a finished run stays the same run)."""
     model = tree.get("model")
     if isinstance(model, dict) and "stem_padding" not in model:
-        return {**tree, "model": {**model, "stem_padding": "symmetric"}}
+        padding = "symmetric" if model.get("stem") == "resnet" else "same"
+        return {**tree, "model": {**model, "stem_padding": padding}}
     return tree
 
 

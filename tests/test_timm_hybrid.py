@@ -17,6 +17,7 @@ from mpp.model.objectives import Classification, finetuning_head, masked_patch_p
 from mpp.model.vit import ResNetStem, build_backbone
 from mpp.rundir import MANIFEST, complete_checkpoints, write_manifest
 from pipelines import cli
+from pipelines.stages import compare
 from pipelines.run.start import checkpoint_config
 
 from conftest import TINY
@@ -216,3 +217,18 @@ def test_what_timm_has_no_hybrid_for_is_refused_in_one_line(tmp_path, capsys, ov
     err = capsys.readouterr().err.strip()
     assert "cannot export to timm's layout: " + message in err and "\n" not in err
     assert not (tmp_path / "timm").exists()
+
+
+@pytest.mark.parametrize("stem, reused", [([], True), (HYBRID, False)])
+def test_a_comparison_stage_finished_before_stem_padding_is_reused_where_the_stem_pads_nothing(tmp_path, stem, reused):
+    # A plan's finished fine-tuning, as an older mpp recorded it: its model settings without model.stem_padding.
+    model = tiny(*stem).model.model_dump()
+    old = {key: value for key, value in model.items() if key != "stem_padding"}
+    (tmp_path / "stage.json").write_text(json.dumps({"inputs": {"model": old}, "top1": 0.5}))
+    reran = []
+    if reused:  # a patch stem pads nothing: the same run, not redone
+        assert compare.stage(tmp_path, "fine-tuning", {"model": model}, lambda: reran.append(1) or {})["top1"] == 0.5
+        assert not reran
+    else:  # that hybrid's stem padded symmetrically; the plan's new one pads 'same': another run, said in one line
+        with pytest.raises(compare.CompareError, match=r"finished with other settings \(model\)"):
+            compare.stage(tmp_path, "fine-tuning", {"model": model}, lambda: reran.append(1) or {})

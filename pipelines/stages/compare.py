@@ -54,7 +54,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from mpp.model.checkpoint import load_backbone, resolve_checkpoint
-from mpp.config import Config, Pooling
+from mpp.config import Config, Pooling, as_saved
 from mpp.data.stream import BadLabel, LabelReader
 from mpp.metrics import KNN_TOP1, TOP1, TOP5
 from mpp.model.vit import build_backbone
@@ -269,8 +269,9 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
         process_state().wait_for_everyone()
         if marker.is_file():
             done = json.loads(marker.read_text())
-            if done.get("inputs") != inputs:
-                changed = sorted(k for k in {*inputs, *(done.get("inputs") or {})} if inputs.get(k) != (done.get("inputs") or {}).get(k))
+            finished = as_saved(done.get("inputs") or {})  # settings an older mpp wrote, as it built them
+            if finished != inputs:
+                changed = sorted(k for k in {*inputs, *finished} if inputs.get(k) != finished.get(k))
                 raise CompareError(f"{directory} holds a {name} finished with other settings ({', '.join(changed)}); "
                                    f"set output_dir to a new directory, or delete {directory} to redo that stage")
             print(f"[compare] {name}: finished before, skipped ({marker})", flush=True)
