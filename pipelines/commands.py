@@ -249,9 +249,11 @@ COMMANDS: dict[str, Command] = {
                        config="checkpoint", example="inspect.shards=DIR inspect.images=256", writes_beside_ckpt=True),
     "probe": Command("linear probe (SGD on frozen features, as MAE evaluates) of a backbone", score_checkpoint, (scored_checkpoint(),),
                      config="checkpoint", example="data.val_shards=DIR probe.epochs=30", writes_beside_ckpt=True),
-    "export": Command("write a checkpoint as a Hugging Face transformers ViT, or a hybrid as timm's", export, (
+    "export": Command("write a checkpoint as a Hugging Face transformers ViT, a hybrid as timm's, or any as an ONNX graph", export, (
         Argument("--ckpt", required=True, help=CKPT),
-        Argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"), help="hf DIR: a transformers ViT checkpoint in DIR; timm DIR: a hybrid (model.stem=resnet) in timm's layout"),
+        Argument("--to", nargs=2, required=True, metavar=("FORMAT", "DIR"),
+                 help="hf DIR: a transformers ViT checkpoint in DIR; timm DIR: a hybrid (model.stem=resnet) in timm's "
+                      "layout; onnx DIR: any ViT, plain or hybrid, as model.onnx for onnxruntime"),
     ), config="checkpoint", example="model.image_size=64"),
     "predict": Command("a fine-tuned classifier's top-k classes for images, prepared as evaluation prepares them", predict, (
         Argument("--ckpt", required=True, help="a fine-tuning run directory, a checkpoints/step_N directory or a .safetensors file"),

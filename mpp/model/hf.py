@@ -308,7 +308,8 @@ def preprocessor_config(image_size: int) -> dict:
 # Why a hybrid (model.stem=resnet) is not written here: one line, with where it goes.
 HYBRID_REFUSAL = (
     "this is a hybrid ViT (model.stem=resnet), which transformers 5 has no class for (ViTHybrid was removed; ViTModel "
-    "embeds patches linearly); export it to timm's layout with --to timm DIR (timm's vit_*_r*_s* hybrids)")
+    "embeds patches linearly); export it to timm's layout with --to timm DIR (timm's vit_*_r*_s* hybrids), or as an "
+    "ONNX graph with --to onnx DIR (any hybrid)")
 
 
 def export_hf(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, torch.Tensor] | None = None,

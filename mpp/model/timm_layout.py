@@ -38,7 +38,7 @@ def timm_refusal(backbone: VisionTransformer) -> str | None:
     if backbone.stem_padding != "same":
         return ("its ResNet stem pads symmetrically (model.stem_padding=symmetric, as hybrids saved before that setting "
                 "do), where timm's hybrids pad 'SAME' with GroupNorm epsilon 1e-5; fine-tune it with "
-                "model.stem_padding=same, or pretrain anew, to export")
+                "model.stem_padding=same, or pretrain anew, to export it to timm; --to onnx DIR exports it as it is")
     layers = tuple(backbone.stem_layers)
     if layers not in TIMM_HYBRIDS or backbone.stem_width != TIMM_STEM_WIDTH:
         def shown(units) -> str:
@@ -46,8 +46,8 @@ def timm_refusal(backbone: VisionTransformer) -> str | None:
 
         return (f"timm has no hybrid with its ResNet (model.stem_layers={shown(layers)}, model.stem_width="
                 f"{backbone.stem_width}): its hybrids fix the ResNet at stem_layers "
-                f"{', '.join(map(shown, TIMM_HYBRIDS))} with stem_width {TIMM_STEM_WIDTH}; use its model.safetensors "
-                f"with mpp (predict, finetune)")
+                f"{', '.join(map(shown, TIMM_HYBRIDS))} with stem_width {TIMM_STEM_WIDTH}; export it as an ONNX graph "
+                f"with --to onnx DIR, or use its model.safetensors with mpp (predict, finetune)")
     return None
 
 

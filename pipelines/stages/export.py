@@ -1,6 +1,6 @@
-"""Export stage: a checkpoint of this project as a Hugging Face `transformers` model (`mpp export --to hf DIR`) or a
-hybrid as a timm model (`--to timm DIR`), with a model card (README.md) that says what it is and how it was made. The
-formats: export_formats.FORMATS."""
+"""Export stage: a checkpoint of this project as a Hugging Face `transformers` model (`mpp export --to hf DIR`), a
+hybrid as a timm model (`--to timm DIR`) or any as an ONNX graph (`--to onnx DIR`), with a model card (README.md) that
+says what it is and how it was made. The formats: export_formats.FORMATS."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from .export_formats import FORMATS, ExportFormat
 
 def run(cfg: Config, *, ckpt: str, to: str, out_dir: str) -> str:
     """Write the backbone in `ckpt`, with its classifier if it was fine-tuned, in format `to` (FORMATS); returns
-    what was written (a transformers class, timm's architecture).
+    what was written (a transformers class, timm's architecture, ONNX's classifier or backbone).
 
     A pretraining run's head (MPP's colour head, supervised pretraining's MLP) is the paper's throwaway pretraining
     head: a pretraining checkpoint exports as a backbone."""
     if to not in FORMATS:
-        raise ExportError(f"unknown export format '{to}'; use --to hf DIR (a plain ViT) or --to timm DIR (a hybrid)")
+        raise ExportError(f"unknown export format '{to}'; use --to hf DIR (a plain ViT), --to timm DIR (a hybrid) or "
+                          f"--to onnx DIR (any)")
     form = FORMATS[to]
     check_export_dir(Path(out_dir), to)
     backbone = load_backbone(ckpt, cfg.model)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mpp.model.hf import export_hf
+from mpp.model.onnx_export import ONNX_CONFIG, ONNX_FILE, export_onnx
 from mpp.model.timm_layout import export_timm, timm_refusal
 from mpp.model.vit import VisionTransformer
 from mpp.rundir import WEIGHTS
@@ -140,4 +141,58 @@ class Timm(ExportFormat):
                 "non-square images the two can sample slightly different pixels.", ""]
 
 
-FORMATS: dict[str, ExportFormat] = {"hf": HuggingFace(), "timm": Timm()}  # --to's names
+class Onnx(ExportFormat):
+    """Any ViT (plain or hybrid, either pooling) as an ONNX graph traced from mpp's forward: mpp.model.onnx_export."""
+
+    library = "onnx"
+    into_run = f"write its {ONNX_FILE}, {ONNX_CONFIG} and README.md among the run's files"
+
+    def write(self, backbone, out, head, names, pool):
+        return export_onnx(backbone, out, head, id2label=names, pool=pool)
+
+    def written(self, kind, backbone, out_dir):
+        return (f"wrote an ONNX {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
+                f"{backbone.image_size} px, any batch size) and its model card to {out_dir}; run it with "
+                f"onnxruntime.InferenceSession('{Path(out_dir) / ONNX_FILE}')")
+
+    def position_line(self, backbone, kind):
+        return None  # the graph adds them as mpp does, at the one resolution it takes
+
+    def stem_line(self, backbone, kind):
+        return (f"- **Stem**: a ResNet (stem_layers {list(backbone.stem_layers)}, {backbone.stem_width} root channels, "
+                f"padding {backbone.stem_padding}) whose feature-map cells are the tokens, in the graph as mpp computes it.")
+
+    def pooling_line(self, fine_tuned, mean_pooled):
+        if mean_pooled:
+            return "- **Pooling**: the mean of the patch outputs after the final LayerNorm (finetune.pool=mean)."
+        if fine_tuned:
+            return "- **Pooling**: the [class] token after the final LayerNorm."
+        return ("- **Outputs**: `last_hidden_state` (every token after the final LayerNorm, [class] first) and "
+                "`pooler_output`, the [class] token among them (the paper's representation).")
+
+    def usage(self, fine_tuned, out_dir):
+        output = ("logits = session.run(['logits'], {'pixel_values': batch})[0]  # (B, classes)\n"
+                  "print([config['id2label'][str(i)] for i in logits.argmax(axis=1)])" if fine_tuned else
+                  "features = session.run(['pooler_output'], {'pixel_values': batch})[0]  # (B, D): the [class] token")
+        return ["## Use", "", "```python", "import json", "", "import numpy as np", "import onnxruntime",
+                "from PIL import Image, ImageOps", "",
+                f"config = json.load(open('{Path(out_dir) / ONNX_CONFIG}'))",
+                "prep = config['preprocessing']",
+                f"session = onnxruntime.InferenceSession('{Path(out_dir) / ONNX_FILE}')", "", "",
+                "def pixels(path):  # as mpp predict prepares an image",
+                "    image = ImageOps.exif_transpose(Image.open(path)).convert('RGBA')",
+                "    background = Image.new('RGBA', image.size, (*prep['background'], 255))",
+                "    image = Image.alpha_composite(background, image).convert('RGB')  # transparency over mid grey",
+                "    side = min(image.size)",
+                "    left, top = (image.width - side) // 2, (image.height - side) // 2",
+                "    image = image.crop((left, top, left + side, top + side)).resize(prep['size'][::-1], Image.BILINEAR)",
+                "    x = np.asarray(image, dtype=np.float32) * prep['rescale_factor']",
+                "    return ((x - prep['mean']) / prep['std']).astype(np.float32).transpose(2, 0, 1)", "", "",
+                "batch = np.stack([pixels('image.jpg')])",
+                *output.splitlines(), "```", "",
+                "model.onnx takes float32 images of the trained size, any number at a time; config.json names its input "
+                "and outputs, " + ("the classes (id2label) " if fine_tuned else "") + "and the preprocessing. mpp resizes "
+                "with torch's antialiased bilinear kernel, which follows PIL's to within a grey level.", ""]
+
+
+FORMATS: dict[str, ExportFormat] = {"hf": HuggingFace(), "timm": Timm(), "onnx": Onnx()}  # --to's names
