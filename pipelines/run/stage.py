@@ -31,7 +31,6 @@ from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, Trained, train
 from mpp.data.shardformat import ShardSummary
 from .invocation import command_line, resume_command
-from .loaders import counted_training_samples
 from .plan import RunPlan, plan_run
 from .run_policy import OutputDirLock, StartingPoint, resume_point, start_over, record_run_start
 from .start import Run, run_settings, start_accelerator
@@ -112,7 +111,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
                  if tag in results["baselines"] and tag in declared and not_above(tag, value, results["baselines"][tag])}
         results["at_or_below_baseline"] = sorted(worse)
         advice = below_baseline(worse, likely_causes(
-            steps=cfg.train.steps, global_batch=plan.global_batch, samples=counted_training_samples(cfg),
+            steps=cfg.train.steps, global_batch=plan.global_batch, samples=plan.samples,
             image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
             lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts,
             ema_decay=cfg.train.ema_decay)) if worse else None
