@@ -26,7 +26,7 @@ from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
 from mpp.training.trackers import resume_log_lines
 from mpp.metrics import Metric, model_metrics, unique
 from mpp.model.objectives import Objective
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
 from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, Trained, train
 from mpp.data.shardformat import ShardSummary
@@ -79,9 +79,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         if overwrite:
             start_over(accelerator, run_dir.root)
         resume_from = resume_point(accelerator, run_dir, plan.resume, plan.changes, cfg.train.global_batch_size)
-        record_run_start(accelerator, cfg, start, resumed=resume_from is not None)
-        if start is not None and resume_from is None:
-            start.record(accelerator, run_dir)
+        started_by = record_run_start(accelerator, run_dir, cfg, start, resumed=resume_from is not None)
         evaluators = tuple(map(stage.recording, evaluators_of(cfg, accelerator, stage)))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
         start_tracking(accelerator, plan, stage.name, metrics, resume_from)
@@ -103,7 +101,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         images_per_sec = (cfg.train.steps * plan.global_batch / trained.seconds if trained.seconds else
                           trained_images / (time.perf_counter() - training_started))
         timing = {"wall_time_s": time.perf_counter() - started, "images_per_sec": images_per_sec} if trained_images else {}
-        results = stage_results(plan, stage, metrics, trained, resume_from is not None, timing)
+        results = stage_results(plan, stage, metrics, trained, resume_from is not None, timing, started_by)
         results["baselines"] = with_priors(results["final"], {tag: b for e in evaluators for tag, b in e.baselines().items()})
         declared = {m.tag: m for m in metrics}
         worse = {tag: beside(declared[tag].show(value), results["baselines"][tag], declared[tag].show)
@@ -151,13 +149,13 @@ def resolution(image_size: int, data: ShardSummary | None) -> str:
 
 
 def stage_results(plan: RunPlan, stage: TrainingStage, metrics: list[Metric], trained: Trained, resumed: bool,
-                  timing: dict[str, float]) -> dict:
+                  timing: dict[str, float], started_by: str | None) -> dict:
     """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
     skipped, how long it took (`timing`: wall_time_s of this invocation and images_per_sec over every invocation,
     empty if it trained nothing; wall_time_s then adds the earlier invocations' training up to the checkpoint this
     one resumed from),
-    the stage's own entries, and the command that started the run (`resumed_with`: the resumes that trained more
-    steps).
+    the stage's own entries, and the command that started the run (`started_by`, as run.json records it; None where
+    an mpp without run.json started it) and `resumed_with`, the resumes that trained more steps.
 
     A resumed run keeps what the earlier invocations measured and it did not measure again: a finished run resumed
     trains nothing and logs no training metric, and its results must not lose them, nor the command that trained it.
@@ -175,12 +173,12 @@ def stage_results(plan: RunPlan, stage: TrainingStage, metrics: list[Metric], tr
         before = trained.earlier_seconds if trained.earlier_seconds is not None else earlier.get("wall_time_s", 0.0)
         timing = {**timing, "wall_time_s": before + timing["wall_time_s"]}
     now = command_line()
-    started_by = (read_run_manifest(plan.run_dir.root) or {}).get("command") or earlier.get("command") or now
     resumed_with = [*earlier.get("resumed_with", []), *([now] if resumed and timing else [])]
     return {"stage": stage.name, "objective": stage_objective(cfg, stage.name),
             "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * plan.global_batch,
             "wall_time_s": earlier.get("wall_time_s"), "images_per_sec": earlier.get("images_per_sec"), **timing,
-            "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": started_by,
+            "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final),
+            "command": started_by or earlier.get("command") or now,
             **({"resumed_with": resumed_with} if resumed_with else {})}
 
 
