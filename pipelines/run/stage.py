@@ -23,7 +23,7 @@ from mpp.config import Config
 from mpp.data.split import HeldOut
 from mpp.data.stream import Batch, StreamState
 from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
-from mpp.training.trackers import resume_log_lines
+from mpp.training.trackers import start_trackers
 from mpp.metrics import Metric, model_metrics, unique
 from mpp.model.objectives import Objective
 from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
@@ -82,8 +82,8 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         started_by = record_run_start(accelerator, run_dir, cfg, start, resumed=resume_from is not None)
         evaluators = tuple(map(stage.recording, evaluators_of(cfg, accelerator, stage)))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
+        start_trackers(accelerator, stage.name, cfg.log.trackers, cfg.output_dir, plan.settings, resume_from)
         start_tracking(accelerator, plan, stage.name, metrics, resume_from)
-        resume_log_lines(accelerator, checkpoint_step(resume_from) if resume_from else 0)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.data_units} with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
