@@ -72,8 +72,8 @@ def with_run_length(cfg: Config, processes: int) -> tuple[Config, int | None]:
 
 
 def training_samples(cfg: Config) -> int:
-    """The training set's size, for train.epochs: of the embedded corpus, or the images its reader counts in the data
-    set data.shards names (mpp.data.source.DataSource.images)."""
+    """The training set's size (train.epochs' length, the closing line's advice): of the embedded corpus, or the
+    images its reader counts in the data set data.shards names (mpp.data.source.DataSource.images)."""
     if is_synthetic(cfg.data.shards):
         return cfg.data.synthetic_size
     try:
