@@ -25,6 +25,7 @@ from mpp.data.stream import EvalTransform, make_loader
 from mpp.data.readers import expand_shards
 from mpp.model.objectives import MaskedPatchPrediction
 from mpp.training.runtime import make_accelerator
+from mpp.training.trackers import start_trackers
 from mpp.errors import UserError
 from mpp.training.meters import TrainingDiverged
 from mpp.training.resume import check_seen_by_every_rank
@@ -315,7 +316,9 @@ def tiny_run(tmp_path, make_shards, objective_calls, steps, max_nonfinite=3):
                              f"train.max_nonfinite_steps={max_nonfinite}", "log.every=1"])
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
     objective = NaNOnCalls(build_backbone(cfg.model), objective_calls)
-    start_tracking(accelerator, plan_run(cfg, False, None, False), "pretrain", objective.metrics("train"))
+    plan = plan_run(cfg, False, None, False)
+    start_trackers(accelerator, "pretrain", cfg.log.trackers, cfg.output_dir, plan.settings, None)
+    start_tracking(accelerator, plan, "pretrain", objective.metrics("train"))
     urls = expand_shards(cfg.data.shards)
 
     def batches(state):

@@ -26,6 +26,7 @@ from mpp.data.stream import DataError
 from mpp.errors import UserError
 from mpp.training.optim import warmup_cosine
 from mpp.training.runtime import make_accelerator
+from mpp.training.trackers import start_trackers
 from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.loop import Evaluator, train
 from pipelines.stages import finetune, pretrain
@@ -532,7 +533,9 @@ def test_a_failing_evaluation_finds_the_checkpoint_of_its_step_saved(tmp_path, m
     cfg = pretrain_config(tmp_path, "train.checkpoint_every=3", "train.steps=6")
     accelerator = make_accelerator(cfg.train, cfg.output_dir)
     objective = MaskedPatchPrediction(build_backbone(cfg.model))
-    start_tracking(accelerator, plan_run(cfg, False, None, False), "pretrain", objective.metrics("train"))
+    plan = plan_run(cfg, False, None, False)
+    start_trackers(accelerator, "pretrain", cfg.log.trackers, cfg.output_dir, plan.settings, None)
+    start_tracking(accelerator, plan, "pretrain", objective.metrics("train"))
 
     def broken(module, step):
         raise DataError("the evaluation shards went away")

@@ -99,3 +99,17 @@ def test_a_training_run_is_planned_once_from_its_config_the_process_count_and_it
     assert (plan.settings["train.steps"], plan.settings["train.batch_size"], plan.settings["train.epochs"]) == (5, 8, 2.0)
     assert plan.run_dir.checkpoints == tmp_path / "run" / "checkpoints" and (plan.resume, plan.changes) == (False, [])
     assert cfg.train.batch_size == 64 and cfg.train.epochs == 2  # the config given is not changed
+
+
+def test_the_plan_counts_the_training_images_once_with_or_without_epochs_and_refuses_nothing_it_cannot_count(
+        tmp_path, make_shards):
+    make_shards([30, 10], size=32)
+    shards = f"data.shards={tmp_path / 'shards'}"
+    plan = lambda *args: plan_run(load_config(None, [f"output_dir={tmp_path / 'run'}", *TINY, *args]), resume=False,
+                                  start=None, overwrite=False)
+    assert plan(shards).samples is None  # tars without summary.json: not counted, and the run still plans
+    (tmp_path / "shards" / "summary.json").write_text(json.dumps({"samples": 40, "labels": True, "classes": 10}))
+    assert plan(shards).samples == plan(shards, "train.epochs=1").samples == 40  # what the closing line's advice reads
+    assert plan("data.synthetic_size=300").samples == 300  # the embedded corpus, before it is generated
+    # Shards that are not there are the stage's loaders' to refuse, with their own line, once every rank has planned.
+    assert plan(f"data.shards={tmp_path / 'missing'}").samples is None

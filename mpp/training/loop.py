@@ -182,6 +182,12 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
     feed = Feed(accelerator, iter(make_batches(stream)), stream)
     window = LogWindow(accelerator, cfg.max_nonfinite_steps, max_skip_fraction, data_workers, progress.window)
     bar = ProgressBar(accelerator, [*objective.metrics("train"), *LOOP_METRICS, *evaluations.metrics], cfg.steps, progress.step)
+
+    def checkpoint() -> Path:
+        """The checkpoint of the step reached, with what Progress keeps beside the weights; every rank saves it."""
+        progress.record(results, window.state_dict())
+        return save_checkpoint(accelerator, run_dir, progress.step, cfg.keep_checkpoints, stream, resume_hint)
+
     objective.train()
     # The bar is closed before anything propagates, so an error's line does not share a line with it.
     with StopOnSignal() as stop, contextlib.closing(bar):
@@ -190,15 +196,13 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
                 result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),
                                     cfg.clip_grad_norm)
             except SignalWhileWaiting as signalled:
-                progress.record(results, window.state_dict() if accelerator.num_processes == 1 else None)  # see stopped_waiting
-                raise stopped_waiting(accelerator, run_dir, progress.step, cfg.steps, cfg.keep_checkpoints, signalled, resume_hint, stream) from None
+                raise stopped_waiting(accelerator, run_dir, progress.step, cfg.steps, signalled, resume_hint, checkpoint) from None
             if ema:
                 ema.update(objective)
             progress.step += 1
             step, last = progress.step, progress.step == cfg.steps
             window.stepped(step, result)
             bar.step()
-
             if step % log.every == 0 or last:
                 results.update(write_line(window, step, head_lr(optimizer), run_dir, cfg.checkpoint_every, resume_hint))
                 bar.update(results)
@@ -208,8 +212,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
             stopping = stop.agreed(accelerator)
             # Saved before evaluating: an evaluation that fails loses no training (a resume runs it first).
             if step % cfg.checkpoint_every == 0 or last or stopping:
-                progress.record(results, window.state_dict())
-                saved = save_checkpoint(accelerator, run_dir, step, cfg.keep_checkpoints, stream, resume_hint)
+                saved = checkpoint()
             if stopping and not last:
                 accelerator.end_training()
                 raise Preempted(f"stopped at step {step} of {cfg.steps} on a signal; checkpoint saved in {saved}; "

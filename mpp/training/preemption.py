@@ -14,13 +14,12 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from mpp.data.stream import StreamState
-from mpp.training.resume import save_checkpoint
 from mpp.rundir import RunDir, complete_checkpoints
 
 
@@ -179,10 +178,10 @@ def host_group():
     return torch.distributed.new_group(backend="gloo")
 
 
-def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, steps: int, keep: int,
-                    signalled: SignalWhileWaiting, resume_hint: str, stream: StreamState) -> Preempted:
+def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, steps: int, signalled: SignalWhileWaiting,
+                    resume_hint: str, checkpoint: Callable[[], Path]) -> Preempted:
     """The stop at `step` of `steps` (train.steps) for a signal that came while the loop waited for data, after
-    saving what can be saved (keeping `keep` checkpoints, train.keep_checkpoints).
+    saving what can be saved (`checkpoint()` saves the step reached, as at any step end).
 
     Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
     end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
@@ -191,7 +190,7 @@ def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, steps:
     newest = complete_checkpoints(run_dir.root)
     if signalled.at_step_boundary and accelerator.num_processes == 1 and step > 0:
         if not newest or newest[-1].name != run_dir.checkpoint(step).name:
-            newest = [save_checkpoint(accelerator, run_dir, step, keep, stream, resume_hint)]
+            newest = [checkpoint()]
         accelerator.end_training()
         return Preempted(f"stopped at step {step} of {steps} on {signalled} while waiting for data; checkpoint "
                          f"saved in {newest[-1]}; continue with {resume_hint}")

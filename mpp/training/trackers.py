@@ -1,13 +1,13 @@
 """Where a run's numbers go besides TensorBoard (`log.trackers`): Accelerate's MLflow and Weights & Biases
 integrations, and log.txt in the run directory, one JSON line of scalars per logged step (as MAE and timm write).
 
-Scalars reach every tracker through `accelerator.log`; images through `log_image`; the config and the final metrics
-through pipelines/tracking.py.
+Scalars reach every tracker through `accelerator.log`; images through `log_image`; the final metrics through
+`log_final`; what TensorBoard shows of the run's config through pipelines/tracking.py.
 
 MLflow and W&B are checked before a run starts (`check_trackers`: a store the installed MLflow cannot open or an
 MLflow server that does not answer, a W&B told to go online without a key, each one line) and given their place
-when it starts (`external_tracker_settings`): MLflow its MLFLOW_TRACKING_URI, else a store under the run; W&B online
-with a key, else offline under the run unless WANDB_MODE says otherwise.
+when it starts (`start_trackers`, through `external_tracker_settings`): MLflow its MLFLOW_TRACKING_URI, else a store
+under the run; W&B online with a key, else offline under the run unless WANDB_MODE says otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
 from mpp.errors import UserError
+from mpp.rundir import checkpoint_step
 
 # log.trackers name -> (the module it imports, what to install for it)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny (or mlflow)"),
@@ -220,10 +221,24 @@ class JsonLines(GeneralTracker):
             self.last_size = len(line)
 
 
-def resume_log_lines(accelerator: Accelerator, step: int) -> None:
-    """Continue log.txt after `step`, the checkpoint a run resumes from (0 for a run that starts from nothing)."""
+def start_trackers(accelerator: Accelerator, run_name: str, trackers: list[str], output_dir: str | Path, settings: dict,
+                   resumed_from: Path | None) -> None:
+    """Start the run's trackers (`trackers`, log.trackers, and log.txt) as `run_name`, each continuing after
+    `resumed_from`, the checkpoint the run resumes from (None: a run that starts from nothing): TensorBoard hides, and
+    log.txt drops, what the run logged after it, the steps it trains again, so each holds every step once. MLflow
+    and W&B log where external_tracker_settings says, each given the run's `settings` (its config as dotted keys)."""
+    step = checkpoint_step(resumed_from) if resumed_from else 0
+    # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
+    accelerator.init_trackers(run_name, init_kwargs={
+        "tensorboard": {"purge_step": step + 1} if resumed_from else {},
+        **external_tracker_settings(accelerator, trackers, output_dir)})
+    if not accelerator.is_main_process:
+        return
     for tracker in accelerator.trackers:
-        if isinstance(tracker, JsonLines) and accelerator.is_main_process:
+        if tracker.name in ("mlflow", "wandb"):  # TensorBoard's are HParams, pipelines/tracking.py's
+            tracker.store_init_configuration({k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
+                                              for k, v in settings.items()})
+        elif isinstance(tracker, JsonLines):
             tracker.resume_at(step)
 
 

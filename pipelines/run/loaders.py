@@ -16,7 +16,7 @@ from mpp.data.stream import (Batch, DataError, EvalTransform, LabelReader, Strea
                              evaluation_labels, label_space, make_loader, SPARSE_FACTOR, SPARSE_FLOOR)
 from mpp.data.readers import Uncounted
 from mpp.data.source import DataSource, open_source
-from mpp.errors import command
+from mpp.errors import UserError, command
 from mpp.evaluation.ridge import FewShotError, LabelledImages
 from mpp.model.vit import VisionTransformer
 from mpp.data.randaugment import RandAugment
@@ -52,20 +52,28 @@ def train_transform(cfg: Config) -> TrainTransform:
     return TrainTransform(cfg.model.image_size, d.crop_scale, d.hflip, randaugment)
 
 
-def with_run_length(cfg: Config, processes: int) -> Config:
-    """`cfg` with train.steps from train.epochs, over the training set's size at the global batch of `processes`
-    processes (itself when train.epochs is unset)."""
+def with_run_length(cfg: Config, processes: int) -> tuple[Config, int | None]:
+    """(`cfg` with train.steps from train.epochs over the training set's size at the global batch of `processes`
+    processes, that size): counted once, for the length and the closing line's advice. Without train.epochs, `cfg`
+    itself, and the size None where it cannot be counted."""
+    try:
+        samples = training_samples(cfg)
+    except UserError:
+        if cfg.train.epochs is not None:
+            raise
+        # Counted for the advice alone: data.shards that cannot be opened is the stage's loaders' to refuse, once the
+        # ranks have checked that they share one config (a rank must not stop alone here while the others wait).
+        samples = None
     if cfg.train.epochs is None:
-        return cfg
-    samples = training_samples(cfg)
+        return cfg, samples
     train = cfg.train.with_epochs(samples, processes)
     process_state().print(f"train.epochs {cfg.train.epochs:g} over {samples} training images: {train.steps} steps")
-    return cfg.model_copy(update={"train": train})
+    return cfg.model_copy(update={"train": train}), samples
 
 
 def training_samples(cfg: Config) -> int:
-    """The training set's size, for train.epochs: of the embedded corpus, or the images its reader counts in the data
-    set data.shards names (mpp.data.source.DataSource.images)."""
+    """The training set's size (train.epochs' length, the closing line's advice): of the embedded corpus, or the
+    images its reader counts in the data set data.shards names (mpp.data.source.DataSource.images)."""
     if is_synthetic(cfg.data.shards):
         return cfg.data.synthetic_size
     try:
@@ -74,14 +82,6 @@ def training_samples(cfg: Config) -> int:
         raise ConfigError(f"train.epochs needs the number of training images, and data.shards ({cfg.data.shards}) "
                           f"{exc}; give the length in train.steps instead (with train.epochs=null)"
                           f"{', ' + exc.remedy if exc.remedy else ''}") from None
-
-
-def counted_training_samples(cfg: Config) -> int | None:
-    """training_samples, or None where no summary.json gives the count."""
-    try:
-        return training_samples(cfg)
-    except ConfigError:
-        return None
 
 
 def train_loader(urls: list[str], cfg: Config, accelerator: Accelerator, state: StreamState, *, labels: bool = True,

@@ -29,7 +29,7 @@ from mpp.config import Config, as_saved, dotted, resumable_keys, load_config, lo
 from mpp.errors import UserError
 from mpp.training.resume import resumable_checkpoint
 from mpp.rundir import (RunDir, CONFIG, LOCK, RUN_OUTPUTS, STARTED_FROM, complete_checkpoints, remove_run_outputs, sha256,
-                        too_long, PRETRAIN_OUTPUTS, checkpoint_config, not_written_by_a_run, record_run)
+                        too_long, PRETRAIN_OUTPUTS, checkpoint_config, not_written_by_a_run, read_run_manifest, record_run)
 from mpp.training.runtime import process_state
 from .invocation import resume_command, command_line
 
@@ -57,10 +57,9 @@ class StartingPoint:
     def __str__(self) -> str:
         return "a fresh backbone (no --ckpt)" if self.ckpt is None else self.ckpt
 
-    def record(self, accelerator: Accelerator, run_dir: RunDir) -> None:
+    def record(self, run_dir: RunDir) -> None:
         """Write it into the run's directory as the run starts (under the run's lock, before its first checkpoint)."""
-        if accelerator.is_main_process:
-            run_dir.started_from.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        run_dir.started_from.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
 
 
 def check_starting_point(out: Path, start: StartingPoint) -> None:
@@ -317,9 +316,15 @@ def resume_point(accelerator: Accelerator, run_dir: RunDir, resume: bool, change
     return latest
 
 
-def record_run_start(accelerator: Accelerator, cfg: Config, start: StartingPoint | None, resumed: bool) -> None:
-    """run.json, before the run writes anything else in output_dir: the names it writes, the config it trains with
-    (`cfg`, as config.yaml shows it; every checkpoint carries it) and the command that started the run."""
+def record_run_start(accelerator: Accelerator, run_dir: RunDir, cfg: Config, start: StartingPoint | None,
+                     resumed: bool) -> str | None:
+    """What a run records as it starts, before it writes anything else in output_dir: run.json (the names it writes,
+    the config it trains with (`cfg`, as config.yaml shows it; every checkpoint carries it) and the command that
+    started the run) and, for a fine-tuning that starts here (not `resumed`), where its weights come from (`start`).
+    Returns the command that started the run (None where an mpp without run.json started it), for results.json."""
     if accelerator.is_main_process:
-        record_run(cfg.output_dir, run_outputs(start), cfg.model_dump(mode="json"), command_line(), started=not resumed)
+        record_run(run_dir.root, run_outputs(start), cfg.model_dump(mode="json"), command_line(), started=not resumed)
+        if start is not None and not resumed:
+            start.record(run_dir)
     accelerator.wait_for_everyone()
+    return (read_run_manifest(run_dir.root) or {}).get("command")

@@ -18,24 +18,23 @@ from typing import Literal
 import torch
 from accelerate import Accelerator
 
-from mpp.evaluation.baselines import beside, below_baseline, likely_causes, not_above, with_priors
 from mpp.config import Config
 from mpp.data.split import HeldOut
 from mpp.data.stream import Batch, StreamState
-from mpp.training.meters import LOOP_METRICS, SKIP_REASONS
-from mpp.training.trackers import resume_log_lines
-from mpp.metrics import Metric, model_metrics, unique
+from mpp.training.meters import LOOP_METRICS
+from mpp.training.trackers import start_trackers
+from mpp.metrics import unique
 from mpp.model.objectives import Objective
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, read_run_manifest
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
 from mpp.training.runtime import explained_out_of_memory, data_workers
-from mpp.training.loop import Evaluator, Trained, train
+from mpp.training.loop import Evaluator, train
 from mpp.data.shardformat import ShardSummary
-from .invocation import command_line, resume_command
-from .loaders import counted_training_samples
-from .plan import RunPlan, plan_run
+from .invocation import resume_command
+from .plan import plan_run
 from .run_policy import OutputDirLock, StartingPoint, resume_point, start_over, record_run_start
 from .start import Run, run_settings, start_accelerator
-from .tracking import end_tracking, stage_objective, start_tracking
+from .results import final_results, show_with_baseline
+from .tracking import end_tracking, start_tracking
 
 
 # What a stage's evaluators are, given the run's config, its Accelerator and the stage (the stages hand over
@@ -80,13 +79,11 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         if overwrite:
             start_over(accelerator, run_dir.root)
         resume_from = resume_point(accelerator, run_dir, plan.resume, plan.changes, cfg.train.global_batch_size)
-        record_run_start(accelerator, cfg, start, resumed=resume_from is not None)
-        if start is not None and resume_from is None:
-            start.record(accelerator, run_dir)
+        started_by = record_run_start(accelerator, run_dir, cfg, start, resumed=resume_from is not None)
         evaluators = tuple(map(stage.recording, evaluators_of(cfg, accelerator, stage)))
         metrics = unique([*stage.objective.metrics("train"), *LOOP_METRICS, *(m for e in evaluators for m in e.metrics)])
+        start_trackers(accelerator, stage.name, cfg.log.trackers, cfg.output_dir, plan.settings, resume_from)
         start_tracking(accelerator, plan, stage.name, metrics, resume_from)
-        resume_log_lines(accelerator, checkpoint_step(resume_from) if resume_from else 0)
         accelerator.print(f"{stage.what} ({describe(stage.objective)}) on {stage.data_units} with "
                           f"{accelerator.num_processes} process(es) on {accelerator.device}"
                           f"{f' ({torch.get_num_threads()} thread(s) each)' if accelerator.device.type == 'cpu' else ''}, "
@@ -104,18 +101,7 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         images_per_sec = (cfg.train.steps * plan.global_batch / trained.seconds if trained.seconds else
                           trained_images / (time.perf_counter() - training_started))
         timing = {"wall_time_s": time.perf_counter() - started, "images_per_sec": images_per_sec} if trained_images else {}
-        results = stage_results(plan, stage, metrics, trained, resume_from is not None, timing)
-        results["baselines"] = with_priors(results["final"], {tag: b for e in evaluators for tag, b in e.baselines().items()})
-        declared = {m.tag: m for m in metrics}
-        worse = {tag: beside(declared[tag].show(value), results["baselines"][tag], declared[tag].show)
-                 for tag, value in results["final"].items()
-                 if tag in results["baselines"] and tag in declared and not_above(tag, value, results["baselines"][tag])}
-        results["at_or_below_baseline"] = sorted(worse)
-        advice = below_baseline(worse, likely_causes(
-            steps=cfg.train.steps, global_batch=plan.global_batch, samples=counted_training_samples(cfg),
-            image_size=cfg.model.image_size, short_side=stage.data.image_short_side if stage.data else None,
-            lr=cfg.train.lr, warmup=cfg.train.warmup_steps, class_counts=stage.class_counts,
-            ema_decay=cfg.train.ema_decay)) if worse else None
+        results, advice = final_results(plan, stage, metrics, evaluators, trained, resume_from is not None, timing, started_by)
         end_tracking(accelerator, results["final"], cfg.train.steps)
         if accelerator.is_main_process:
             run_dir.results.write_text(json.dumps(results, indent=2) + "\n")
@@ -132,13 +118,6 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
     return results
 
 
-def show_with_baseline(metric: Metric, results: dict) -> str:
-    """A headline metric's final value, with its baselines where it has any."""
-    value = metric.show(results["final"][metric.tag])
-    baseline = results["baselines"].get(metric.tag)
-    return beside(value, baseline, metric.show) if baseline else value
-
-
 def resolution(image_size: int, data: ShardSummary | None) -> str:
     """The start line's training resolution, beside the images' sizes where summary.json records them."""
     sides = data.image_short_side if data else None
@@ -149,40 +128,6 @@ def resolution(image_size: int, data: ShardSummary | None) -> str:
              f"{1 / ratio:.1f}x larger than the images' median" if ratio < 0.8 else "about the images' size")
     return (f"training at {image_size} px, {scale} (their short sides are {sides['min']}-{sides['max']} px, median "
             f"{sides['median']}; model.image_size sets it)")
-
-
-def stage_results(plan: RunPlan, stage: TrainingStage, metrics: list[Metric], trained: Trained, resumed: bool,
-                  timing: dict[str, float]) -> dict:
-    """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
-    skipped, how long it took (`timing`: wall_time_s of this invocation and images_per_sec over every invocation,
-    empty if it trained nothing; wall_time_s then adds the earlier invocations' training up to the checkpoint this
-    one resumed from),
-    the stage's own entries, and the command that started the run (`resumed_with`: the resumes that trained more
-    steps).
-
-    A resumed run keeps what the earlier invocations measured and it did not measure again: a finished run resumed
-    trains nothing and logs no training metric, and its results must not lose them, nor the command that trained it.
-    """
-    earlier = {}
-    cfg, saved = plan.cfg, plan.run_dir.results
-    if resumed and saved.is_file():
-        earlier = json.loads(saved.read_text())
-    scores = trained.scores
-    final = {**earlier.get("final", {}), **model_metrics(metrics, scores)}
-    declared = {m.tag: m for m in metrics}
-    shown = {tag: declared[tag].show(value) for tag, value in final.items() if tag in declared}
-    skipped = {reason: scores[f"data/skipped_{reason}"] for reason in SKIP_REASONS if scores.get(f"data/skipped_{reason}")}
-    if timing:  # over every invocation; a checkpoint of an earlier mpp kept no time: the last finished invocation's then
-        before = trained.earlier_seconds if trained.earlier_seconds is not None else earlier.get("wall_time_s", 0.0)
-        timing = {**timing, "wall_time_s": before + timing["wall_time_s"]}
-    now = command_line()
-    started_by = (read_run_manifest(plan.run_dir.root) or {}).get("command") or earlier.get("command") or now
-    resumed_with = [*earlier.get("resumed_with", []), *([now] if resumed and timing else [])]
-    return {"stage": stage.name, "objective": stage_objective(cfg, stage.name),
-            "description": stage.objective.description, "steps": cfg.train.steps, "images_seen": cfg.train.steps * plan.global_batch,
-            "wall_time_s": earlier.get("wall_time_s"), "images_per_sec": earlier.get("images_per_sec"), **timing,
-            "final": final, "final_shown": shown, "skipped": skipped or earlier.get("skipped", {}), **stage.results(final), "command": started_by,
-            **({"resumed_with": resumed_with} if resumed_with else {})}
 
 
 def describe(objective: Objective) -> str:

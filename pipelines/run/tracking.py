@@ -17,10 +17,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from mpp.config import Config, Section, config_schema, config_to_yaml
 from mpp.metrics import Metric, layout
-from mpp.rundir import checkpoint_step
 from mpp.model.registry import CLASSIFICATION_SETTINGS, OBJECTIVES
 from mpp.training.runtime import process_state
-from mpp.training.trackers import external_tracker_settings, log_final
+from mpp.training.trackers import log_final
 from .plan import RunPlan
 
 
@@ -92,32 +91,23 @@ def hparam_columns() -> tuple[str, ...]:
 
 def start_tracking(accelerator: Accelerator, plan: RunPlan, run_name: str, metrics: list[Metric],
                    resumed_from: Path | None = None) -> None:
-    """TensorBoard run under output_dir/tensorboard/<run_name>, config.yaml beside it.
+    """What TensorBoard shows of a run whose trackers have started (mpp.training.trackers.start_trackers): its config
+    as text, and as config.yaml beside the run's event files under output_dir/tensorboard/<run_name>.
 
     config.yaml holds the settings now in force; a resume from `resumed_from` that changed some (plan.changes) adds a
     comment line naming the checkpoint and the earlier values, after those of earlier resumes.
 
-    The run gets the config as text, the settings that tell runs apart as HParams (run_hparams, with its headline
-    metrics, their last logged values, so runs sort by them), and a Custom Scalars layout of `metrics` (what the
-    objective, the loop and the evaluators declare), grouped and ordered as mpp.metrics lays them out.
+    The run gets the settings that tell runs apart as HParams (run_hparams, with its headline metrics, their last
+    logged values, so runs sort by them), and a Custom Scalars layout of `metrics` (what the objective, the loop and
+    the evaluators declare), grouped and ordered as mpp.metrics lays them out.
     """
-    # Without config=: Accelerate's own hparams call writes them to a timestamped sub-run, listing every run twice.
-    # A resume hides what the run logged after its checkpoint (steps it trains again, after a kill) from TensorBoard,
-    # so each curve holds every step once.
+    if not accelerator.is_main_process:
+        return
     cfg, changes = plan.cfg, plan.changes
     columns, values = run_hparams(plan, stage_objective(cfg, run_name))
     trial = trial_name(cfg.output_dir)  # a comparison's run: its test scores are metrics too, whichever run TensorBoard's columns come from
     headline = [m.tag for m in metrics if m.headline] + (list(TEST_METRICS) if trial else [])
     hparams = hparams_summaries(columns, values, headline, trial)
-    purge = {"purge_step": checkpoint_step(resumed_from) + 1} if resumed_from else {}
-    accelerator.init_trackers(run_name, init_kwargs={
-        "tensorboard": purge, **external_tracker_settings(accelerator, cfg.log.trackers, cfg.output_dir)})
-    if not accelerator.is_main_process:
-        return
-    for tracker in accelerator.trackers:
-        if tracker.name in ("mlflow", "wandb"):  # TensorBoard's are the HParams below
-            tracker.store_init_configuration({k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
-                                              for k, v in plan.settings.items()})
     text = config_to_yaml(cfg)
     saved = plan.run_dir.config
     notes = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith("#")] if resumed_from and saved.is_file() else []
