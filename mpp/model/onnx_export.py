@@ -14,6 +14,7 @@ import json
 import logging
 import warnings
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -100,12 +101,9 @@ def export_onnx(backbone: VisionTransformer, out_dir: str | Path, head: dict[str
                 id2label: dict[int, str] | None = None, pool: str = "cls") -> str:
     """Write model.onnx (float32, a dynamic batch axis) and config.json to out_dir; returns what the graph is:
     "classifier" (with `head` on `pool`) or "backbone"."""
-    try:
-        import onnx  # noqa: F401 (what torch.onnx's exporter writes with)
-        import onnxscript  # noqa: F401 (what it translates with)
-    except ImportError:
+    if find_spec("onnx") is None or find_spec("onnxscript") is None:  # what torch.onnx writes and translates with
         raise ExportError("exporting to ONNX needs the onnx and onnxscript packages: pip install 'mpp[onnx]' "
-                          "(in a checkout: pip install -e '.[onnx]')") from None
+                          "(in a checkout: pip install -e '.[onnx]')")
     model = ExportedForward(backbone, head, pool).float().cpu().eval()
     size = backbone.image_size
     example = torch.zeros(2, 3, size, size)  # a batch of 2: torch.export takes a batch of 1 for a fixed size

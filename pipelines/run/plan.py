@@ -31,9 +31,10 @@ class RunPlan:
 
 def plan_run(cfg: Config, resume: bool | Literal["auto"], start: StartingPoint | None, overwrite: bool) -> RunPlan:
     """The plan of a training run under `cfg`, or the UserError of a run that cannot start: its length (from
-    train.epochs, over the training images it counts), the same config on every rank (start.check_same_config), its batch split over the processes of
-    this launch, whether it continues the run in output_dir (`resume`, see run_policy.continues_a_run) and what its
-    output_dir allows (for a fine-tuning from `start`; `overwrite` starts over there)."""
+    train.epochs, over the training images it counts), the same config on every rank (start.check_same_config), its
+    batch split over the processes of this launch, whether it continues the run in output_dir (`resume`, see
+    run_policy.continues_a_run) and what its output_dir allows (for a fine-tuning from `start`; `overwrite` starts
+    over there)."""
     processes = process_state().num_processes
     cfg, samples = with_run_length(cfg, processes)
     if processes > 1:  # before the split: a batch that one rank cannot split must not leave the others waiting
