@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mpp.data.images import BACKGROUND
 from mpp.model.hf import ExportError
 from mpp.model.vit import PIXEL_MEAN, PIXEL_STD, VisionTransformer, pool
 
@@ -49,10 +48,11 @@ class ExportedForward(nn.Module):
         return self.head(pool(encoded, self.pooling))
 
 
-def preprocessing(image_size: int) -> dict:
-    """How an image becomes the graph's input, as mpp predict prepares it (mpp.data.images, mpp.data.EvalTransform)."""
+def preprocessing(image_size: int, background: tuple[int, int, int]) -> dict:
+    """How an image becomes the graph's input, as mpp predict prepares it (mpp.data.images, mpp.data.EvalTransform):
+    `background` is the RGB colour that reading an image composites transparent pixels over."""
     return {
-        "background": list(BACKGROUND),  # transparent pixels composited over this RGB colour
+        "background": list(background),
         "crop": "the centre square of the short side",
         "size": [image_size, image_size],  # height, width
         "resample": "bilinear, antialiased",
@@ -64,7 +64,7 @@ def preprocessing(image_size: int) -> dict:
 
 
 def onnx_config(backbone: VisionTransformer, head: dict[str, torch.Tensor] | None, id2label: dict[int, str] | None,
-                pooling: str) -> dict:
+                pooling: str, background: tuple[int, int, int]) -> dict:
     """config.json beside model.onnx: the input and outputs with their shapes, what a classifier pools and its class
     names (LABEL_i where none are known, as transformers numbers them), and the preprocessing."""
     size, tokens = backbone.image_size, backbone.num_patches + 1
@@ -78,7 +78,7 @@ def onnx_config(backbone: VisionTransformer, head: dict[str, torch.Tensor] | Non
         config["pool"] = pooling
         config["id2label"] = {str(i): name for i, name in names.items()}
         config["label2id"] = {name: i for i, name in names.items()}
-    config["preprocessing"] = preprocessing(size)
+    config["preprocessing"] = preprocessing(size, background)
     return config
 
 
@@ -97,10 +97,11 @@ def exporter_quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def export_onnx(backbone: VisionTransformer, out_dir: str | Path, head: dict[str, torch.Tensor] | None = None,
-                id2label: dict[int, str] | None = None, pool: str = "cls") -> str:
-    """Write model.onnx (float32, a dynamic batch axis) and config.json to out_dir; returns what the graph is:
-    "classifier" (with `head` on `pool`) or "backbone"."""
+def export_onnx(backbone: VisionTransformer, out_dir: str | Path, background: tuple[int, int, int],
+                head: dict[str, torch.Tensor] | None = None, id2label: dict[int, str] | None = None,
+                pool: str = "cls") -> str:
+    """Write model.onnx (float32, a dynamic batch axis) and config.json (its preprocessing with reading's `background`)
+    to out_dir; returns what the graph is: "classifier" (with `head` on `pool`) or "backbone"."""
     if find_spec("onnx") is None or find_spec("onnxscript") is None:  # what torch.onnx writes and translates with
         raise ExportError("exporting to ONNX needs the onnx and onnxscript packages: pip install 'mpp[onnx]' "
                           "(in a checkout: pip install -e '.[onnx]')")
@@ -115,5 +116,5 @@ def export_onnx(backbone: VisionTransformer, out_dir: str | Path, head: dict[str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     program.save(out / ONNX_FILE)  # the weights in the file, or beside it in model.onnx.data past ONNX's 2 GB
-    (out / ONNX_CONFIG).write_text(json.dumps(onnx_config(backbone, head, id2label, pool), indent=2) + "\n")
+    (out / ONNX_CONFIG).write_text(json.dumps(onnx_config(backbone, head, id2label, pool, background), indent=2) + "\n")
     return "backbone" if head is None else "classifier"

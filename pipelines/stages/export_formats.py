@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from mpp.data.images import BACKGROUND
 from mpp.model.hf import export_hf
 from mpp.model.onnx_export import ONNX_CONFIG, ONNX_FILE, export_onnx
 from mpp.model.timm_layout import export_timm, timm_refusal
@@ -148,7 +149,7 @@ class Onnx(ExportFormat):
     into_run = f"write its {ONNX_FILE}, {ONNX_CONFIG} and README.md among the run's files"
 
     def write(self, backbone, out, head, names, pool):
-        return export_onnx(backbone, out, head, id2label=names, pool=pool)
+        return export_onnx(backbone, out, BACKGROUND, head, id2label=names, pool=pool)
 
     def written(self, kind, backbone, out_dir):
         return (f"wrote an ONNX {kind} ({backbone.width} wide, {backbone.depth} blocks, patch {backbone.patch_size}, "
