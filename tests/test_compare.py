@@ -592,10 +592,14 @@ def test_a_negative_control_pretrained_on_pure_noise_shows_no_resolved_gain_over
     import numpy as np
 
     control = "{name: mpp-noise, objective: mpp, control: noise}"
-    report = compare.run(tiny(tmp_path, f"arms=[{control}, scratch]", "grid=[]", "seeds=[0,1]", "noise_images=40"))
+    # kNN and few-shot while it pretrains, as a plan that watches its arms does: scored on the plan's labelled images
+    watched = ["pretrain.knn.every=3", "common.knn.train_images=40", "common.knn.eval_images=30", "pretrain.fewshot.every=3"]
+    report = compare.run(tiny(tmp_path, f"arms=[{control}, scratch]", "grid=[]", "seeds=[0,1]", "noise_images=40", *watched))
     out = tmp_path / "cmp"
     pretraining = load_config(out / "pre" / "mpp-noise" / "config.yaml")
     assert pretraining.data.shards == str(out / "noise") and pretraining.objective == "mpp"
+    assert pretraining.knn.shards == pretraining.fewshot.shards == str(tmp_path / "up")
+    assert {"knn/top1", "fewshot/1shot"} <= set(json.loads((out / "pre" / "mpp-noise" / "results.json").read_text())["final"])
     from webdataset.tariterators import tarfile_samples
     images = [s["png"] for s in tarfile_samples({"url": str(u)} for u in sorted((out / "noise").glob("*.tar")))]
     assert len(images) == 40

@@ -493,6 +493,18 @@ class NoiseImages:
             yield Sample(f"noise{index:07d}", encoded.getvalue(), "png")
 
 
+def scored_on_the_plans_images(cfg: Config) -> dict[str, str | None]:
+    """The evaluators' data keys that keep a noise control's frozen-feature scores and attention views, while it
+    pretrains, on the images `cfg` (the plan's pretraining) names, as every other arm's: noise has no classes to
+    score and nothing to look at."""
+    keys: dict[str, str | None] = {"inspect.shards": cfg.inspect.shards or cfg.data.val_shards or cfg.data.shards}
+    for name in ("knn", "fewshot", "probe"):
+        section = getattr(cfg, name)
+        keys[f"{name}.shards"] = section.shards or cfg.data.shards
+        keys[f"{name}.val_shards"] = section.val_shards or cfg.data.val_shards
+    return keys
+
+
 def noise_source(images: int, size: int) -> Source:
     """The negative control's pretraining data: `images` pure-noise images of size x size pixels, unlabelled."""
     return Source(f"pure noise ({images} images, {size} px)", images, NoiseImages(images, size), indexed=True)
@@ -601,7 +613,8 @@ class ArmRun:
             noise = stage(where, f"{self.cc.noise_images} pure-noise images", {"images": self.cc.noise_images, "size": size},
                           lambda: {"shards": str(where), "images": write_shards(noise_source(self.cc.noise_images, size), where,
                                                                                  overwrite=True)["samples"]})
-            data = {"data.shards": noise["shards"], "data.val_shards": noise["shards"]}
+            data = {"data.shards": noise["shards"], "data.val_shards": noise["shards"], **scored_on_the_plans_images(
+                pretrain_config(self.cc, self.arm))}
         cfg = pretrain_config(self.cc, self.arm, output_dir=self.pre, **data)
         return stage(self.pre, f"{self.arm.name} pretraining", settings(cfg), lambda: pretrain_stage(cfg))
 
