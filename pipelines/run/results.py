@@ -45,9 +45,8 @@ def stage_results(plan: RunPlan, stage: TrainingStage, metrics: list[Metric], tr
     """results.json: what ran, its final model metrics (those the objective and evaluators declare), the samples it
     skipped, how long it took (`timing`: wall_time_s of this invocation and images_per_sec over every invocation,
     empty if it trained nothing; wall_time_s then adds the earlier invocations' training up to the checkpoint this
-    one resumed from),
-    the stage's own entries, and the command that started the run (`started_by`, as run.json records it; None where
-    an mpp without run.json started it) and `resumed_with`, the resumes that trained more steps.
+    one resumed from), the stage's own entries, and the command that started the run (`started_by`, as run.json
+    records it; None where an mpp without run.json started it) and `resumed_with`, the resumes that trained more steps.
 
     A resumed run keeps what the earlier invocations measured and it did not measure again: a finished run resumed
     trains nothing and logs no training metric, and its results must not lose them, nor the command that trained it.
