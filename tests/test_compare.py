@@ -4,10 +4,12 @@ import re
 
 import numpy as np
 import pytest
+import torch
 import webdataset as wds
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 from PIL import Image
+from safetensors.torch import load_file
 
 from mpp.config import ConfigError, load_config
 from mpp.evaluation.stats import gap_resolution
@@ -235,6 +237,33 @@ def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):
     reset_accelerator()
     with pytest.raises(compare.CompareError, match=r"ft/scratch/base holds a scratch fine-tuning .* \(train\)"):
         compare.run(tiny(tmp_path, "arms=[scratch]", "grid=[]", "seeds=[]", "finetune.train.steps=5"))
+
+
+def test_how_often_a_finetuning_evaluates_changes_neither_what_it_learns_nor_which_finished_runs_a_plan_reuses(tmp_path, capsys):
+    # The Fashion-MNIST semi plan's seed runs spent more time scoring its 10,000 test images every 50 steps than
+    # training: a plan that raises eval_every reuses its finished runs (their curves have more points), since
+    # evaluating does not move what a run learns or its last score. Not so where the run keeps its best evaluation.
+    plan = ("arms=[scratch]", "grid=[]", "seeds=[]")
+    compare.run(tiny(tmp_path, *plan))  # evaluates every 2 of its 4 steps
+    run = tmp_path / "cmp" / "ft" / "scratch" / "base"
+    weights, top1 = load_file(run / "model.safetensors"), json.loads((run / "results.json").read_text())["top1"]
+    reset_accelerator()
+    capsys.readouterr()
+    compare.run(tiny(tmp_path, *plan, "finetune.finetune.eval_every=4"))
+    assert "scratch fine-tuning base: finished before, skipped" in capsys.readouterr().out
+    reset_accelerator()
+    compare.run(tiny(tmp_path, *plan, "finetune.finetune.eval_every=4", f"output_dir={tmp_path / 'once'}"))
+    once = tmp_path / "once" / "ft" / "scratch" / "base"
+    assert json.loads((once / "results.json").read_text())["top1"] == top1
+    again = load_file(once / "model.safetensors")
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+
+    keeping = (*plan, "finetune.finetune.keep_best=true", f"output_dir={tmp_path / 'best'}")
+    reset_accelerator()
+    compare.run(tiny(tmp_path, *keeping))
+    reset_accelerator()
+    with pytest.raises(compare.CompareError, match=r"ft/scratch/base holds a scratch fine-tuning .* \(finetune\)"):
+        compare.run(tiny(tmp_path, *keeping, "finetune.finetune.eval_every=4"))
 
 
 def test_compare_config_mistakes_are_one_line(tmp_path):

@@ -344,3 +344,22 @@ def arm_plan(cc: CompareConfig, arm: Arm) -> CompareConfig:
 def pretrain_config(cc: CompareConfig, arm: Arm, **keys) -> Config:
     """The pretraining run config of `arm`: common <- pretrain <- the arm's own keys <- its objective <- `keys`."""
     return stage_config(cc, "pretrain", arm.pretrain, objective=arm.objective, **keys)
+
+
+def settings(cfg: Config) -> dict:
+    """What a stage's result depends on: its run config, less the directory it writes to, how often it logs and the
+    CPU threads it computes with (so arms run side by side on a small machine, one thread each, are the stages a
+    later plain run of the plan finds finished)."""
+    values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
+    values["train"] = {k: v for k, v in values["train"].items() if k != "cpu_threads"}
+    return result_settings(values)
+
+
+def result_settings(values: dict) -> dict:
+    """Stage settings less how often a fine-tuning evaluates, where it keeps no best weights: evaluating changes
+    the curve a run records, not the weights it learns nor its last score (tests/test_compare.py), so a plan
+    whose eval_every was changed (to spend less time testing) reuses its finished runs."""
+    tuning = values.get("finetune")
+    if not isinstance(tuning, dict) or tuning.get("keep_best"):
+        return values
+    return {**values, "finetune": {k: v for k, v in tuning.items() if k != "eval_every"}}

@@ -74,8 +74,8 @@ from ..run.loaders import class_names, num_classes, resolve_shards
 from ..comparison.groups import key_groups
 from ..comparison.gaps import balanced_over_seeds, gaps, pretrain_length_results
 from ..comparison.plan import (Arm, CompareConfig, CompareError, arm_plan, budget_names, budget_takes, next_length,
-                               pretrain_config, pretrain_length_dir, pretrain_length_plan, recipes, searches_length,
-                               stage_config, trial_name)
+                               pretrain_config, pretrain_length_dir, pretrain_length_plan, recipes, result_settings,
+                               searches_length, settings, stage_config, trial_name)
 from ..comparison.plots import comparison_figure, label_efficiency_figure, pretrain_length_figure
 from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, design_lines, design_record, pretrain_length_markdown,
                                  report_markdown, scalar_history)
@@ -269,7 +269,7 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
         process_state().wait_for_everyone()
         if marker.is_file():
             done = json.loads(marker.read_text())
-            finished = as_saved(done.get("inputs") or {})  # settings an older mpp wrote, as it built them
+            finished = result_settings(as_saved(done.get("inputs") or {}))  # as an older mpp built them
             if finished != inputs:
                 changed = sorted(k for k in {*inputs, *finished} if inputs.get(k) != finished.get(k))
                 raise CompareError(f"{directory} holds a {name} finished with other settings ({', '.join(changed)}); "
@@ -290,15 +290,6 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
         marker.write_text(json.dumps(info, indent=2) + "\n")
     state.wait_for_everyone()
     return info
-
-
-def settings(cfg: Config) -> dict:
-    """What a stage's result depends on: its run config, less the directory it writes to, how often it logs and the
-    CPU threads it computes with (so arms run side by side on a small machine, one thread each, are the stages a
-    later plain run of the plan finds finished)."""
-    values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
-    values["train"] = {k: v for k, v in values["train"].items() if k != "cpu_threads"}
-    return values
 
 
 def resuming(cfg: Config) -> bool:
