@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -579,6 +580,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(tmp_pat
         # The start-up line comes after the lock is taken.
         first.wait_until(lambda: "pretraining of" in first.stdout or first.proc.poll() is not None)
         assert first.proc.poll() is None, first.stderr[-2000:]
+        first.proc.send_signal(signal.SIGSTOP)  # it holds the lock, paused: its training would only slow the second
         second = launch(*args[:-3], "train.steps=2", "train.warmup_steps=1", "train.batch_size=8")  # short, in case it ran
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"is in use by another run (pid {first.proc.pid})" in second.stderr and "Traceback" not in second.stderr

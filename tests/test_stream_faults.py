@@ -19,7 +19,7 @@ from mpp.data.readers import expand_shards
 from mpp.model.objectives import MaskedPatchPrediction
 import mpp.training.loop
 from mpp.training.runtime import make_accelerator
-from mpp.training.preemption import Preempted
+from mpp.training.preemption import Preempted, StopOnSignal
 from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.loop import next_batch, train
 from mpp.model.vit import build_backbone
@@ -205,6 +205,7 @@ def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its
 def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch, signal_handlers_restored):
     cfg, accelerator = fifty_step_run(tmp_path)
     signal_during_the_fourth_wait(monkeypatch)  # the 4th batch never comes
+    monkeypatch.setattr(StopOnSignal, "WAIT_GRACE_S", 1.0)  # the wait given up sooner: 10 s of nothing otherwise
     batches = lambda state: DataLoader(StallsAfter(3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
         train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, RunDir(Path(cfg.output_dir)))
