@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from mpp.config import RESUMABLE, Pooling, SECTION_SOURCES, Section, section_field
+from mpp.config import RESUMABLE, DataConfig, Pooling, SECTION_SOURCES, Section, section_field
 
 
 class EvalConfig(Section):
@@ -18,7 +18,16 @@ class EvalConfig(Section):
     seed: int = Field(0, description="Seed of the pretext validation's fixed corruption (a private generator, independent of the training run's RNG).")
 
 
-class FewShotConfig(Section):
+class ReadsLabelledShards:
+    """A frozen-feature evaluation's section: it reads a labelled pool (`shards`) and images to score (`val_shards`),
+    each the run's data.shards or data.val_shards where unset."""
+
+    def shards_read(self, data: DataConfig) -> dict[str, str | None]:
+        """Its shard keys as the run reads them, data's standing in for those left unset (None: none to read)."""
+        return {"shards": self.shards or data.shards, "val_shards": self.val_shards or data.val_shards}
+
+
+class FewShotConfig(ReadsLabelledShards, Section):
     every: int = Field(0, ge=0, description="During pretraining, run the few-shot evaluation every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
     shots: list[int] = Field([1, 5, 10, 25], min_length=1, description="Labelled examples per class given to the linear classifier; one accuracy per entry.", json_schema_extra=RESUMABLE)
     draws: int = Field(5, gt=0, description="Random draws of the examples per shot count; the accuracy is their mean.", json_schema_extra=RESUMABLE)
@@ -38,7 +47,7 @@ class FewShotConfig(Section):
         return self
 
 
-class KnnConfig(Section):
+class KnnConfig(ReadsLabelledShards, Section):
     every: int = Field(0, ge=0, description="During pretraining, run the kNN evaluation every N steps and at the end (0 = off).")
     k: int = Field(20, gt=0, description="Neighbours that vote (DINO's k=20).")
     temperature: float = Field(0.07, gt=0, description="Votes are weighted by exp(cosine similarity / temperature) (DINO's 0.07).")
@@ -50,7 +59,7 @@ class KnnConfig(Section):
     batch_size: int = Field(256, gt=0, description="Images per forward pass when extracting features.")
 
 
-class ProbeConfig(Section):
+class ProbeConfig(ReadsLabelledShards, Section):
     every: int = Field(0, ge=0, description="During pretraining, run the linear probe every N steps and at the end (0 = off).", json_schema_extra=RESUMABLE)
     epochs: int = Field(90, gt=0, description="Passes of SGD over the cached frozen features (MAE's linear probe: 90).", json_schema_extra=RESUMABLE)
     lr: float = Field(0.1, gt=0, description="Peak learning rate of the probe's SGD (momentum 0.9, no weight decay, cosine decay to 0 over its steps).", json_schema_extra=RESUMABLE)
@@ -70,6 +79,10 @@ class InspectConfig(Section):
     rollout_images: int = Field(4, gt=0, description="How many of them the attention-rollout figure overlays.", json_schema_extra=RESUMABLE)
     filters: int = Field(28, gt=0, description="Principal components of the patch embedding's filters shown (the paper's Figure 7 shows 28).", json_schema_extra=RESUMABLE)
     batch_size: int = Field(64, gt=0, description="Images per forward pass of the explicit-attention path.", json_schema_extra=RESUMABLE)
+
+    def shards_read(self, data: DataConfig) -> dict[str, str | None]:
+        """inspect.shards as the run reads it: data.val_shards, else data.shards, where unset."""
+        return {"shards": self.shards or data.val_shards or data.shards}
 
     @model_validator(mode="after")
     def _rollout_among_images(self) -> InspectConfig:

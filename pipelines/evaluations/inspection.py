@@ -89,7 +89,7 @@ class Inspector:
 
     def __init__(self, cfg: Config, accelerator: Accelerator):
         c = cfg.inspect
-        spec = c.shards or cfg.data.val_shards or cfg.data.shards
+        spec = c.shards_read(cfg.data)["shards"]
         batches = eval_batches(spec, cfg, accelerator, c.batch_size, labels=False)
         self.images = LabelledImages(accelerator, batches, c.images, f"inspection shards {spec}", need_labels=False)
         # The first few images, from whichever processes hold them (a process may hold none), for the rollout figure.

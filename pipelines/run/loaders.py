@@ -122,12 +122,12 @@ class FrozenFeatureSets:
     """
 
     def __init__(self, cfg: Config, accelerator: Accelerator, section, name: str, key: str, pool_name: str):
-        eval_shards = section.val_shards or cfg.data.val_shards
+        read = section.shards_read(cfg.data)
+        pool_shards, eval_shards = read["shards"], read["val_shards"]
         if eval_shards is None:
             raise FewShotError(f"{name} evaluation needs evaluation images; set {key}.val_shards or data.val_shards to "
                                f"labelled shards (or {key}.every=0 to turn it off)")
         self.section, self.accelerator, self.name, self.key = section, accelerator, name, key
-        pool_shards = section.shards or cfg.data.shards
         self.pool_shards = pool_shards
 
         def images(spec: str, count: int, what: str) -> LabelledImages:

@@ -64,6 +64,7 @@ from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.prepare_inputs import Sample, Source
 from mpp.data.shardwriter import write_shards
 from mpp.evaluation.baselines import evaluation_baselines
+from mpp.evaluation.settings import EVALUATION_SECTIONS
 from mpp.evaluation.stats import Candidate, dev_resolution, dev_split, gap_resolution, pick_recipe, stratified_folds
 from mpp.data.tars import ShardEnd, shard_samples
 from . import finetune, pretrain
@@ -488,12 +489,8 @@ def scored_on_the_plans_images(cfg: Config) -> dict[str, str | None]:
     """The evaluators' data keys that keep a noise control's frozen-feature scores and attention views, while it
     pretrains, on the images `cfg` (the plan's pretraining) names, as every other arm's: noise has no classes to
     score and nothing to look at."""
-    keys: dict[str, str | None] = {"inspect.shards": cfg.inspect.shards or cfg.data.val_shards or cfg.data.shards}
-    for name in ("knn", "fewshot", "probe"):
-        section = getattr(cfg, name)
-        keys[f"{name}.shards"] = section.shards or cfg.data.shards
-        keys[f"{name}.val_shards"] = section.val_shards or cfg.data.val_shards
-    return keys
+    return {f"{key}.{name}": spec for key in EVALUATION_SECTIONS if hasattr(section := getattr(cfg, key), "shards_read")
+            for name, spec in section.shards_read(cfg.data).items()}
 
 
 def noise_source(images: int, size: int) -> Source:
