@@ -524,12 +524,25 @@ def test_gaps_over_grouped_test_images_resample_the_groups_and_state_their_desig
     # The report says so: planned (groups assumed answered alike), observed, and which McNemar test it printed.
     from pipelines.comparison.report import design_record, gap_lines, resolution_lines
     cc = tiny(tmp_path, r"image_groups=-(\d+)$", "target_gap=0.2")
-    report = {"gaps": [grouped], "design": design_record(cc, keys, 2, None), "config": cc.model_dump(mode="json")}
+    report = {"gaps": [grouped], "design": design_record(cc, keys, 2, None), "config": cc.model_dump(mode="json"), "arms": arms}
     text = "\n".join(resolution_lines(report) + gap_lines(report, [0, 1]))
     assert ("400 test images in 100 groups (image_groups), each group's images assumed answered alike, so they count as "
             "100 independent images") in text
     assert "test images (grouped, with an observed design effect of 4.00: as 100 independent images)" in text
     assert "the bootstrap resamples whole groups, and McNemar's test is the clustered one" in text
+
+
+def test_a_resolved_gap_whose_worse_arm_kept_its_longest_fine_tuning_is_said_to_maybe_be_that_arms_short_training():
+    # The Fashion-MNIST semi plan reported MPP +26 points over a scratch arm that kept the longest of its lengths; at
+    # four times the fine-tuning the gap was +3.6. The gap's own line must say it, not only the length section.
+    from pipelines.comparison.report import short_loser_text
+    gap = {"arms": ["scratch", "mpp"], "gap": -0.26, "excludes_zero": True}
+    arms = {"scratch": {"at_longest_length": True, "length": "2"}, "mpp": {"at_longest_length": True, "length": "2"}}
+    assert "**scratch, the worse arm, kept the longest fine-tuning it was given (x2)" in short_loser_text(gap, arms)
+    assert "may be its short training" in short_loser_text(gap, arms)
+    assert short_loser_text(gap, {**arms, "scratch": {"at_longest_length": False, "length": "1"}}) == ""  # only the better arm
+    assert short_loser_text({**gap, "excludes_zero": False}, arms) == ""  # unresolved: no gain to explain
+    assert "mpp, the worse arm" in short_loser_text({**gap, "gap": 0.1}, arms)
 
 
 def test_the_report_puts_the_test_sets_baselines_and_balanced_accuracy_beside_top1(tmp_path):
