@@ -53,9 +53,17 @@ def write_tar(path, samples):
 
 
 def first_batch(urls, resampled=True, workers=1, **kw):
-    loader = make_loader(urls, DataConfig(num_workers=workers, resampled=resampled, shuffle_buffer=0), TrainTransform(8), 4, **kw)
+    batches = iter(make_loader(urls, DataConfig(num_workers=workers, resampled=resampled, shuffle_buffer=0), TrainTransform(8), 4, **kw))
     with fails_if_stuck():
-        return next(iter(loader))
+        try:
+            return next(batches)
+        except DataError as err:
+            # Raised without the loader's frames (and no name here holds the loader), so its worker stops here.
+            # Held by the traceback, the loader is collected later in a cycle with its queues, and its worker, never
+            # told to stop, is waited on 5 s (torch's MP_STATUS_CHECK_INTERVAL), in whichever test comes next.
+            raise err.with_traceback(None)
+        finally:
+            del batches
 
 
 CORRUPT = [{"__key__": f"k{i}", "jpg": b"\xff\xd8 not a jpeg " + bytes([i])} for i in range(6)]
