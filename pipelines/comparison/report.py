@@ -545,7 +545,7 @@ def length_lines(arms: dict, base: Config, cc: CompareConfig) -> list[str]:
     lines = ["## Fine-tuning length", "",
              f"Each arm's grid pick fine-tuned at multiples of {base.train.steps} steps, in order, until dev top-1 "
              f"fell below its best so far by more than the dev split resolves (McNemar's exact p < 0.05)"
-             + (f", then doubled while the kept length was the longest tried, up to max_length {cc.max_length:g}"
+             + (f", going on past the plan's lengths at twice the longest tried, up to max_length {cc.max_length:g}"
                 if cc.max_length is not None else "")
              + "; the kept length, the best dev top-1 (exactly equal: the longer), is in bold (its name ends in "
                "-x<multiple> when longer).", ""]
@@ -555,8 +555,8 @@ def length_lines(arms: dict, base: Config, cc: CompareConfig) -> list[str]:
                                              (f"**{100 * e['lengths'][f'{m:g}']:.2f}%**" if f"{m:g}" == e["length"]
                                               else f"{100 * e['lengths'][f'{m:g}']:.2f}%")) for m in multiples]])
     lines += table(["arm", "recipe", *[f"x{m:g} ({round(base.train.steps * m)} steps)" for m in multiples]], rows) + [""]
-    lines += [f"- {arm} kept the longest length tried, so the search doubled it past the plan's lengths: "
-              f"x{', x'.join(e['extended'])} tried." for arm, e in arms.items() if e.get("extended")]
+    lines += [f"- {arm}: no length the plan tries fell below its best by more than the dev split resolves, so the "
+              f"search went on past them: x{', x'.join(e['extended'])} tried." for arm, e in arms.items() if e.get("extended")]
     for arm, e in arms.items():
         if not e.get("at_longest_length"):
             continue
@@ -571,7 +571,8 @@ def length_lines(arms: dict, base: Config, cc: CompareConfig) -> list[str]:
     if any(e.get("extended") or e.get("at_longest_length") for e in arms.values()):
         lines.append("")
     elif cc.max_length is not None:
-        lines += [f"No arm kept its longest length, so none needed the extension up to max_length {cc.max_length:g}.", ""]
+        lines += [f"Every arm's dev top-1 fell below its best by more than the dev split resolves within the plan's "
+                  f"lengths, so none went on toward max_length {cc.max_length:g}.", ""]
     return lines
 
 
