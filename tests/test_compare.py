@@ -543,6 +543,10 @@ def test_a_resolved_gap_whose_worse_arm_kept_its_longest_fine_tuning_is_said_to_
     assert short_loser_text(gap, {**arms, "scratch": {"at_longest_length": False, "length": "1"}}) == ""  # only the better arm
     assert short_loser_text({**gap, "excludes_zero": False}, arms) == ""  # unresolved: no gain to explain
     assert "mpp, the worse arm" in short_loser_text({**gap, "gap": 0.1}, arms)
+    # kept x1, with its longest length tried (x2) an image or two below it: no fall the dev split resolves ended it
+    level = {"at_longest_length": False, "longest_near_best": True, "length": "1", "lengths": {"1": 0.5, "2": 0.49}}
+    assert ("**scratch, the worse arm, was fine-tuned no longer than x2, which scored below its pick (x1) by less than "
+            "the dev split resolves: its dev top-1 may not have peaked: part of this gap") in short_loser_text(gap, {**arms, "scratch": level})
 
 
 def test_the_report_puts_the_test_sets_baselines_and_balanced_accuracy_beside_top1(tmp_path):

@@ -106,6 +106,19 @@ def test_the_length_search_goes_on_past_a_drop_the_dev_split_cannot_resolve_and_
            "to know.**" in text
 
 
+def test_an_arm_whose_longest_length_is_an_image_below_its_pick_is_said_to_maybe_be_short(tmp_path, monkeypatch):
+    # x2 one dev image below x1: x1 is kept, but nothing says the curve peaked (the emoji semi plan's scratch arm at 10
+    # labels per class); the report said nothing of it, as if a resolved fall had ended the search.
+    scripted_dev(monkeypatch, lambda cfg: {4: 0.50, 8: 0.49}[cfg.train.steps])
+    entry = compare.run(tiny(tmp_path, "arms=[scratch]", "seeds=[]", "lengths=[1,2]", "grid=[{name: sgd, train: {lr: 0.03}}]"))["arms"]["scratch"]
+    assert entry["recipe"] == "sgd" and not entry["at_longest_length"] and entry["longest_near_best"]
+    assert not entry["length_cap_reached"]
+    text = (tmp_path / "cmp" / "report.md").read_text().split("## Fine-tuning length")[1]
+    assert ("- **scratch's longest length tried, x2, scored below its pick (x1) by less than the dev split resolves: its "
+            "dev top-1 may not have peaked, so it may be short of its best; add a longer multiple to `lengths`, or set "
+            "max_length to extend the search, to know.**") in text
+
+
 def test_an_arm_that_keeps_its_longest_length_is_fine_tuned_longer_up_to_max_length(tmp_path, monkeypatch):
     # by train.steps: rising all the way, so the search doubles past the plan's x2 to x4 and x8, and the cap (8)
     # stops it before x16; a second plan whose x4 falls by 5 images (not resolved) goes on to x8, where a fall of

@@ -309,11 +309,21 @@ def short_loser_text(gap: dict, arms: dict) -> str:
     if not gap["excludes_zero"]:
         return ""
     worse = gap["arms"][1] if gap["gap"] > 0 else gap["arms"][0]
-    if not arms.get(worse, {}).get("at_longest_length"):
+    entry = arms.get(worse, {})
+    if entry.get("at_longest_length"):
+        why = f"kept the longest fine-tuning it was given (x{entry['length']}), where its dev top-1 may still have been rising"
+    elif entry.get("longest_near_best"):
+        why = (f"was fine-tuned no longer than x{longest_length(entry)}, which scored below its pick (x{entry['length']}) "
+               f"by less than the dev split resolves: its dev top-1 may not have peaked")
+    else:
         return ""
-    return (f" **{worse}, the worse arm, kept the longest fine-tuning it was given (x{arms[worse]['length']}), where its "
-            f"dev top-1 may still have been rising: part of this gap, or all of it, may be its short training; let the "
+    return (f" **{worse}, the worse arm, {why}: part of this gap, or all of it, may be its short training; let the "
             f"length search go further (max_length) before reading it as what pretraining brings.**")
+
+
+def longest_length(entry: dict) -> str:
+    """The longest fine-tuning multiple an arm's length search tried, as its report names it."""
+    return max(entry["lengths"], key=float)
 
 
 VERDICTS = {1: "{a} is better", -1: "{b} is better", 0: "unresolved"}
@@ -558,6 +568,13 @@ def length_lines(arms: dict, base: Config, cc: CompareConfig) -> list[str]:
     lines += [f"- {arm}: no length the plan tries fell below its best by more than the dev split resolves, so the "
               f"search went on past them: x{', x'.join(e['extended'])} tried." for arm, e in arms.items() if e.get("extended")]
     for arm, e in arms.items():
+        if e.get("longest_near_best"):
+            lines.append(f"- **{arm}'s longest length tried, x{longest_length(e)}"
+                         + (f", the longest the cap allows (max_length {cc.max_length:g})" if e.get("length_cap_reached") else "")
+                         + f", scored below its pick (x{e['length']}) by less than the dev split resolves: its dev top-1 "
+                           f"may not have peaked, so it may be short of its best; "
+                         + ("raise max_length to know.**" if e.get("length_cap_reached") else
+                            "add a longer multiple to `lengths`, or set max_length to extend the search, to know.**"))
         if not e.get("at_longest_length"):
             continue
         if e.get("length_cap_reached"):
@@ -568,7 +585,7 @@ def length_lines(arms: dict, base: Config, cc: CompareConfig) -> list[str]:
             lines.append(f"- **{arm} kept the longest length the plan tries (x{e['length']}): its dev top-1 may still "
                          f"have been rising, so that arm may be short of its best; add a longer multiple to `lengths`, "
                          f"or set max_length to extend the search, to know.**")
-    if any(e.get("extended") or e.get("at_longest_length") for e in arms.values()):
+    if any(e.get("extended") or e.get("at_longest_length") or e.get("longest_near_best") for e in arms.values()):
         lines.append("")
     elif cc.max_length is not None:
         lines += [f"Every arm's dev top-1 fell below its best by more than the dev split resolves within the plan's "

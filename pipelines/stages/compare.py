@@ -559,12 +559,15 @@ class ArmRun:
         names = [kept.pick] + ([n for n in self.grid if n != kept.pick] if ablated else [])
         tests = {name: self.tested(name) for name in names}
         test = over_seeds(tests[kept.pick], self.seeds)
-        # Kept at the longest length tried: its dev top-1 may still have been rising, so the arm may be short; where
-        # the search could extend no further (no max_length, or twice the length is beyond it) that is said.
-        tried = max(map(float, lengths), default=1.0)
-        longest = bool(lengths) and kept.pick == length_run(grid_pick.pick, tried)
+        # The search ended without a fall the dev split resolves: kept at the longest length tried, or with the
+        # longest near-best (an image or two below the pick), the arm's dev curve may not have peaked, so it may be
+        # short; with max_length set, only the cap ends a search that way, and that is said.
+        longest_run = length_run(grid_pick.pick, max(map(float, lengths), default=1.0))
+        longest = bool(lengths) and kept.pick == longest_run
+        level = bool(lengths) and not longest and longest_run in kept.tied
         entry = {"objective": self.arm.summary, "pretrain_run": self.ckpt, "weights": self.arm.weights, "control": self.arm.control, "recipe": kept.pick,
-                 "at_longest_length": longest, "length_cap_reached": longest and self.cc.max_length is not None,
+                 "at_longest_length": longest, "longest_near_best": level,
+                 "length_cap_reached": (longest or level) and self.cc.max_length is not None,
                  "extended": [m for m in lengths if float(m) > self.cc.lengths[-1]], "grid_pick": grid_pick.pick,
                  "settings": self.recipes[kept.pick], "lr": stage_config(self.cc, "finetune", self.recipes[kept.pick]).train.lr,
                  "grid": grid_pick.top1, "pick": pick_record(grid_pick), "lengths": lengths,
