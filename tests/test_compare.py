@@ -475,7 +475,17 @@ def test_dry_run_states_the_smallest_gap_the_design_resolves_and_trains_nothing(
     warning = [line for line in out.splitlines() if line.startswith("warning:")]
     assert warning == ["warning: this comparison resolves gaps of 22.92 points, wider than its target_gap of 2.00 "
                        "points; about 7,704 test images at 2 seed(s) would resolve it."]
+    # What it can cost, to size it: 3 arms x (2 candidates of 4 steps on the dev split + the pick at its second seed,
+    # its first being its candidate run; no sensitivity lines) = 9 runs of 36 steps, as the tiny plan runs them; mpp
+    # and supervised pretrain 3 steps each.
+    assert "At most 6 pretraining steps and 9 fine-tuning runs of 36 steps in all" in out
     assert not (tmp_path / "cmp").exists()  # nothing split, pretrained or fine-tuned
+    # lengths x2 and x4 of the pick (8, 16 steps), every candidate near-best and so tested at both seeds, two
+    # pretraining lengths: 5 fine-tuning sides (scratch once) x (4 candidates, 32 steps, + each at its second seed,
+    # 32 more) and each pretrained arm at 3 + 6 steps
+    assert cli.main(["compare", "--config", str(plan), "--dry-run", "lengths=[1,2]", "max_length=4", "sensitivity=true",
+                     "pretrain_lengths=[1,2]"]) == 0
+    assert "At most 18 pretraining steps and 40 fine-tuning runs of 320 steps in all" in capsys.readouterr().out
     # A seed spread too wide for the target at any test-set size asks for seeds instead: 2 x 0.02^2 / (0.01 / 2.8016)^2 = 62.8
     assert cli.main(["compare", "--config", str(plan), "--dry-run", "target_gap=0.01", "assumed_seed_std=0.02"]) == 0
     assert "the seeds' spread alone is too wide for it at 2 seed(s): it needs at least 63 seeds per arm" in capsys.readouterr().out

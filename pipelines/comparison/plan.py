@@ -183,6 +183,36 @@ def next_length(cc: CompareConfig, longest: float) -> float | None:
     return 2 * longest if cc.max_length is not None and 2 * longest <= cc.max_length else None
 
 
+def training_bound(cc: CompareConfig, folds: dict[str, int]) -> dict[str, int]:
+    """The most a plan can train, for sizing it before it runs: its pretraining steps, and its fine-tuning runs and
+    steps were every arm's length search to go on to max_length and every candidate to be near-best (each then tested
+    at every seed for the sensitivity lines; without them, the pick alone). `folds`: each budget's fold count, 0 for
+    one dev split (whose candidate run at the plan's seed is also that seed's tested run); one entry without budgets."""
+    grid = [stage_config(cc, "finetune", recipe).train.steps for recipe in recipes(cc).values()]
+    multiples = [*cc.lengths]
+    while searches_length(cc) and (longer := next_length(cc, multiples[-1])) is not None:
+        multiples.append(longer)
+    candidates = grid + [round(max(grid) * m) for m in multiples[1:]]  # the length search runs the grid's pick only
+    selects = len(grid) > 1 or searches_length(cc)
+    base_seed = stage_config(cc, "finetune").train.seed
+    seeds = len(cc.seeds or [base_seed])
+    pretrained = [arm for arm in cc.arms if arm.objective is not None and arm.weights is None]
+    runs = steps = 0
+    for arm in cc.arms:
+        sides = len(cc.pretrain_lengths or [1]) if arm in pretrained else 1  # scratch and given weights run once
+        tested = candidates if cc.sensitivity or arm.name in cc.ablate else [max(candidates)]
+        for fold_count in folds.values():
+            scored = candidates if selects else []
+            reused = selects and not fold_count and base_seed in (cc.seeds or [base_seed])  # a candidate run is a tested one
+            runs += sides * (len(scored) * max(fold_count, 1) + len(tested) * (seeds - reused))
+            steps += sides * (sum(scored) * max(fold_count, 1) + sum(tested) * (seeds - reused))
+            if arm.name in cc.ablate:  # the pick from each earlier pretraining checkpoint, at every seed
+                runs += sides * len(cc.checkpoints) * seeds
+                steps += sides * len(cc.checkpoints) * seeds * max(candidates)
+    pretraining = sum(round(pretrain_config(cc, arm).train.steps * m) for arm in pretrained for m in cc.pretrain_lengths or [1])
+    return {"pretrain_steps": pretraining, "finetune_runs": runs, "finetune_steps": steps}
+
+
 def pretrain_length_dir(cc: CompareConfig, multiple: float) -> Path:
     """Where everything run from one pretraining length lies: output_dir itself for 1 (the plan without the axis)."""
     return Path(cc.output_dir) if multiple == 1 else Path(cc.output_dir) / f"pretrain-x{multiple:g}"

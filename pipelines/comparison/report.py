@@ -138,6 +138,10 @@ def design_lines(record: dict) -> list[str]:
                  f"a dev split of {budget['dev_images']:,} of its {budget['images']:,} labelled images")
         lines.append(f"Budget {name} ({budget['images']:,} labelled images) picks by {picks}, which tell two candidates "
                      f"apart, 4 times in 5, when they differ by {100 * budget['dev_resolvable']:.2f} points or more.")
+    if most := record.get("most_training"):
+        lines.append(f"At most {most['pretrain_steps']:,} pretraining steps and {most['finetune_runs']:,} fine-tuning runs "
+                     f"of {most['finetune_steps']:,} steps in all: the bound, were every arm's length search to go on to "
+                     f"its cap and every candidate to be near-best; multiply by a run's seconds per step to size the plan.")
     if line := target_line(record, planned["resolvable"]):
         lines.append(f"warning: {line}")
     elif record["target_gap"] is not None:

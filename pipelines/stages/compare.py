@@ -76,7 +76,7 @@ from ..comparison.groups import key_groups
 from ..comparison.gaps import balanced_over_seeds, gaps, pretrain_length_results
 from ..comparison.plan import (Arm, CompareConfig, CompareError, arm_plan, budget_names, budget_takes, next_length,
                                pretrain_config, pretrain_length_dir, pretrain_length_plan, recipes, result_settings,
-                               searches_length, settings, stage_config, trial_name)
+                               searches_length, settings, stage_config, training_bound, trial_name)
 from ..comparison.plots import comparison_figure, label_efficiency_figure, pretrain_length_figure
 from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, design_lines, design_record, pretrain_length_markdown,
                                  report_markdown, scalar_history)
@@ -198,6 +198,9 @@ def check(cc: CompareConfig) -> dict:
                            dev_image_count(cc, base) if select and not budgets else None)
     if budgets and select:
         design["budgets"] = {name: budget_dev(cc, take) for name, take in budget_takes(cc, per_class).items()}
+    folds = ({name: budget["folds"] for name, budget in design["budgets"].items()} if "budgets" in design else
+             dict.fromkeys(budget_names(cc) or [""], cc.dev_folds if cc.dev_folds != "auto" else auto_folds(base)[0]))
+    design["most_training"] = training_bound(cc, folds)
     say_design(design)
     return design
 
