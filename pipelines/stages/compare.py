@@ -199,7 +199,7 @@ def check(cc: CompareConfig) -> dict:
     if budgets and select:
         design["budgets"] = {name: budget_dev(cc, take) for name, take in budget_takes(cc, per_class).items()}
     folds = ({name: budget["folds"] for name, budget in design["budgets"].items()} if "budgets" in design else
-             dict.fromkeys(budget_names(cc) or [""], cc.dev_folds if cc.dev_folds != "auto" else auto_folds(base)[0]))
+             dict.fromkeys(budget_names(cc) or [""], plan_folds(cc, base)))
     design["most_training"] = training_bound(cc, folds)
     say_design(design)
     return design
@@ -232,12 +232,16 @@ def test_labels(base: Config) -> dict[str, int]:
     return labels
 
 
+def plan_folds(cc: CompareConfig, base: Config) -> int:
+    """The folds the plan's picks use on all its labelled images (no label budgets), 0 for one dev split."""
+    return cc.dev_folds if cc.dev_folds != "auto" else auto_folds(base)[0]
+
+
 def dev_image_count(cc: CompareConfig, base: Config) -> int:
     """The images the plan's candidates are scored on, as Selection.of will split them: every labelled image under
     k-fold, else the dev split's (whole groups where the plan names image_groups)."""
     samples = [(ident, label) for ident, _, label in labelled_samples(base)]
-    folds = cc.dev_folds if cc.dev_folds != "auto" else auto_folds(base)[0]
-    return len(samples) if folds else len(dev_split(samples, cc.dev_fraction, key_groups(cc.image_groups, (i for i, _ in samples))))
+    return len(samples) if plan_folds(cc, base) else len(dev_split(samples, cc.dev_fraction, key_groups(cc.image_groups, (i for i, _ in samples))))
 
 
 def wait_while_running_elsewhere(directory: Path, name: str) -> None:
