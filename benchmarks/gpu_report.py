@@ -16,6 +16,7 @@ failure is named in the report. At the end: DIR/gpu_report.md, DIR/gpu_report.js
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import io
 import json
@@ -130,6 +131,34 @@ NOT_RUN_RESULT = {"status": NOT_RUN, "seconds": 0, "log": None}
 RUNNING: set[subprocess.Popen] = set()  # parts started and not yet collected: stopped with the report
 
 
+class StopSignal:
+    """SIGTERM's handler: a scheduler's or a person's stop ends the report with status 128 + signum, and the parts'
+    process groups go with it. A stop that arrives while a part is starting is held until the part is in RUNNING:
+    raised inside Popen (the child forked, Popen not yet returned), it left that part running on after the report."""
+
+    def __init__(self) -> None:
+        self.starting, self.pending = False, None
+
+    def __call__(self, signum, frame) -> None:
+        if self.starting:
+            self.pending = signum
+            return
+        raise SystemExit(128 + signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        self.starting = True
+        try:
+            yield
+        finally:
+            self.starting = False
+        if self.pending is not None:
+            raise SystemExit(128 + self.pending)
+
+
+STOP = StopSignal()
+
+
 def start(part: dict, out: Path, limit: float, cpus: list[int] | None = None) -> subprocess.Popen:
     cmd = list(part["cmd"])
     if part.get("json"):
@@ -139,10 +168,11 @@ def start(part: dict, out: Path, limit: float, cpus: list[int] | None = None) ->
     log.flush()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **part.get("env", {})}
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec,
-                            start_new_session=True)
-    proc.part, proc.log, proc.started, proc.limit = part, log, time.perf_counter(), limit
-    RUNNING.add(proc)
+    with STOP.held():
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec,
+                                start_new_session=True)
+        proc.part, proc.log, proc.started, proc.limit = part, log, time.perf_counter(), limit
+        RUNNING.add(proc)
     return proc
 
 
@@ -544,10 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     suite_proc, completed = None, False
 
-    def stopped(signum, frame):  # a scheduler's or a person's stop: the parts' process groups go with the report
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGTERM, STOP)
     try:
         for part in gpu_parts:
             if part["name"] == "step_b16" and suite_proc is None and (limit := budget.limit(suite)):
