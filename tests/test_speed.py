@@ -2,6 +2,7 @@
 
 import importlib.util
 import io
+import json
 import math
 import os
 import random
@@ -32,7 +33,7 @@ from mpp.training.meters import EARLY_STEPS, RECENT_STEPS, LogWindow, StepPace
 from mpp.training.loop import StepResult, train_step
 from pipelines.stages import prepare
 
-from conftest import ROOT
+from conftest import ROOT, TINY, write_test_shards
 from test_corruption import corrupt_patches
 
 
@@ -406,3 +407,19 @@ def test_under_a_loss_scaler_only_a_nonfinite_loss_counts_towards_max_nonfinite_
     nan = step("loss")
     assert not bool(nan.stepped) and bool(nan.nonfinite)
     assert bool(step(None).stepped)
+
+
+def test_the_concurrent_runs_benchmark_times_both_ways_and_prints_their_ratio(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("concurrent_runs", ROOT / "benchmarks" / "concurrent_runs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shards = tmp_path / "shards"
+    write_test_shards(shards, [16], size=16)
+    timings = tmp_path / "timings.json"
+    assert bench.main(["--stage", "pretrain", "--config", "configs/pretrain/default.yaml", "--steps", "2",
+                       "--rounds", "1", "--json", str(timings), f"data.shards={shards}", *TINY]) == 0
+    rows = json.loads(timings.read_text())["rounds"]
+    assert len(rows) == 1 and rows[0]["one_run_steps_per_s"] > 0 and rows[0]["side_by_side_steps_per_s"] > 0
+    assert "2 runs side by side do" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--threads must be 2 or more"):
+        bench.main(["--config", "configs/pretrain/default.yaml", "--threads", "1"])
