@@ -1,4 +1,5 @@
-"""The fast paths compute what the plain ones do: compiled step, corrupted-only head, sync-free skip, decode, shards."""
+"""The fast paths compute what the plain ones do: compiled step, corrupted-only head, sync-free skip, decode, shards;
+and the concurrent-runs benchmark times a run both ways."""
 
 import importlib.util
 import io
