@@ -149,6 +149,17 @@ def design_lines(record: dict) -> list[str]:
     return lines
 
 
+BUDGET_ARM_KEYS = ("test", "balanced_accuracy", "recipe", "length", "lengths", "at_longest_length", "longest_near_best")
+BUDGET_GAP_KEYS = ("arms", "gap", "low", "high", "excludes_zero", "images", "sensitivity")
+
+
+def budget_summary(report: dict) -> dict:
+    """What the label-efficiency report keeps of one budget's report: each arm's scores and how long it fine-tuned,
+    each gap with its interval and its verdict at the arms' near-best picks (the caveats travel with the gap)."""
+    return {"arms": {arm: {k: e[k] for k in BUDGET_ARM_KEYS if k in e} for arm, e in report["arms"].items()},
+            "gaps": [{k: g[k] for k in BUDGET_GAP_KEYS if k in g} for g in report["gaps"]]}
+
+
 def budget_markdown(result: dict, cc: CompareConfig) -> str:
     """report.md of a plan with label budgets: each arm's test top-1 per budget, each gap at each budget with its
     paired 95% interval, the design's resolution and the test set's baselines; each budget's full report beside."""
@@ -178,6 +189,10 @@ def budget_markdown(result: dict, cc: CompareConfig) -> str:
         resolved = [name for name, budget in budgets.items() for g in budget["gaps"] if g["arms"] == [a, b] and g["excludes_zero"]]
         lines.append(f"- {a} − {b}: resolved at " + (", ".join(f"{name} ({'+' if g['gap'] > 0 else '-'})"
                      for name in resolved for g in budgets[name]["gaps"] if g["arms"] == [a, b]) if resolved else "no budget") + ".")
+    caveats = [f"- Budget {name}, {' − '.join(g['arms'])}:{said}" for name, budget in budgets.items() for g in budget["gaps"]
+               if (said := sensitivity_text(g) + short_loser_text(g, budget["arms"]))]
+    if caveats:  # a gap in the table is its arms' picks; these say how far it rests on them and on a short arm
+        lines += ["", "What a gap in the table rests on (each budget's report says more):", "", *caveats]
     lines += ["", "## What this comparison can resolve", "", " ".join(design_lines(result["design"])), ""]
     return "\n".join(lines)
 

@@ -78,8 +78,8 @@ from ..comparison.plan import (Arm, CompareConfig, CompareError, arm_plan, budge
                                pretrain_config, pretrain_length_dir, pretrain_length_plan, recipes, result_settings,
                                searches_length, settings, stage_config, training_bound, trial_name)
 from ..comparison.plots import comparison_figure, label_efficiency_figure, pretrain_length_figure
-from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, design_lines, design_record, pretrain_length_markdown,
-                                 report_markdown, scalar_history)
+from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, budget_summary, design_lines, design_record,
+                                 pretrain_length_markdown, report_markdown, scalar_history)
 from ..run.run_policy import RunInUse
 from ..run.start import start_run
 from ..run.tracking import TRIAL_NAMES, log_scores, log_session
@@ -784,11 +784,7 @@ def collect_budgets(cc: CompareConfig, draws: dict, reports: dict[str, dict]) ->
     first = next(iter(reports.values()))
     result = {"config": cc.model_dump(mode="json"), "kind": "labels per class" if cc.labels_per_class else "fraction of each class",
               "design": first["design"], "test_set": first["test_set"], "seeds": first["seeds"],
-              "budgets": {name: {**draws[name], "report": str(out / f"budget-{name}" / "report.md"),
-                                 "arms": {arm: {"test": e["test"], "balanced_accuracy": e["balanced_accuracy"], "recipe": e["recipe"]}
-                                          for arm, e in report["arms"].items()},
-                                 "gaps": [{k: g[k] for k in ("arms", "gap", "low", "high", "excludes_zero", "images")}
-                                          for g in report["gaps"]]}
+              "budgets": {name: {**draws[name], "report": str(out / f"budget-{name}" / "report.md"), **budget_summary(report)}
                           for name, report in reports.items()}}
     publish(result, out / "results.json", out / "report.md", lambda: budget_markdown(result, cc),
             lambda: label_efficiency_figure(result, out / "label_efficiency.png"),
