@@ -39,9 +39,10 @@ def argument_parser() -> argparse.ArgumentParser:
 
 
 def start(args, output_dir: Path, threads: int) -> subprocess.Popen:
-    command = [sys.executable, "launch.py", args.stage, "--config", args.config, f"output_dir={output_dir}",
+    """A run as `python launch.py` starts it here: paths in the config and the overrides are the caller's."""
+    command = [sys.executable, str(ROOT / "launch.py"), args.stage, "--config", args.config, f"output_dir={output_dir}",
                f"train.steps={args.steps}", f"train.cpu_threads={threads}", "log.trackers=[]", *args.overrides]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def steps_per_second(args, work: Path, name: str, runs: int, threads: int) -> float:

@@ -417,7 +417,7 @@ def test_the_concurrent_runs_benchmark_times_both_ways_and_prints_their_ratio(tm
     shards = tmp_path / "shards"
     write_test_shards(shards, [16], size=16)
     timings = tmp_path / "timings.json"
-    assert bench.main(["--stage", "pretrain", "--config", "configs/pretrain/default.yaml", "--steps", "2",
+    assert bench.main(["--stage", "pretrain", "--config", str(ROOT / "configs" / "pretrain" / "default.yaml"), "--steps", "2",
                        "--rounds", "1", "--json", str(timings), f"data.shards={shards}", *TINY]) == 0
     rows = json.loads(timings.read_text())["rounds"]
     assert len(rows) == 1 and rows[0]["one_run_steps_per_s"] > 0 and rows[0]["side_by_side_steps_per_s"] > 0
