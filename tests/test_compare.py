@@ -1,6 +1,8 @@
 import io
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from mpp.evaluation.stats import gap_resolution
 from pipelines.stages import compare
 from pipelines.comparison.plan import load_compare_config, pretrain_config, recipes, stage_config
 
-from conftest import ROOT, reset_accelerator, write_test_shards
+from conftest import ROOT, cpu_env, reset_accelerator, write_test_shards
 
 TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "common.model.width=32", "common.model.depth=1",
              "common.model.heads=2", "common.model.image_size=16", "common.log.every=2", "common.log.images_every=50",
@@ -29,14 +31,19 @@ TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "comm
 
 
 def tiny(tmp_path, *overrides):
+    return load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", tiny_overrides(tmp_path, *overrides))
+
+
+def tiny_overrides(tmp_path, *overrides) -> list[str]:
+    """The tiny plan's overrides (as `launch.py compare --config configs/compare/tiny.yaml` takes them) on shards
+    written here."""
     write_test_shards(tmp_path / "up", [40, 40], size=32)
     write_test_shards(tmp_path / "down", [200, 200], size=32)  # 40 per class: 10 of each in the dev split
     val = write_test_shards(tmp_path / "val", [30], size=32)
     for directory in ("up", "down"):  # the class count comes from summary.json, as `launch.py prepare` writes it
         (tmp_path / directory / "summary.json").write_text(json.dumps({"labels": True, "classes": 10}))
-    return load_compare_config(ROOT / "configs" / "compare" / "tiny.yaml", [
-        f"output_dir={tmp_path / 'cmp'}", f"pretrain.data.shards={tmp_path / 'up'}", f"finetune.data.shards={tmp_path / 'down'}",
-        f"finetune.data.val_shards={val[0]}", f"common.data.val_shards={val[0]}", *TINY_RUNS, *overrides])
+    return [f"output_dir={tmp_path / 'cmp'}", f"pretrain.data.shards={tmp_path / 'up'}", f"finetune.data.shards={tmp_path / 'down'}",
+            f"finetune.data.val_shards={val[0]}", f"common.data.val_shards={val[0]}", *TINY_RUNS, *overrides]
 
 
 def test_compare_with_a_mixed_grid_and_seeds_reports_mean_and_std_and_a_rerun_skips_finished_stages(tmp_path, capsys):
@@ -211,17 +218,17 @@ def test_an_ablated_arm_runs_every_recipe_at_every_seed_and_reports_each(tmp_pat
     assert rows[0] == f"| {entry['recipe']}" and sorted(rows) == ["| mim", "| sgd-0.03"]  # the pick first
 
 
-def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, monkeypatch, capsys):
+def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, capsys):
     import fcntl
     import threading
 
-    monkeypatch.setattr(compare, "WAIT_POLL_S", 0.05)
     directory = tmp_path / "ft" / "scratch" / "sgd"
-    directory.mkdir(parents=True)
-    other = (directory / ".lock").open("a+")  # another compare process's run of this stage holds the lock
+    directory.parent.mkdir(parents=True)
+    other = (directory.parent / ".sgd.stage-lock").open("a+")  # another compare process runs this stage
     fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def other_finishes():
+        directory.mkdir()
         (directory / compare.STAGE_DONE).write_text(json.dumps({"top1": 0.5, "inputs": {"lr": 0.1}}))
         other.close()
 
@@ -230,6 +237,22 @@ def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, m
     assert done["top1"] == 0.5
     log = capsys.readouterr().out
     assert "running in another process, waiting for it" in log and "finished before, skipped" in log
+
+
+def test_two_compare_processes_over_disjoint_arms_started_together_share_the_plans_data_stages(tmp_path):
+    # Before, only training stages were held (by their run's lock): of two processes started together the second
+    # was refused writing the plan's dev split ("another prepare ... is writing shards"), or wrote it again over the
+    # first's.
+    plan = ["launch.py", "compare", "--config", "configs/compare/tiny.yaml", *tiny_overrides(tmp_path, "seeds=[]"),
+            "common.train.cpu_threads=1"]
+    procs = [subprocess.Popen([sys.executable, *plan, f"arms=[{arm}]"], cwd=ROOT, env=cpu_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for arm in ("mpp", "scratch")]
+    logs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], logs
+    split = [line for log in logs for line in log.splitlines() if line.startswith("[compare] dev split")]
+    assert sum(": running in /" in line for line in split) == 1, split  # written once, then waited for or reused
+    for arm in ("mpp", "scratch"):
+        assert json.loads((tmp_path / "cmp" / "ft" / arm / "sgd-0.03" / "results.json").read_text())["steps"] == 4
 
 
 def test_a_rerun_with_other_settings_refuses_to_reuse_finished_stages(tmp_path):

@@ -33,10 +33,10 @@ compiles its own model from a clean dynamo state.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import io
-import itertools
 import json
 import math
 import statistics
@@ -80,7 +80,6 @@ from ..comparison.plan import (Arm, CompareConfig, CompareError, arm_plan, budge
 from ..comparison.plots import comparison_figure, label_efficiency_figure, pretrain_length_figure
 from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, budget_summary, design_lines, design_record,
                                  pretrain_length_markdown, report_markdown, scalar_history)
-from ..run.run_policy import RunInUse
 from ..run.start import start_run
 from ..run.tracking import TRIAL_NAMES, log_scores, log_session
 
@@ -93,7 +92,6 @@ DEV_MIN_PER_CLASS = 10
 SMALL_DOWNSTREAM = 500
 AUTO_FOLDS = 5
 SIGNIFICANCE = 0.05  # a dev difference with McNemar's exact p below this is one the dev split resolves
-WAIT_POLL_S = 5.0  # how often a stage running in another compare process is checked for its end
 
 
 def run(cc: CompareConfig) -> dict:
@@ -244,26 +242,27 @@ def dev_image_count(cc: CompareConfig, base: Config) -> int:
     return len(samples) if plan_folds(cc, base) else len(dev_split(samples, cc.dev_fraction, key_groups(cc.image_groups, (i for i, _ in samples))))
 
 
-def wait_while_running_elsewhere(directory: Path, name: str) -> None:
-    """Return once no other process runs the training stage in `directory` (holds its output_dir lock, see
-    run_policy.OutputDirLock), so that several compare processes of one plan (one per core, say) share its stages: a
-    stage another one is running is waited for and then reused, not run twice."""
-    lock = directory / ".lock"
-    if not lock.is_file():
+@contextlib.contextmanager
+def held_by_this_process(directory: Path, name: str) -> Iterator[None]:
+    """Hold the stage in `directory` for this compare process: several processes of one plan (one per core, over
+    disjoint arms, say) share its stages, and one that reaches a stage another is running, a data split as much as a
+    training run, waits here and then reuses it. An flock on a file beside the directory: the kernel drops it when
+    its process dies, so a crashed process never blocks the next. The main process holds it for every rank."""
+    if not process_state().is_main_process:
+        yield
         return
-    with lock.open("a+") as file:
-        for waits in itertools.count():
-            try:
-                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if not waits:
-                    print(f"[compare] {name}: running in another process, waiting for it", flush=True)
-                time.sleep(WAIT_POLL_S)
-            else:
-                fcntl.flock(file, fcntl.LOCK_UN)
-                if waits:  # the run has ended; its process writes stage.json right after
-                    time.sleep(WAIT_POLL_S)
-                return
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    path = directory.parent / f".{directory.name}.stage-lock"
+    with path.open("a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[compare] {name}: running in another process, waiting for it", flush=True)
+            fcntl.flock(file, fcntl.LOCK_EX)
+        yield
+        # Finished (stage.json written): a process that takes a lock file gone meanwhile finds the stage done all the
+        # same, so the file goes, not to litter the plan's folders. After a failure it stays; closing it releases it.
+        path.unlink(missing_ok=True)
 
 
 def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) -> dict:
@@ -271,10 +270,9 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
     record those and what `work` returns in directory/stage.json."""
     marker = directory / STAGE_DONE
     inputs = json.loads(json.dumps(inputs, default=str))
-    while True:
-        if process_state().is_main_process:
-            wait_while_running_elsewhere(directory, name)
-        process_state().wait_for_everyone()
+    state = process_state()
+    with held_by_this_process(directory, name):
+        state.wait_for_everyone()
         if marker.is_file():
             done = json.loads(marker.read_text())
             finished = result_settings(as_saved(done.get("inputs") or {}))  # as an older mpp built them
@@ -286,17 +284,11 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
             return done
         print(f"[compare] {name}: running in {directory}", flush=True)
         started = time.perf_counter()
-        try:
-            info = {**work(), "inputs": inputs}
-            break
-        except RunInUse:  # another process started it a moment before this one: wait for it as above
-            continue
-    info["stage_wall_time_s"] = time.perf_counter() - started
-    state = process_state()
-    if state.is_main_process:
-        directory.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps(info, indent=2) + "\n")
-    state.wait_for_everyone()
+        info = {**work(), "inputs": inputs, "stage_wall_time_s": time.perf_counter() - started}
+        if state.is_main_process:
+            directory.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps(info, indent=2) + "\n")
+        state.wait_for_everyone()
     return info
 
 
