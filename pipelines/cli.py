@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             print(printed_config(args.stage, cfg), end="")
             return 0
     # Here, once the command line and its config hold: they load torch.
-    from mpp.training.loop import Preempted
-    from mpp.training.preemption import EXIT_STATUS as STOPPED
+    from mpp.training.preemption import EXIT_STATUS as STOPPED, Preempted
     from .run.start import RanksDisagree
     from .run.tracking import end_process
 
