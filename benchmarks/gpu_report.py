@@ -153,7 +153,8 @@ class StopSignal:
         finally:
             self.starting = False
         if self.pending is not None:
-            raise SystemExit(128 + self.pending)
+            signum, self.pending = self.pending, None
+            raise SystemExit(128 + signum)
 
 
 STOP = StopSignal()
