@@ -3,6 +3,8 @@ weights' EMA."""
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 import launch
 from mpp.config import TrainConfig, load_config
+from mpp.training import runtime
 from mpp.training.ema import WeightAverage
 from mpp.model.mixup import Mix, Mixing
 from mpp.model.vit import DropPath, VisionTransformer
@@ -18,7 +21,7 @@ from mpp.model.objectives import Classification, MaskedPatchPrediction, normaliz
 from mpp.training.optim import build_optimizer, head_lr, param_groups, warmup_cosine
 from pipelines.stages import finetune
 
-from conftest import TINY, reset_accelerator, write_test_shards
+from conftest import ROOT, TINY, reset_accelerator, write_test_shards
 from test_downstream import finetune_config, recount
 
 NO_DECAY = ("cls_token", "pos_embed", "mask_embedding")  # the input tokens, exempt from weight decay, by name
@@ -208,6 +211,25 @@ def test_mixup_loss_is_the_weighted_loss_of_both_labels_and_accuracy_counts_the_
     # Evaluation never mixes.
     model.eval()
     assert torch.equal(model(images, labels).loss, F.cross_entropy(model.logits(images).float(), labels, label_smoothing=0.1))
+
+
+def test_mixing_inside_a_compiled_forward_gives_the_eager_loss_and_only_a_run_that_mixes_imports_the_compiler():
+    # The mix runs eagerly inside a compiled forward (torch.compiler.disable), wrapped when a Mixing is made: as a
+    # decorator it imported torch._dynamo for every command that imports the model (predict, export: about a second).
+    models = [classifier(), classifier()]
+    for model in models:
+        model.mixing = Mixing(mixup=0.8, cutmix=1.0, switch_prob=0.5, classes=5)
+        model.train()
+    eager, compiled = models[0], runtime.compiled(models[1], "inductor", "default")
+    images, labels = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
+    for seed in (0, 1, 2):  # mixup and CutMix boxes of several sizes, the same draws for both
+        random.seed(seed)
+        expected = eager(images, labels).loss
+        random.seed(seed)
+        assert torch.allclose(compiled(images, labels).loss, expected, rtol=1e-4, atol=1e-5)
+    imported = subprocess.run([sys.executable, "-c", "import sys, pipelines.stages.predict, pipelines.stages.export; "
+                               "print('torch._dynamo' in sys.modules)"], cwd=ROOT, capture_output=True, text=True)
+    assert imported.stdout.strip() == "False", imported.stderr
 
 
 def test_cutmix_weight_is_the_share_of_pixels_each_image_keeps_clipped_boxes_included():

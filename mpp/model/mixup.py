@@ -62,7 +62,14 @@ class Mixing:
         one_hot = torch.zeros(len(labels), self.classes, device=labels.device).scatter_(1, labels[:, None], 1.0)
         return mixed, one_hot * mix.lam + one_hot.flip(0) * (1.0 - mix.lam)
 
-    # Eager even inside a compiled forward: the box bounds change every batch and would recompile the graph.
-    @torch.compiler.disable
+    def __post_init__(self) -> None:
+        # Eager even inside a compiled forward: the box bounds change every batch and would recompile the graph.
+        # Wrapped here, not by a decorator: torch.compiler.disable imports torch._dynamo (about a second), which only
+        # a run that mixes needs, not every command that imports the model (predict, export, the evaluations).
+        object.__setattr__(self, "mix_eagerly", torch.compiler.disable(self.mix))
+
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mix_eagerly(images, labels)
+
+    def mix(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.apply(images, labels, self.draw(*images.shape[-2:]))
