@@ -2,6 +2,7 @@
 weights' EMA."""
 
 import json
+import pickle
 import random
 import subprocess
 import sys
@@ -220,6 +221,7 @@ def test_mixing_inside_a_compiled_forward_gives_the_eager_loss_and_only_a_run_th
     for model in models:
         model.mixing = Mixing(mixup=0.8, cutmix=1.0, switch_prob=0.5, classes=5)
         model.train()
+    assert pickle.loads(pickle.dumps(models[0].mixing)) == models[0].mixing  # as a plain dataclass did
     eager, compiled = models[0], runtime.compiled(models[1], "inductor", "default")
     images, labels = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
     for seed in (0, 1, 2):  # mixup and CutMix boxes of several sizes, the same draws for both

@@ -68,6 +68,9 @@ class Mixing:
         # a run that mixes needs, not every command that imports the model (predict, export, the evaluations).
         object.__setattr__(self, "mix_eagerly", torch.compiler.disable(self.mix))
 
+    def __reduce__(self):  # a copy or a pickle is made anew, its own eager wrapper with it (a wrapper does not pickle)
+        return type(self), (self.mixup, self.cutmix, self.switch_prob, self.classes)
+
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mix_eagerly(images, labels)
 
