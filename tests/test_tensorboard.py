@@ -1,6 +1,8 @@
 """What a user sees in TensorBoard and on the terminal after a run: one run per stage, HParams with metrics and
 typed values, the headline charts first, one aligned image panel, and a progress bar that says whether it learns."""
 
+import multiprocessing
+
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -11,7 +13,7 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 from mpp.config import load_config
 from mpp.training.panel import PANEL_GAP, PANEL_IMAGES, panel_grid
 from pipelines.stages import finetune, pretrain
-from pipelines.run.tracking import hparams_summaries, hparam_columns
+from pipelines.run.tracking import SCORES_SUFFIX, hparams_summaries, hparam_columns, log_scores
 
 from conftest import ROOT, TINY, reset_accelerator
 
@@ -153,3 +155,31 @@ def test_validation_charts_say_what_the_validation_holds_fixed():
 
     assert all(chart.endswith("(held-out images, fixed corruption)") for chart in val_charts("mpp"))
     assert all(chart.endswith("(held-out images)") for chart in val_charts("supervised"))
+
+
+def score_repeatedly(directory, times, errors):
+    try:
+        for _ in range(times):
+            log_scores(directory, {"test/top1": 0.5}, 300)
+    except Exception as failure:  # noqa: BLE001: the failure is what the test reports
+        errors.put(repr(failure))
+
+
+def test_two_compare_processes_scoring_one_finished_run_together_leave_its_scores_once(tmp_path):
+    # Two compare processes of one plan both re-log a finished run's test scores as they pass it. Before, one removed
+    # the event file the other had just listed (FileNotFoundError ended that whole compare process, 2 h 25 min into
+    # the emoji plan), or each wrote its own and TensorBoard showed every score twice.
+    directory = tmp_path / "tensorboard" / "finetune"
+    errors = multiprocessing.get_context("fork").Queue()
+    workers = [multiprocessing.get_context("fork").Process(target=score_repeatedly, args=(directory, 300, errors))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert errors.empty(), errors.get()
+    files = list(directory.glob(f"*{SCORES_SUFFIX}"))
+    assert len(files) == 1
+    scalars = EventAccumulator(str(directory)).Reload().Scalars("test/top1")
+    assert [(s.step, s.value) for s in scalars] == [(300, 0.5)]

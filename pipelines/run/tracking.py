@@ -3,7 +3,9 @@ config.yaml beside them) and the Custom Scalars layout of the metrics the run de
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from pathlib import Path
@@ -48,13 +50,21 @@ def log_scores(directory: Path, scores: dict[str, float], step: int, summaries: 
     if not process_state().is_main_process:
         return
     directory.mkdir(parents=True, exist_ok=True)
-    for earlier in directory.glob(f"*{SCORES_SUFFIX}"):
-        earlier.unlink()
-    with SummaryWriter(str(directory), filename_suffix=SCORES_SUFFIX) as writer:
-        for summary in summaries:
-            writer.file_writer.add_summary(summary)
-        for tag, value in scores.items():
-            writer.add_scalar(tag, value, step)
+    # Several compare processes of one plan reach a finished run's scores together: one removing the file another is
+    # about to remove crashed that one (FileNotFoundError), and each writing its own left the scores twice. The
+    # directory's own flock makes the replacement one process's at a time, with no lock file to leave behind.
+    held = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for earlier in directory.glob(f"*{SCORES_SUFFIX}"):
+            earlier.unlink()
+        with SummaryWriter(str(directory), filename_suffix=SCORES_SUFFIX) as writer:
+            for summary in summaries:
+                writer.file_writer.add_summary(summary)
+            for tag, value in scores.items():
+                writer.add_scalar(tag, value, step)
+    finally:
+        os.close(held)
 
 
 def log_session(directory: Path, like: Path, leave_out: tuple[str, ...], scores: dict[str, float], step: int) -> None:
