@@ -170,9 +170,9 @@ def test_two_compare_processes_scoring_one_finished_run_together_leave_its_score
     # the event file the other had just listed (FileNotFoundError ended that whole compare process, 2 h 25 min into
     # the emoji plan), or each wrote its own and TensorBoard showed every score twice.
     directory = tmp_path / "tensorboard" / "finetune"
-    errors = multiprocessing.get_context("fork").Queue()
-    workers = [multiprocessing.get_context("fork").Process(target=score_repeatedly, args=(directory, 300, errors))
-               for _ in range(2)]
+    forked = multiprocessing.get_context("fork")
+    errors = forked.Queue()
+    workers = [forked.Process(target=score_repeatedly, args=(directory, 300, errors)) for _ in range(2)]
     for worker in workers:
         worker.start()
     for worker in workers:
