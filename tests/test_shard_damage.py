@@ -335,7 +335,7 @@ def test_a_forked_process_that_closes_its_copy_of_a_stream_leaves_the_pipe_comma
     deadline = time.monotonic() + 10
     while not processes_with(f"sleep {token}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert processes_with(f"sleep {token}"), "the command did not start"
+    assert processes_with(f"sleep {token}"), f"the command did not start: {command_states()}"
     child = os.fork()
     if child == 0:  # as a forked worker drops what it inherited
         try:
