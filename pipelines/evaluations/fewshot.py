@@ -6,7 +6,7 @@ import statistics
 
 from accelerate import Accelerator
 
-from mpp.config import Config
+from mpp.config import Config, Pooling
 from mpp.evaluation.ridge import check_pool, few_shot_accuracy
 from mpp.evaluation.baselines import beside
 from mpp.metrics import Category, Metric
@@ -30,10 +30,10 @@ class FewShot(FrozenFeatureEvaluator):
         # Before any training: a pool that cannot give every class its shots stops a pretraining run at once.
         check_pool(self.sets.pool.all_labels(accelerator), self.sets.eval.all_labels(accelerator), cfg.fewshot.shots)
 
-    def accuracies(self, backbone: VisionTransformer) -> dict[int, list[float]]:
-        """{shots: [accuracy of each draw]}, identical on every process."""
+    def accuracies(self, backbone: VisionTransformer, pooling: Pooling | None = None) -> dict[int, list[float]]:
+        """{shots: [accuracy of each draw]}, identical on every process; `pooling` as FrozenFeatureSets.features."""
         c = self.cfg
-        train_x, train_y, eval_x, eval_y = self.sets.features(backbone)
+        train_x, train_y, eval_x, eval_y = self.sets.features(backbone, pooling)
         return few_shot_accuracy(train_x, train_y, eval_x, eval_y, shots=c.shots, draws=c.draws, l2=c.l2, seed=c.seed)
 
     def scores(self, backbone: VisionTransformer) -> dict[str, float]:

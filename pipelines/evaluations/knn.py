@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from accelerate import Accelerator
 
-from mpp.config import Config
+from mpp.config import Config, Pooling
 from mpp.evaluation.baselines import beside
 from mpp.evaluation.neighbours import knn_accuracy
 from mpp.metrics import KNN_TOP1, Category, Metric
@@ -30,9 +30,9 @@ class Knn(FrozenFeatureEvaluator):
 
         self.sets.warn_of_missing_classes("kNN neighbour pool")
 
-    def scores(self, backbone: VisionTransformer) -> dict[str, float]:
+    def scores(self, backbone: VisionTransformer, pooling: Pooling | None = None) -> dict[str, float]:
         c = self.cfg
-        train_x, train_y, eval_x, eval_y = self.sets.features(backbone)
+        train_x, train_y, eval_x, eval_y = self.sets.features(backbone, pooling)
         return {KNN_TOP1: knn_accuracy(train_x, train_y, eval_x, eval_y, k=c.k, temperature=c.temperature)}
 
 

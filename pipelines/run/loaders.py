@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 
 from mpp.evaluation.baselines import class_baselines
-from mpp.config import Config, ConfigError
+from mpp.config import Config, ConfigError, Pooling
 from mpp.training.runtime import data_workers, process_state
 from mpp.data.stream import (Batch, DataError, EvalTransform, LabelReader, StreamState, TrainTransform,
                              evaluation_labels, label_space, make_loader, SPARSE_FACTOR, SPARSE_FLOOR)
@@ -155,10 +155,12 @@ class FrozenFeatureSets:
                           f"{self.name} top-1 is at most {1 - share:.1%}; raise {self.key}.train_images or use shards "
                           f"that mix classes (`{command('prepare')}` shuffles them)", stacklevel=3)
 
-    def features(self, backbone: VisionTransformer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.section
-        return (*self.pool.features(self.accelerator, backbone, c.features, c.batch_size),
-                *self.eval.features(self.accelerator, backbone, c.features, c.batch_size))
+    def features(self, backbone: VisionTransformer, pooling: Pooling | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`pooling` (default: the section's features) lets one read of the images serve both poolings."""
+        c, pooling = self.section, pooling or self.section.features
+        return (*self.pool.features(self.accelerator, backbone, pooling, c.batch_size),
+                *self.eval.features(self.accelerator, backbone, pooling, c.batch_size))
 
 
 def class_names(cfg: Config, accelerator: Accelerator, spec: str) -> tuple[str, ...]:

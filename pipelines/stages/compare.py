@@ -331,13 +331,10 @@ def frozen_stage(cfg: Config, ckpt: str | None) -> dict:
     images classified from their val_shards (default: the evaluation shards). -> {pooling: {knn, fewshot: {shots: acc}}}"""
     accelerator, cfg, _ = start_run(cfg, per_process_seed=False)
     backbone = (load_backbone(ckpt, cfg.model) if ckpt else build_backbone(cfg.model)).to(accelerator.device)
-    result = {}
-    for pool in get_args(Pooling):
-        pooled = cfg.model_copy(update={"knn": cfg.knn.model_copy(update={"features": pool}),
-                                        "fewshot": cfg.fewshot.model_copy(update={"features": pool})})
-        result[pool] = {"knn": Knn(pooled, accelerator).scores(backbone)[KNN_TOP1],
-                        "fewshot": {str(n): statistics.fmean(a) for n, a in FewShot(pooled, accelerator).accuracies(backbone).items()}}
-    return result
+    knn, fewshot = Knn(cfg, accelerator), FewShot(cfg, accelerator)  # each reads its images once, for both poolings
+    return {pool: {"knn": knn.scores(backbone, pool)[KNN_TOP1],
+                   "fewshot": {str(n): statistics.fmean(a) for n, a in fewshot.accuracies(backbone, pool).items()}}
+            for pool in get_args(Pooling)}
 
 
 # ---------------------------------------------------------------- the dev split and the folds
