@@ -71,8 +71,11 @@ def plan(smoke: bool, cores: int, peak: float | None, out: Path) -> tuple[list[d
         tiny = [sys.executable, str(STEP), "--device", "cpu", "--model", "vit_ti", "--width", "32", "--depth", "1", "--heads", "2",
                 "--patch-size", "4", "--image-size", "16", "--rounds", "1", "--steps", "1", "--warmup", "1", "--batch-size", "8"]
         main_step = part("step_b16", tiny, 60, 3, json=True)
+        # The mode's path, without inductor's C++ GEMM template search, which times nothing a GPU report uses and took
+        # 35-55 s more of a cold compile cache on 2 cores (no difference with a warm one).
         other_steps = [part("step_b16_autotune", [*tiny, "--no-peer", "--compile", "on", "--compare-compile-mode",
-                                                  "max-autotune-no-cudagraphs"], 120, 3, json=True)]
+                                                  "max-autotune-no-cudagraphs"], 120, 3, json=True,
+                            env={"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS": "ATEN"})]
         suite = [sys.executable, "-m", "pytest", "tests/test_config_model.py", "-k", "mixed_precision_no", "-m", "not gpu"]
     else:
         full = ["--device", "cuda", "--image-size", "224", "--rounds", "3", "--steps", "5", *(["--peak-tflops", str(peak)] if peak else [])]
