@@ -1,17 +1,22 @@
 """Evaluators from config: one class and one EVALUATORS line put an evaluator into training, nothing else."""
 
 import pytest
+import torch
 from pydantic import Field
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 
 from mpp.config import ConfigError, Section, config_reference, load_config
+from mpp.data.stream import Batch
 from mpp.metrics import Category, Metric
+from mpp.training.runtime import make_accelerator
 from pipelines.evaluations import evaluators
 from pipelines.stages import pretrain
-from pipelines.evaluations.evaluators import Stage, build_evaluators
+from pipelines.evaluations.evaluators import Stage, TopK, build_evaluators
 from pipelines.evaluations.registry import EVALUATORS, Registration
+from pipelines.run.loaders import KeptPass
 
-from conftest import exported_card, where_metrics_show
+from conftest import TINY, exported_card, where_metrics_show
 from test_fewshot import tiny
 
 
@@ -82,3 +87,48 @@ def test_todays_config_sections_turn_the_built_in_evaluators_on():
         "top1", "fewshot", "knn", "probe", "pretext", "inspect"]
     assert on("data.val_shards=x", "eval.every=0") == ["top1"]
     assert [n for n, r in EVALUATORS.items() if "finetune" in r.stages] == ["top1", "inspect"]
+
+
+class ColourClassifier(nn.Module):
+    """Logits from an image's mean colour: a fixed function of the pixels, so equal passes score alike."""
+
+    def __init__(self, classes: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, classes, generator=torch.Generator().manual_seed(0)))
+
+    def logits(self, images):
+        return images.float().mean(dim=(2, 3)) @ self.weight
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_finetunings_evaluation_images_are_decoded_once_and_scored_alike_at_every_evaluation(tmp_path, make_shards,
+                                                                                                workers):
+    make_shards([30, 20], size=24)
+    cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'shards'}",
+                             f"output_dir={tmp_path / 'run'}", *TINY, f"data.num_workers={workers}"])
+    top = TopK(cfg, make_accelerator(cfg.train, cfg.output_dir), Stage("finetune", classes=10))
+    classifier = ColourClassifier(10)
+    first, predictions = top.scores(classifier), dict(top.predictions)
+    assert len(predictions) == 50 and not any(batch.images.is_shared() for batch in top.batches.kept)
+    (tmp_path / "shards").rename(tmp_path / "moved")  # a later evaluation that read the shards again would fail
+    assert top.scores(classifier) == first and top.predictions == predictions
+
+
+def test_an_evaluation_pass_is_kept_only_whole_and_within_its_limit():
+    reads = []
+
+    def read():
+        reads.append(1)
+        for i in range(3):
+            yield Batch(torch.full((2, 3, 4, 4), i, dtype=torch.uint8), torch.tensor([i, i]), keys=(f"a{i}", f"b{i}"))
+
+    def keys(batches):
+        return [key for batch in batches for key in batch.keys]
+
+    kept = KeptPass(read)
+    assert keys(kept) == keys(kept) == ["a0", "b0", "a1", "b1", "a2", "b2"] and len(reads) == 1
+    stopped = KeptPass(read)
+    next(iter(stopped))  # a pass the caller left unfinished is read again in full
+    assert keys(stopped) == keys(kept) and len(reads) == 3
+    over = KeptPass(read, limit=2 * 3 * 4 * 4 * 2)  # two batches of the three fit: the set is read every time
+    assert keys(over) == keys(over) == keys(kept) and len(reads) == 5 and over.kept is None

@@ -424,3 +424,14 @@ def test_the_concurrent_runs_benchmark_times_both_ways_and_prints_their_ratio(tm
     assert "2 runs side by side do" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--threads must be 2 or more"):
         bench.main(["--config", "configs/pretrain/default.yaml", "--threads", "1"])
+
+
+def test_the_evaluation_benchmark_scores_both_ways_alike_and_prints_their_ratio(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("evaluation_benchmark", ROOT / "benchmarks" / "evaluation.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    write_test_shards(tmp_path / "shards", [24, 16], size=16)
+    shards = [f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'shards'}"]
+    assert bench.main(["--evaluations", "2", "--rounds", "1", *shards, *TINY]) == 0  # it asserts equal scores itself
+    out = capsys.readouterr().out
+    assert out.startswith("40 evaluation images") and "a later evaluation: read / kept = " in out

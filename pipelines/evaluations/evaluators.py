@@ -33,7 +33,7 @@ from mpp.model.registry import implementation
 from .fewshot import FewShot
 from .inspection import Inspect
 from .knn import Knn
-from ..run.loaders import eval_batches, labelled
+from ..run.loaders import KeptPass, eval_batches, labelled
 from .probe import LinearProbe
 from .registry import EVALUATORS
 
@@ -67,6 +67,9 @@ class TopK:
     def __init__(self, cfg: Config, accelerator: Accelerator, stage: Stage):
         self.cfg, self.accelerator, self.classes, self.held_out = cfg, accelerator, stage.classes, stage.held_out
         where = "data.val_shards" if self.held_out is None else "the images finetune.val_split holds out"
+        spec, keep = (cfg.data.val_shards, None) if self.held_out is None else (cfg.data.shards, self.held_out.evaluated)
+        self.batches = KeptPass(lambda: eval_batches(spec, cfg, accelerator, cfg.train.batch_size,
+                                                     num_workers=cfg.data.num_workers, keep=keep))
         self.predictions: dict[str, bool] = {}
         self.classified: dict[str, tuple[int, int]] = {}  # the last pass's (label, top-1 class) by sample key
         self.labels: list[int] = []  # the last pass's labels, from every process (the majority-class baseline)
@@ -86,18 +89,13 @@ class TopK:
     @torch.no_grad()
     def scores(self, classifier: nn.Module) -> dict[str, float]:
         cfg, accelerator = self.cfg, self.accelerator
-        if self.held_out is None:
-            loader = eval_batches(cfg.data.val_shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers)
-        else:
-            loader = eval_batches(cfg.data.shards, cfg, accelerator, cfg.train.batch_size, num_workers=cfg.data.num_workers,
-                                  keep=self.held_out.evaluated)
         k = min(5, self.classes)
         counts = torch.zeros(3, device=accelerator.device)  # top-1 correct, top-k correct, images
         by_class = torch.zeros(2, self.classes, device=accelerator.device)  # top-1 correct, images, of each class
         keys, top1, labels_seen = [], [], []
         classifier.eval()
         spec = f"data.val_shards ({cfg.data.val_shards})" if self.held_out is None else f"data.shards ({cfg.data.shards})"
-        for batch in labelled(loader, self.classes, spec):
+        for batch in labelled(self.batches, self.classes, spec):
             labels = batch.labels.to(accelerator.device)
             with accelerator.autocast():
                 logits = classifier.logits(batch.images.to(accelerator.device))

@@ -113,6 +113,39 @@ def eval_batches(spec: str, cfg: Config, accelerator: Accelerator, batch_size: i
                        class_names=reader.class_names, stored_names=reader.stored_names, keep=keep)
 
 
+KEPT_PASS_BYTES = 1 << 30  # this process's part of an evaluation set kept decoded in memory, at most (uint8 images)
+
+
+class KeptPass:
+    """The batches of one evaluation pass, decoded from the shards the first time it is iterated and replayed from
+    memory every later time, where this process's images fit `limit` bytes (a larger set is read each time, as
+    before). A fine-tuning run scores the same images every finetune.eval_every steps: decoding them again cost more
+    than scoring them on a CPU (docs/benchmarks.md). Only a whole pass is kept: one an error or the caller stopped is
+    read again. Each image is kept as a copy: a batch from a data worker holds a shared-memory file descriptor,
+    and thousands of them kept would run a process out of descriptors.
+
+    `read()` -> a fresh one-pass loader over the same images (eval_batches).
+    """
+
+    def __init__(self, read: Callable[[], Iterable[Batch]], limit: int = KEPT_PASS_BYTES):
+        self.read, self.limit = read, limit
+        self.kept: list[Batch] | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.kept is not None:
+            yield from self.kept
+            return
+        kept: list[Batch] | None = []
+        size = 0
+        for batch in self.read():
+            size += batch.images.nbytes
+            kept = kept if kept is not None and size <= self.limit else None
+            if kept is not None:
+                kept.append(Batch(batch.images.clone(), batch.labels.clone(), keys=batch.keys))
+            yield batch
+        self.kept = kept
+
+
 class FrozenFeatureSets:
     """A labelled pool and the evaluation images, read once, for scoring a frozen backbone's features (few-shot, kNN).
 
