@@ -98,14 +98,12 @@ def fresh_accelerator():
 
 
 def write_test_shards(directory: Path, counts: list[int], size: int = 24, labels: bool = True) -> list[str]:
-    """Shards of synthetic JPEGs; shard s holds counts[s] samples keyed f"{s:02d}-{i:04d}". Plain ustar members
-    (mtime 0), as `mpp prepare` writes them: webdataset's default float mtime adds a pax header to every member, which
-    doubles the reading of a tiny sample (tests/test_labels.py and others still read such shards)."""
+    """Shards of synthetic JPEGs; shard s holds counts[s] samples keyed f"{s:02d}-{i:04d}"."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for s, count in enumerate(counts):
         path = directory / f"shard-{s:06d}.tar"
-        with wds.TarWriter(str(path), mtime=0) as sink:
+        with wds.TarWriter(str(path)) as sink:
             for i in range(count):
                 image, label = synthetic_image(s * 1000 + i, size)
                 buf = io.BytesIO()
