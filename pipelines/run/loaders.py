@@ -119,8 +119,9 @@ KEPT_PASS_BYTES = 1 << 30  # this process's part of an evaluation set kept decod
 class KeptPass:
     """The batches of one evaluation pass, decoded from the shards the first time it is iterated and replayed from
     memory every later time, where this process's images fit `limit` bytes (a larger set is read each time, as
-    before). A fine-tuning run scores the same images every finetune.eval_every steps: decoding them again cost more
-    than scoring them on a CPU (docs/benchmarks.md). Only a whole pass is kept: one an error or the caller stopped is
+    before). A fine-tuning run scores the same images every finetune.eval_every steps, and decoding them again was a
+    quarter of a later evaluation of Fashion-MNIST's test set on a CPU and three fifths of one for a tiny ViT
+    (docs/benchmarks.md). Only a whole pass is kept: one an error or the caller stopped is
     read again. Each image is kept as a copy: a batch from a data worker holds a shared-memory file descriptor,
     and thousands of them kept would run a process out of descriptors.
 
