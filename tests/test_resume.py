@@ -591,3 +591,25 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(tmp_pat
     assert (tmp_path / "run" / ".lock").read_text().strip() == str(first.proc.pid)
     third = launch(*args[:-3], "train.steps=2", "train.warmup_steps=1", "train.batch_size=8", "--resume")
     assert third.returncode == 0, third.stderr[-2000:]  # a dead process's lock does not block
+
+
+def test_results_json_is_replaced_whole_so_a_resumed_runs_other_processes_never_read_it_cut_short(tmp_path, finished_run,
+                                                                                                  monkeypatch):
+    # Every process of a resumed run reads the earlier results.json while the main one writes the new: written in
+    # place, a second rank once read it empty and the two-process resume failed at its end (JSONDecodeError). Here
+    # the write stops half way, as on a full disk: the file in place must still be the earlier one, whole.
+    results = tmp_path / "run" / "results.json"
+    earlier = json.loads(results.read_text())
+    write_text = Path.write_text
+
+    def half_then_full(path, text, *args, **kwargs):
+        if path.name.endswith("results.json"):
+            write_text(path, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        pretrain.run(pretrain_config(tmp_path, "train.steps=6"), resume=True)
+    monkeypatch.undo()
+    assert json.loads(results.read_text()) == earlier

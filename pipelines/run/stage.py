@@ -25,7 +25,7 @@ from mpp.training.meters import LOOP_METRICS
 from mpp.training.trackers import start_trackers
 from mpp.metrics import unique
 from mpp.model.objectives import Objective
-from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step
+from mpp.rundir import RESULTS, WEIGHTS, checkpoint_step, write_whole
 from mpp.training.runtime import explained_out_of_memory, data_workers
 from mpp.training.loop import Evaluator, train
 from mpp.data.shardformat import ShardSummary
@@ -103,8 +103,8 @@ def run_training(cfg: Config, build: Callable[[Run], TrainingStage], *, evaluato
         timing = {"wall_time_s": time.perf_counter() - started, "images_per_sec": images_per_sec} if trained_images else {}
         results, advice = final_results(plan, stage, metrics, evaluators, trained, resume_from is not None, timing, started_by)
         end_tracking(accelerator, results["final"], cfg.train.steps)
-        if accelerator.is_main_process:
-            run_dir.results.write_text(json.dumps(results, indent=2) + "\n")
+        if accelerator.is_main_process:  # whole or not at all: the other processes of a resumed run read the old one
+            write_whole(run_dir.results, json.dumps(results, indent=2) + "\n")
     shown = ", ".join(f"{m.tag} {show_with_baseline(m, results)}" for m in metrics if m.headline and m.tag in results["final"])
     skipped = ", ".join(f"{count:.0f} {reason}" for reason, count in results["skipped"].items())
     this_start = time.perf_counter() - started
