@@ -270,17 +270,37 @@ def test_a_sample_split_over_two_shards_names_both(tmp_path):
 # ---------------------------------------------------------------- a stalled `pipe:` command and a stop signal
 
 
-def processes_with(token):
-    """Pids of the processes whose command line holds `token`."""
+def processes_running(*argv: str) -> list[int]:
+    """Pids of the processes running exactly `argv`. Not a shell whose `-c` line names it: a shell that execs its last
+    command has no command line for an instant mid-exec, and a check that found it once missed it the next time (a
+    CI failure: "the command did not start" with the shell still running)."""
+    wanted = "\0".join(argv).encode() + b"\0"  # /proc's command line: the arguments, each NUL-terminated
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as file:
-                if token.encode() in file.read().replace(b"\0", b" "):  # the arguments, NUL-separated
+                if file.read() == wanted:
                     found.append(int(pid))
         except OSError:
             pass  # gone meanwhile
     return found
+
+
+def started(*argv: str, timeout_s: float = 10) -> list[int]:
+    """The pids of `argv`'s processes once there are any (the first sample can arrive before the shell has reached
+    its `exec`), else []."""
+    deadline = time.monotonic() + timeout_s
+    while not (pids := processes_running(*argv)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
+def ended(*argv: str, timeout_s: float = 10) -> list[int]:
+    """The pids of `argv`'s processes still running after up to `timeout_s` for them to end."""
+    deadline = time.monotonic() + timeout_s
+    while (pids := processes_running(*argv)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
 
 
 def test_a_command_read_to_its_end_is_not_signalled_when_its_stream_ends(monkeypatch):
@@ -301,17 +321,10 @@ def test_closing_a_stream_ends_its_pipe_command(tmp_path, make_shards):
     samples = shard_samples([f"pipe:cat {url}; exec sleep {token}"], on_end=lambda end: None)
     with fails_if_stuck():
         assert next(samples)["__key__"] == "00-0000"
-    deadline = time.monotonic() + 10  # the first sample can arrive before the shell has reached its `exec sleep`
-    while not processes_with(f"sleep {token}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    # Failed once more in a full suite on a starved machine (the suite at the lowest priority beside a long run):
-    # the shell's status tells a command killed by someone (a negative signal number) from one not yet scheduled.
-    assert processes_with(f"sleep {token}"), f"the command did not start: {command_states()}"
+    # The shell's status tells a command killed by someone (a negative signal number) from one not yet scheduled.
+    assert started("sleep", token), f"the command did not start: {command_states()}"
     samples.close()
-    deadline = time.monotonic() + 10
-    while processes_with(f"sleep {token}") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = processes_with(f"sleep {token}")
+    left = ended("sleep", token)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, "the pipe command outlived its stream"
@@ -332,10 +345,7 @@ def test_a_forked_process_that_closes_its_copy_of_a_stream_leaves_the_pipe_comma
     samples = shard_samples([f"pipe:cat {url}; exec sleep {token}"], on_end=lambda end: None)
     with fails_if_stuck():
         assert next(samples)["__key__"] == "00-0000"
-    deadline = time.monotonic() + 10
-    while not processes_with(f"sleep {token}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_with(f"sleep {token}"), f"the command did not start: {command_states()}"
+    assert started("sleep", token), f"the command did not start: {command_states()}"
     child = os.fork()
     if child == 0:  # as a forked worker drops what it inherited
         try:
@@ -344,13 +354,10 @@ def test_a_forked_process_that_closes_its_copy_of_a_stream_leaves_the_pipe_comma
             os._exit(0)
     assert os.waitpid(child, 0)[1] == 0
     time.sleep(1)  # a command signalled by the child would be gone by now
-    survived = processes_with(f"sleep {token}")
+    survived = processes_running("sleep", token)
     samples.close()  # its owner ends it
-    deadline = time.monotonic() + 10
-    while processes_with(f"sleep {token}") and time.monotonic() < deadline:
-        time.sleep(0.1)
     assert survived, "a forked process's copy of the stream killed its parent's pipe command"
-    assert not processes_with(f"sleep {token}"), "the pipe command outlived its stream"
+    assert not ended("sleep", token), "the pipe command outlived its stream"
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -364,7 +371,7 @@ def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_pat
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not [p for p in processes_with(f"sleep {token}") if p != run.pid] and run.poll() is None:
+        while not processes_running("sleep", token) and run.poll() is None:
             assert time.monotonic() < deadline, "the run never started its pipe command"
             time.sleep(0.2)
         time.sleep(1)  # into the wait for data
@@ -375,13 +382,10 @@ def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_pat
             pytest.fail(f"{STOP_S}s after SIGTERM the run, or a pipe command holding its output open, still runs")
         assert run.returncode == EXIT_STATUS, stderr[-3000:]
         assert "stopped at step 0 of 5 on SIGTERM while waiting for data" in stderr
-        deadline = time.monotonic() + 10
-        while processes_with(f"sleep {token}") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not processes_with(f"sleep {token}"), "the pipe command outlived the run"
+        assert not ended("sleep", token), "the pipe command outlived the run"
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
-        for pid in processes_with(f"sleep {token}"):
+        for pid in processes_running("sleep", token):
             os.kill(pid, signal.SIGKILL)
