@@ -3,6 +3,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -237,6 +238,26 @@ def test_a_stage_another_process_is_running_is_waited_for_and_reused(tmp_path, c
     assert done["top1"] == 0.5
     log = capsys.readouterr().out
     assert "running in another process, waiting for it" in log and "finished before, skipped" in log
+
+
+def test_a_stage_whose_record_could_not_be_written_whole_runs_again_instead_of_failing_at_its_json(tmp_path,
+                                                                                                     monkeypatch):
+    # stage.json was written in place: a kill or a full disk mid-write left it cut short, and every later invocation
+    # of the plan stopped with a JSONDecodeError traceback there.
+    directory = tmp_path / "ft" / "scratch" / "sgd"
+    write_text = Path.write_text
+
+    def half_then_full(path, text, *args, **kwargs):
+        write_text(path, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        compare.stage(directory, "scratch fine-tuning sgd", {"lr": 0.1}, lambda: {"top1": 0.5})
+    monkeypatch.undo()
+    assert not (directory / compare.STAGE_DONE).exists()
+    assert compare.stage(directory, "scratch fine-tuning sgd", {"lr": 0.1}, lambda: {"top1": 0.75})["top1"] == 0.75
+    assert compare.stage(directory, "scratch fine-tuning sgd", {"lr": 0.1}, lambda: pytest.fail("ran twice"))["top1"] == 0.75
 
 
 def test_two_compare_processes_over_disjoint_arms_started_together_share_the_plans_data_stages(tmp_path):

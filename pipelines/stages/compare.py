@@ -58,7 +58,8 @@ from mpp.config import Config, Pooling, as_saved
 from mpp.data.stream import BadLabel, LabelReader
 from mpp.metrics import KNN_TOP1, TOP1, TOP5
 from mpp.model.vit import build_backbone
-from mpp.rundir import PREDICTIONS, RESULTS, TENSORBOARD, WEIGHTS, RunDir, checkpoint_step, complete_checkpoints, sha256
+from mpp.rundir import (PREDICTIONS, RESULTS, TENSORBOARD, WEIGHTS, RunDir, checkpoint_step, complete_checkpoints, sha256,
+                        write_whole)
 from mpp.training.runtime import process_state
 from mpp.data.shardformat import IMAGE_KEYS
 from mpp.data.prepare_inputs import Sample, Source
@@ -141,8 +142,9 @@ def publish(result: dict, json_path: Path, md_path: Path, markdown: Callable[[],
     and a line saying where they are."""
     if not process_state().is_main_process:
         return
-    json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    md_path.write_text(markdown())
+    # Each replaced whole: a kill or a full disk mid-write leaves the earlier report, never one cut short.
+    write_whole(json_path, json.dumps(result, indent=2, default=str) + "\n")
+    write_whole(md_path, markdown())
     draw()
     print(f"[compare] {said}", flush=True)
 
@@ -287,7 +289,9 @@ def stage(directory: Path, name: str, inputs: dict, work: Callable[[], dict]) ->
         info = {**work(), "inputs": inputs, "stage_wall_time_s": time.perf_counter() - started}
         if state.is_main_process:
             directory.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps(info, indent=2) + "\n")
+            # Whole or not at all: a marker cut short (a kill, a full disk) would stop every later invocation at its
+            # JSON, where a missing one only has the stage run again.
+            write_whole(marker, json.dumps(info, indent=2) + "\n")
         state.wait_for_everyone()
     return info
 
