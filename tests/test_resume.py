@@ -593,6 +593,27 @@ def test_a_second_run_on_the_same_output_dir_is_refused_naming_the_first(tmp_pat
     assert third.returncode == 0, third.stderr[-2000:]  # a dead process's lock does not block
 
 
+def test_a_resume_killed_while_rewriting_config_yaml_leaves_the_earlier_one_for_the_next_resume(tmp_path, finished_run,
+                                                                                                monkeypatch):
+    # A resume rewrites config.yaml (the note of what it changed) as it starts; written in place, a kill or a full
+    # disk mid-write left it cut short, and the next `--resume` was refused until the user restored it by hand.
+    saved = tmp_path / "run" / "config.yaml"
+    earlier = saved.read_text()
+    write_text = Path.write_text
+
+    def half_then_full(path, text, *args, **kwargs):
+        if path.name.endswith("config.yaml") and path.parent == saved.parent:
+            write_text(path, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        pretrain.run(pretrain_config(tmp_path, "train.steps=6"), resume=True)
+    monkeypatch.undo()
+    assert saved.read_text() == earlier
+
+
 def test_results_json_is_replaced_whole_so_a_resumed_runs_other_processes_never_read_it_cut_short(tmp_path, finished_run,
                                                                                                   monkeypatch):
     # Every process of a resumed run reads the earlier results.json while the main one writes the new: written in

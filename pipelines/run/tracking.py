@@ -20,6 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 from mpp.config import Config, Section, config_schema, config_to_yaml
 from mpp.metrics import Metric, layout
 from mpp.model.registry import CLASSIFICATION_SETTINGS, OBJECTIVES
+from mpp.rundir import write_whole
 from mpp.training.runtime import process_state
 from mpp.training.trackers import log_final
 from .plan import RunPlan
@@ -124,7 +125,7 @@ def start_tracking(accelerator: Accelerator, plan: RunPlan, run_name: str, metri
     if resumed_from and changes:
         notes.append(f"# resumed from {resumed_from.name} with {', '.join(changes)}; the steps before it ran with the earlier values\n")
     plan.run_dir.root.mkdir(parents=True, exist_ok=True)
-    saved.write_text("".join(notes) + text)
+    write_whole(saved, "".join(notes) + text)  # a kill mid-write leaves the earlier one, which a resume reads
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("config", f"```\n{text}\n```")
     for summary in hparams:
