@@ -137,6 +137,20 @@ def slow_first_steps(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(loop, "train_step", first_two_steps_slow)
 
 
+def writes_cut_short(monkeypatch, names: tuple[str, ...]) -> None:
+    """Path.write_text of a file whose name ends with one of `names` writes half its text, then fails as a full disk
+    does: a test of what a write killed or failed half way leaves behind. monkeypatch.undo() ends it."""
+    write_text = Path.write_text
+
+    def half_then_full(path, text, *args, **kwargs):
+        if path.name.endswith(names):
+            write_text(path, text[: len(text) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+
+
 def read_only(directory):
     """chmod for a normal user; root ignores modes, so the immutable attribute there (skipped where it is refused)."""
     directory.mkdir()

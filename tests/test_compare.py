@@ -3,7 +3,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from mpp.evaluation.stats import gap_resolution
 from pipelines.stages import compare
 from pipelines.comparison.plan import load_compare_config, pretrain_config, recipes, stage_config
 
-from conftest import ROOT, cpu_env, reset_accelerator, write_test_shards
+from conftest import ROOT, cpu_env, reset_accelerator, write_test_shards, writes_cut_short
 
 TINY_RUNS = ["common.data.num_workers=0", "common.data.shuffle_buffer=50", "common.model.width=32", "common.model.depth=1",
              "common.model.heads=2", "common.model.image_size=16", "common.log.every=2", "common.log.images_every=50",
@@ -245,13 +244,7 @@ def test_a_stage_whose_record_could_not_be_written_whole_runs_again_instead_of_f
     # stage.json was written in place: a kill or a full disk mid-write left it cut short, and every later invocation
     # of the plan stopped with a JSONDecodeError traceback there.
     directory = tmp_path / "ft" / "scratch" / "sgd"
-    write_text = Path.write_text
-
-    def half_then_full(path, text, *args, **kwargs):
-        write_text(path, text[: len(text) // 2], *args, **kwargs)
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(Path, "write_text", half_then_full)
+    writes_cut_short(monkeypatch, (compare.STAGE_DONE,))
     with pytest.raises(OSError, match="No space left"):
         compare.stage(directory, "scratch fine-tuning sgd", {"lr": 0.1}, lambda: {"top1": 0.5})
     monkeypatch.undo()

@@ -37,7 +37,7 @@ from pipelines.run.plan import plan_run
 from pipelines.run.tracking import start_tracking
 from mpp.model.objectives import MaskedPatchPrediction
 
-from conftest import ROOT, TINY, exported_card, read_only, reset_accelerator, slow_first_steps, write_test_shards
+from conftest import ROOT, TINY, exported_card, read_only, reset_accelerator, slow_first_steps, write_test_shards, writes_cut_short
 from test_reliability import Watched
 
 
@@ -599,15 +599,7 @@ def test_a_resume_killed_while_rewriting_config_yaml_leaves_the_earlier_one_for_
     # disk mid-write left it cut short, and the next `--resume` was refused until the user restored it by hand.
     saved = tmp_path / "run" / "config.yaml"
     earlier = saved.read_text()
-    write_text = Path.write_text
-
-    def half_then_full(path, text, *args, **kwargs):
-        if path.name.endswith("config.yaml") and path.parent == saved.parent:
-            write_text(path, text[: len(text) // 2], *args, **kwargs)
-            raise OSError(28, "No space left on device")
-        return write_text(path, text, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", half_then_full)
+    writes_cut_short(monkeypatch, ("config.yaml",))
     with pytest.raises(OSError, match="No space left"):
         pretrain.run(pretrain_config(tmp_path, "train.steps=6"), resume=True)
     monkeypatch.undo()
@@ -621,15 +613,7 @@ def test_results_json_is_replaced_whole_so_a_resumed_runs_other_processes_never_
     # the write stops half way, as on a full disk: the file in place must still be the earlier one, whole.
     results = tmp_path / "run" / "results.json"
     earlier = json.loads(results.read_text())
-    write_text = Path.write_text
-
-    def half_then_full(path, text, *args, **kwargs):
-        if path.name.endswith("results.json"):
-            write_text(path, text[: len(text) // 2], *args, **kwargs)
-            raise OSError(28, "No space left on device")
-        return write_text(path, text, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", half_then_full)
+    writes_cut_short(monkeypatch, ("results.json",))
     with pytest.raises(OSError, match="No space left"):
         pretrain.run(pretrain_config(tmp_path, "train.steps=6"), resume=True)
     monkeypatch.undo()
