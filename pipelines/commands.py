@@ -268,7 +268,8 @@ COMMANDS: dict[str, Command] = {
                  help="comparison YAML file, or the name of a shipped plan (see --list-configs; default: %(default)s)"),
         Argument("--print-config", action="store_true", help="print the plan as loaded (the file, then the overrides) and exit"),
         Argument("--dry-run", action="store_true", help="check the plan and its data, say the smallest gap its design can "
-                                                        "resolve (and whether that meets target_gap), and exit without training"),
+                                                        "resolve (and whether that meets target_gap), the most it can train and what is left of "
+                                                        "that in output_dir, and exit without training"),
         Argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. pretrain.train.steps=2000"),
     ), after_ctrl_c="; the stages it finished are kept, and the same command goes on from them"),
     "prepare": Command("write WebDataset shards from images, a datasets corpus or 'synthetic'", prepare, PREPARE),

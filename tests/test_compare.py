@@ -527,7 +527,18 @@ def test_dry_run_states_the_smallest_gap_the_design_resolves_and_trains_nothing(
     assert cli.main(["compare", "--config", str(plan), "--dry-run", "target_gap=0.01", "assumed_seed_std=0.02"]) == 0
     assert "the seeds' spread alone is too wide for it at 2 seed(s): it needs at least 63 seeds per arm" in capsys.readouterr().out
     assert cli.main(["compare", "--config", str(plan), "--dry-run", "target_gap=0.3"]) == 0
-    assert "That is within the target_gap of 30.00 points." in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "That is within the target_gap of 30.00 points." in out and "Finished in" not in out
+
+    # Run in part (the scratch arm: its 2 candidates and its pick's second seed, 12 steps), the dry run says what a
+    # rerun reuses and the most left: 36 - 12 fine-tuning steps, and both pretrainings' 6 steps.
+    compare.run(load_compare_config(plan, ["arms=[scratch]"]))
+    reset_accelerator()
+    assert cli.main(["compare", "--config", str(plan), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"Finished in {re.escape(str(tmp_path / 'cmp'))} already, and reused by a rerun: 3 fine-tuning runs "
+                     rf"of 12 steps and 0 pretraining steps; left: at most 24 fine-tuning steps \(about [\d.]+ h of runs "
+                     rf"at the [\d.]+ s a step the finished ones took, start to end; .*\) and 6 pretraining steps\.", out), out
 
 
 def test_image_groups_that_miss_a_test_images_key_are_one_plain_error_naming_the_key_and_the_field(tmp_path, capsys):

@@ -11,6 +11,7 @@ the same way. The plan is validated when it is loaded, every stage's run config 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -213,6 +214,27 @@ def training_bound(cc: CompareConfig, folds: dict[str, int]) -> dict[str, int]:
     return {"pretrain_steps": pretraining, "finetune_runs": runs, "finetune_steps": steps}
 
 
+def finished_training(output_dir: str | Path) -> dict:
+    """What earlier invocations of a plan finished in output_dir, which a rerun reuses: the fine-tuning runs (ft/<arm>/
+    <run>/stage.json), their steps and seconds, and the pretraining steps (pre/<arm>/stage.json), at every budget and
+    pretraining length. A record that cannot be read is left out: the plan's own run names it."""
+    done = {"directory": str(output_dir), "finetune_runs": 0, "finetune_steps": 0, "finetune_s": 0.0, "pretrain_steps": 0}
+    for marker in Path(output_dir).rglob(STAGE_DONE):
+        parts = marker.relative_to(output_dir).parts
+        kind = "ft" if parts[-4:-3] == ("ft",) else "pre" if parts[-3:-2] == ("pre",) else None
+        try:
+            record = json.loads(marker.read_text()) if kind else {}
+        except (OSError, ValueError):
+            continue
+        if kind == "ft" and "steps" in record:
+            done["finetune_runs"] += 1
+            done["finetune_steps"] += record["steps"]
+            done["finetune_s"] += record.get("stage_wall_time_s", 0.0)
+        elif kind == "pre" and "steps" in record:
+            done["pretrain_steps"] += record["steps"]
+    return done
+
+
 def pretrain_length_dir(cc: CompareConfig, multiple: float) -> Path:
     """Where everything run from one pretraining length lies: output_dir itself for 1 (the plan without the axis)."""
     return Path(cc.output_dir) if multiple == 1 else Path(cc.output_dir) / f"pretrain-x{multiple:g}"
@@ -329,6 +351,7 @@ def recipes(cc: CompareConfig) -> dict[str, dict[str, Any]]:
 
 # compare's directories (pipelines/stages/compare.py) as a trial name says them: fine-tuning goes without saying
 WITHIN = {"ft": "", "pre": "pretraining", "summary": "mean over seeds"}
+STAGE_DONE = "stage.json"  # in a stage's directory once it finished: its inputs and what it returned
 
 
 def trial_name(run_dir: Path, root: Path) -> str:

@@ -142,11 +142,25 @@ def design_lines(record: dict) -> list[str]:
         lines.append(f"At most {most['pretrain_steps']:,} pretraining steps and {most['finetune_runs']:,} fine-tuning runs "
                      f"of {most['finetune_steps']:,} steps in all: the bound, were every arm's length search to go on to "
                      f"its cap and every candidate to be near-best; multiply by a run's seconds per step to size the plan.")
+        if (done := record.get("finished_training")) and (done["finetune_runs"] or done["pretrain_steps"]):
+            lines.append(finished_line(done, most))
     if line := target_line(record, planned["resolvable"]):
         lines.append(f"warning: {line}")
     elif record["target_gap"] is not None:
         lines.append(f"That is within the target_gap of {100 * record['target_gap']:.2f} points.")
     return lines
+
+
+def finished_line(done: dict, most: dict) -> str:
+    """What a rerun of a plan reuses from its output_dir, and the most left to train, beside the bound."""
+    left_ft = max(0, most["finetune_steps"] - done["finetune_steps"])
+    left_pre = max(0, most["pretrain_steps"] - done["pretrain_steps"])
+    pace = done["finetune_s"] / done["finetune_steps"] if done["finetune_steps"] else None
+    hours = (f" (about {left_ft * pace / 3600:.1f} h of runs at the {pace:.3f} s a step the finished ones took, start to end; "
+             f"less in wall time where processes over disjoint arms run side by side)" if pace else "")
+    return (f"Finished in {done['directory']} already, and reused by a rerun: {done['finetune_runs']:,} fine-tuning "
+            f"runs of {done['finetune_steps']:,} steps and {done['pretrain_steps']:,} pretraining steps; left: at most "
+            f"{left_ft:,} fine-tuning steps{hours} and {left_pre:,} pretraining steps.")
 
 
 BUDGET_ARM_KEYS = ("test", "balanced_accuracy", "recipe", "length", "lengths", "at_longest_length", "longest_near_best")

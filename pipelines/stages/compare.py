@@ -75,16 +75,16 @@ from ..evaluations.knn import Knn
 from ..run.loaders import class_names, num_classes, resolve_shards
 from ..comparison.groups import key_groups
 from ..comparison.gaps import balanced_over_seeds, gaps, pretrain_length_results
-from ..comparison.plan import (Arm, CompareConfig, CompareError, arm_plan, budget_names, budget_takes, next_length,
-                               pretrain_config, pretrain_length_dir, pretrain_length_plan, recipes, result_settings,
-                               searches_length, settings, stage_config, training_bound, trial_name)
+from ..comparison.plan import (STAGE_DONE, Arm, CompareConfig, CompareError, arm_plan, budget_names, budget_takes,
+                               finished_training, next_length, pretrain_config, pretrain_length_dir, pretrain_length_plan,
+                               recipes, result_settings, searches_length, settings, stage_config, training_bound,
+                               trial_name)
 from ..comparison.plots import comparison_figure, label_efficiency_figure, pretrain_length_figure
 from ..comparison.report import (PRETRAIN_CURVES, budget_markdown, budget_summary, design_lines, design_record,
                                  pretrain_length_markdown, report_markdown, scalar_history)
 from ..run.start import start_run
 from ..run.tracking import TRIAL_NAMES, log_scores, log_session
 
-STAGE_DONE = "stage.json"
 # Fewer dev images of a class than this and the pick is noise: one image moves that class's accuracy by over 10
 # points, and with 10 classes (100 images) top-1's binomial standard error is still up to 5 points.
 DEV_MIN_PER_CLASS = 10
@@ -201,6 +201,7 @@ def check(cc: CompareConfig) -> dict:
     folds = ({name: budget["folds"] for name, budget in design["budgets"].items()} if "budgets" in design else
              dict.fromkeys(budget_names(cc) or [""], plan_folds(cc, base)))
     design["most_training"] = training_bound(cc, folds)
+    design["finished_training"] = finished_training(cc.output_dir)
     say_design(design)
     return design
 
