@@ -32,6 +32,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -175,8 +176,10 @@ def run_config(output_dir: str | Path) -> dict | None:
 
 def write_whole(path: Path, text: str) -> None:
     """Write `text` to `path` under a temporary name beside it, then rename it into place: a failed write (a full
-    disk) leaves no file cut short, and the one it would replace intact."""
-    temporary = path.with_name(f".partial-{path.name}")
+    disk) leaves no file cut short, and the one it would replace intact. The temporary name is this write's own:
+    two processes writing one file at once (compare processes over disjoint arms publish the same budget report)
+    each rename a whole file into place, and the last one stays."""
+    temporary = path.with_name(f".partial-{secrets.token_hex(8)}-{path.name}")
     try:
         temporary.write_text(text)
         os.replace(temporary, path)

@@ -73,3 +73,32 @@ def test_every_file_a_run_writes_has_the_mode_of_the_umask(tmp_path, make_shards
              for p in (tmp_path / "run").rglob("*") if p.is_file()}
     assert {"model.safetensors", "checkpoints/step_00000002/model.safetensors", "results.json"} <= set(modes)
     assert {name: mode for name, mode in modes.items() if mode != "0o644"} == {}
+
+
+def test_one_file_written_whole_by_several_writers_at_once_ends_as_one_of_them_with_the_umasks_mode(tmp_path):
+    # Two compare processes over disjoint arms publish the same budget report (docs/finetuning.md): with one
+    # temporary name for every writer, one renamed the other's away and the second died of FileNotFoundError at
+    # the end of its budget (seen on the Fashion-MNIST plan). Threads here stand in for the processes.
+    import threading
+
+    path = tmp_path / "report.md"
+    texts = [f"{writer}\n" * 100_000 for writer in range(6)]
+    failures = []
+
+    def write(text):
+        for _ in range(15):
+            try:
+                rundir.write_whole(path, text)
+            except OSError as failure:
+                failures.append(failure)
+
+    threads = [threading.Thread(target=write, args=(text,)) for text in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:3]
+    assert path.read_text() in texts and [p.name for p in tmp_path.iterdir()] == ["report.md"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # as Path.write_text leaves a new file
