@@ -35,7 +35,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,13 +175,18 @@ def run_config(output_dir: str | Path) -> dict | None:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Write `text` to `path` under a temporary name beside it, then rename it into place: a failed write (a full
-    disk) leaves no file cut short, and the one it would replace intact. The temporary name is this write's own:
-    two processes writing one file at once (compare processes over disjoint arms publish the same budget report)
-    each rename a whole file into place, and the last one stays."""
+    """`text` as the file `path`, written whole (written_whole)."""
+    written_whole(path, lambda temporary: temporary.write_text(text))
+
+
+def written_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` the file `path` under a temporary name beside it, then rename it into place: a failed write (a full
+    disk, a kill) leaves no file cut short, and the one it would replace intact. The temporary name is this write's
+    own: two processes writing one file at once (compare processes over disjoint arms publish the same budget report
+    and figure) each rename a whole file into place, and the last one stays."""
     temporary = path.with_name(f".partial-{secrets.token_hex(8)}-{path.name}")
     try:
-        temporary.write_text(text)
+        write(temporary)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)

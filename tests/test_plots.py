@@ -43,6 +43,31 @@ def test_one_arm_without_pretraining_or_gaps_draws_the_fine_tuning_panel_alone(t
     assert "(a) fine-tuning" in svg and "(b) pretraining" not in svg and "(c)" not in svg
 
 
+def test_a_figure_whose_writing_fails_half_way_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    # A plan's figures are redrawn at each budget, by each compare process of a plan split over disjoint arms; drawn
+    # in place, a kill (or two processes at once) left a cut or mixed file.
+    from matplotlib.figure import Figure
+
+    stem = tmp_path / "one"
+    curves = {"scratch": {"0": [[0, 0.1], [10, 0.3]]}}
+    comparison_figure(curves, {}, [], stem)
+    earlier = stem.with_suffix(".png").read_bytes(), stem.with_suffix(".svg").read_bytes()
+    savefig = Figure.savefig
+
+    def half_then_killed(figure, path, **kwargs):
+        savefig(figure, path, **kwargs)
+        with open(path, "r+b") as file:
+            file.truncate(len(file.read()) // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", half_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        comparison_figure({"scratch": {"0": [[0, 0.2], [10, 0.9]]}}, {}, [], stem)
+    monkeypatch.undo()
+    assert (stem.with_suffix(".png").read_bytes(), stem.with_suffix(".svg").read_bytes()) == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.png", "one.svg"]
+
+
 def test_seed_band_is_the_mean_and_min_max_over_the_seeds_that_logged_each_step():
     steps, mean, low, high = seed_band({0: [[0, 0.2], [10, 0.5]], 1: [[0, 0.4], [10, 0.7]], 2: [[0, 0.3]]})
     assert steps.tolist() == [0, 10]

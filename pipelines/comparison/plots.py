@@ -15,6 +15,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from mpp.rundir import written_whole
+
 Curve = Sequence[Sequence[float]]  # [[step, value], ...]
 # The pretraining curves drawn, in order: tag -> (panel title, scale of the logged value).
 PRETRAIN_PANELS = {"val/pretext_loss": ("val/pretext_loss", 1), "val/loss": ("validation val/loss", 1),
@@ -72,12 +74,12 @@ def draw_gaps(ax: Axes, gaps: Sequence[Mapping]) -> None:
 
 
 def saved(figure: Figure, path: str | Path) -> tuple[Path, Path]:
-    """`figure` written as path.png and path.svg (the folder made as needed); the two files."""
+    """`figure` written as path.png and path.svg (the folder made as needed), each whole; the two files."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     written = path.with_suffix(".png"), path.with_suffix(".svg")
     for file in written:
-        figure.savefig(file, dpi=120)
+        written_whole(file, lambda temporary: figure.savefig(temporary, dpi=120, format=file.suffix[1:]))
     return written
 
 
