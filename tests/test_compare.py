@@ -538,7 +538,23 @@ def test_dry_run_states_the_smallest_gap_the_design_resolves_and_trains_nothing(
     out = capsys.readouterr().out
     assert re.search(rf"Finished in {re.escape(str(tmp_path / 'cmp'))} already, and reused by a rerun: 3 fine-tuning runs "
                      rf"of 12 steps and 0 pretraining steps; left: at most 24 fine-tuning steps \(about [\d.]+ h of runs "
-                     rf"at the [\d.]+ s a step the finished ones took, start to end; .*\) and 6 pretraining steps\.", out), out
+                     rf"at the [\d.]+ s a step the finished ones took over all their starts; .*\) and 6 pretraining steps\.", out), out
+
+
+def test_what_a_plan_finished_counts_its_fine_tunings_over_every_start_and_its_pretrainings_only(tmp_path):
+    from pipelines.comparison.plan import finished_training
+
+    records = {"budget-10/ft/scratch/base-x8-s0": {"steps": 2400, "wall_time_s": 900.0, "stage_wall_time_s": 300.0},  # resumed
+               "budget-10/ft/mpp/base-f0": {"steps": 300, "wall_time_s": 60.0, "stage_wall_time_s": 61.0},
+               "pre/mpp": {"steps": 8000, "wall_time_s": 1400.0}, "budget-10/test/mpp/base-s0": {"steps": 7},
+               "budgets": {"images": 100}, "budget-10/frozen/mpp": {"knn": 0.5}}
+    for directory, record in records.items():
+        (tmp_path / directory).mkdir(parents=True)
+        (tmp_path / directory / compare.STAGE_DONE).write_text(json.dumps(record))
+    (tmp_path / "budget-10/ft/scratch/base-x4-f0").mkdir()
+    (tmp_path / "budget-10/ft/scratch/base-x4-f0" / compare.STAGE_DONE).write_text('{"steps": 12')  # an older mpp cut it
+    assert finished_training(tmp_path) == {"directory": str(tmp_path), "finetune_runs": 2, "finetune_steps": 2700,
+                                           "finetune_s": 960.0, "pretrain_steps": 8000}
 
 
 def test_image_groups_that_miss_a_test_images_key_are_one_plain_error_naming_the_key_and_the_field(tmp_path, capsys):

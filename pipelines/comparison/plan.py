@@ -216,7 +216,7 @@ def training_bound(cc: CompareConfig, folds: dict[str, int]) -> dict[str, int]:
 
 def finished_training(output_dir: str | Path) -> dict:
     """What earlier invocations of a plan finished in output_dir, which a rerun reuses: the fine-tuning runs (ft/<arm>/
-    <run>/stage.json), their steps and seconds, and the pretraining steps (pre/<arm>/stage.json), at every budget and
+    <run>/stage.json), their steps and training seconds, and the pretraining steps (pre/<arm>/stage.json), at every budget and
     pretraining length. A record that cannot be read is left out: the plan's own run names it."""
     done = {"directory": str(output_dir), "finetune_runs": 0, "finetune_steps": 0, "finetune_s": 0.0, "pretrain_steps": 0}
     for marker in Path(output_dir).rglob(STAGE_DONE):
@@ -229,7 +229,7 @@ def finished_training(output_dir: str | Path) -> dict:
         if kind == "ft" and "steps" in record:
             done["finetune_runs"] += 1
             done["finetune_steps"] += record["steps"]
-            done["finetune_s"] += record.get("stage_wall_time_s", 0.0)
+            done["finetune_s"] += record.get("wall_time_s", 0.0)  # over every start: a stage's own timer, the last only
         elif kind == "pre" and "steps" in record:
             done["pretrain_steps"] += record["steps"]
     return done

@@ -156,8 +156,8 @@ def finished_line(done: dict, most: dict) -> str:
     left_ft = max(0, most["finetune_steps"] - done["finetune_steps"])
     left_pre = max(0, most["pretrain_steps"] - done["pretrain_steps"])
     pace = done["finetune_s"] / done["finetune_steps"] if done["finetune_steps"] else None
-    hours = (f" (about {left_ft * pace / 3600:.1f} h of runs at the {pace:.3f} s a step the finished ones took, start to end; "
-             f"less in wall time where processes over disjoint arms run side by side)" if pace else "")
+    hours = (f" (about {left_ft * pace / 3600:.1f} h of runs at the {pace:.3f} s a step the finished ones took over all "
+             f"their starts; less in wall time where processes over disjoint arms run side by side)" if pace else "")
     return (f"Finished in {done['directory']} already, and reused by a rerun: {done['finetune_runs']:,} fine-tuning "
             f"runs of {done['finetune_steps']:,} steps and {done['pretrain_steps']:,} pretraining steps; left: at most "
             f"{left_ft:,} fine-tuning steps{hours} and {left_pre:,} pretraining steps.")
