@@ -270,11 +270,12 @@ def test_results_json_reports_exact_top1_and_top5(tmp_path, labelled_data):
 
 
 def test_evaluation_is_exact_over_two_processes_with_uneven_shards(tmp_path, labelled_data):
-    # 3 evaluation shards of 7, 5 and 3 images: rank 0 reads 10 of them, rank 1 reads 5.
+    # 3 evaluation shards of 7, 5 and 3 images: rank 0 reads 10 of them, rank 1 reads 5. Evaluated at steps 1 and 2,
+    # with a data worker in each rank: the second pass is scored from the images each rank kept from its first.
     cmd = [*TWO_PROCESSES, "launch.py",
            "finetune", f"data.shards={tmp_path / 'shards'}", f"data.val_shards={tmp_path / 'val'}",
            f"output_dir={tmp_path / 'ft'}", *TINY, "model.num_classes=10", "train.steps=2", "train.warmup_steps=1",
-           "train.global_batch_size=8", "finetune.eval_every=2"]
+           "train.global_batch_size=8", "finetune.eval_every=1", "data.num_workers=1"]
     env = cpu_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
