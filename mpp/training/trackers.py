@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
 from mpp.errors import UserError
-from mpp.rundir import checkpoint_step
+from mpp.rundir import checkpoint_step, written_whole
 
 # log.trackers name -> (the module it imports, what to install for it)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny (or mlflow)"),
@@ -198,9 +198,8 @@ class JsonLines(GeneralTracker):
                     break
                 kept.append((size, len(line.encode()), row))
                 size += len(line.encode())
-            partial = self.path.with_name(f".partial-{self.path.name}")
-            partial.write_bytes(self.path.read_bytes()[:size])
-            os.replace(partial, self.path)
+            whole = self.path.read_bytes()[:size]
+            written_whole(self.path, lambda temporary: temporary.write_bytes(whole))
         self.last_at, self.last_size, self.last = kept[-1] if kept else (0, 0, None)
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:

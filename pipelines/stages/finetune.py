@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -19,7 +18,7 @@ from mpp.errors import command
 from mpp.evaluation.per_class import per_class_report
 from mpp.data.stream import BadLabel, DataError, LabelReader, label_members
 from mpp.metrics import BALANCED_ACC, TOP1, TOP5
-from mpp.rundir import PREDICTIONS, BEST
+from mpp.rundir import PREDICTIONS, BEST, written_whole
 from mpp.data.readers import counted
 from mpp.data.shardformat import is_remote, shard_summary
 from mpp.model.vit import build_backbone
@@ -84,16 +83,13 @@ class BestWeights:
 
     def __init__(self, accelerator: Accelerator, path: Path):
         self.accelerator, self.path = accelerator, path
-        self.partial = path.with_name(f".partial-{path.name}")
 
     def write(self, module: nn.Module) -> bytes | None:
         """Save `module`'s weights (as model.safetensors holds them); their file's bytes (None on other processes)."""
         if not self.accelerator.is_main_process:
             return None
-        save_weights(module, self.partial)
-        written = self.partial.read_bytes()
-        os.replace(self.partial, self.path)
-        return written
+        written_whole(self.path, lambda temporary: save_weights(module, temporary))
+        return self.path.read_bytes()
 
     def restore(self, written: bytes | None) -> None:
         """Put back the file a checkpoint kept (`written`), or, where it kept none, remove one a later run left."""
@@ -102,8 +98,7 @@ class BestWeights:
         if written is None:
             self.path.unlink(missing_ok=True)
             return
-        self.partial.write_bytes(written)
-        os.replace(self.partial, self.path)
+        written_whole(self.path, lambda temporary: temporary.write_bytes(written))
 
 
 def prediction_records(classified: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
