@@ -764,7 +764,7 @@ def test_the_semi_supervised_fashion_mnist_plan_loads_and_its_dry_run_checks_it(
     assert "[compare] design: 200 test images and 3 seed(s) per arm" in out
     assert "warning: this comparison resolves gaps of" in out and "wider than its target_gap of 2.00 points" in out
     assert not (tmp_path / "cmp").exists()
-    with pytest.raises(compare.CompareError, match=r"labels_per_class 400 needs that many images of every class"):
+    with pytest.raises(compare.CompareError, match=r"labels_per_class 100 needs that many images of every class"):
         compare.check(load_compare_config(plan, data))  # the plan's own budgets need the real 6,000 per class
 
 
