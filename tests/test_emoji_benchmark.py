@@ -147,7 +147,7 @@ def test_the_semi_supervised_plan_builds_its_shards_in_one_command_and_its_dry_r
     data = [f"pretrain.data.shards={tmp_path / 'shards' / 'train'}", f"pretrain.data.val_shards={tmp_path / 'shards' / 'test'}",
             f"finetune.data.shards={tmp_path / 'shards' / 'train'}", f"finetune.data.val_shards={tmp_path / 'shards' / 'test'}",
             f"output_dir={tmp_path / 'cmp'}"]
-    cc = load_compare_config(plan, [*data, "labels_per_class=[2,4]"])
+    cc = load_compare_config(plan, [*data, "labels_per_class=[3,4]"])
     assert [(arm.name, arm.control) for arm in cc.arms] == [("scratch", None), ("mpp", None), ("mpp-noise", "noise")]
     capsys.readouterr()
     design = compare.check(cc)
@@ -160,17 +160,17 @@ def test_the_semi_supervised_plan_builds_its_shards_in_one_command_and_its_dry_r
     assert (f"[compare] design: {test_images} test images in 27 groups (image_groups), each group's images assumed "
             f"answered alike, so they count as {test_images / design['planned']['design_effect']:.0f} independent images "
             f"and 3 seed(s) per arm") in out
-    # Each budget's picks as its run will make them: 2 and 4 of each of 9 classes, under 500, so k-fold with k the
-    # images per class; 2.8016 x sqrt(0.2 / n) is what n dev images resolve at 80% power.
-    for per_class in (2, 4):
+    # Each budget's picks as its run will make them: 3 and 4 of each of 9 classes, by the plan's 3 folds over all of
+    # them; 2.8016 x sqrt(0.2 / n) is what n dev images resolve at 80% power.
+    for per_class in (3, 4):
         n = 9 * per_class
-        assert (f"[compare] design: Budget {per_class} ({n} labelled images) picks by {per_class}-fold cross-validation "
+        assert (f"[compare] design: Budget {per_class} ({n} labelled images) picks by 3-fold cross-validation "
                 f"over all {n}, which tell two candidates apart, 4 times in 5, when they differ by "
                 f"{100 * 2.801585 * math.sqrt(0.2 / n):.2f} points or more.") in out
     split = compare.check(load_compare_config(plan, [*data, "labels_per_class=[20]", "dev_folds=0"]))["budgets"]["20"]
     assert (split["images"], split["folds"], split["dev_images"]) == (180, 0, 18)  # round(0.1 x 20) of each class
     assert "Budget 20 (180 labelled images) picks by a dev split of 18 of its 180 labelled images" in capsys.readouterr().out
-    assert design["budgets"]["4"] == {"images": 36, "folds": 4, "dev_images": 36,
+    assert design["budgets"]["4"] == {"images": 36, "folds": 3, "dev_images": 36,
                                       "dev_resolvable": pytest.approx(2.801585 * math.sqrt(0.2 / 36), rel=1e-5)}
     assert not (tmp_path / "cmp").exists()  # nothing drawn, pretrained or fine-tuned
     smallest = min(Counter(p.parent.name for p in (tmp_path / "images" / "train").rglob("*.png")).values())
