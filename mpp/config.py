@@ -179,6 +179,7 @@ class TrainConfig(Section):
     seed: int = Field(0, description="Seed for model init, corruption and data order.")
     checkpoint_every: int = Field(500, gt=0, description="Save a resumable checkpoint every N steps (and at the end).", json_schema_extra=RESUMABLE)
     keep_checkpoints: int = Field(3, gt=0, description="Resumable checkpoints kept on disk; older ones are deleted.", json_schema_extra=RESUMABLE)
+    stop_data_wait_s: float = Field(10.0, gt=0, description="After a stop signal (SIGTERM, SIGUSR1, SIGUSR2, Ctrl-C), the seconds to wait for a batch that has not come (a stalled `pipe:` command or network read) before stopping without it; keep it well below the time the scheduler leaves between its signal and the kill.", json_schema_extra=RESUMABLE)
     max_nonfinite_steps: int = Field(5, gt=0, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped; checked at each log line).", json_schema_extra=RESUMABLE)
 
     @field_validator("mixed_precision", mode="before")

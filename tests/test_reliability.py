@@ -141,7 +141,7 @@ def test_sigterm_saves_and_resume_replays_the_same_losses(tmp_path, make_shards)
 SECOND_SIGNAL = """
 import os, signal, sys
 from mpp.training.preemption import StopOnSignal
-with StopOnSignal() as stop:
+with StopOnSignal(data_wait_s=10) as stop:
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop.requested, "the first signal did not ask for a stop"
     print("first signal taken", flush=True)
@@ -181,7 +181,7 @@ class SlowTeardown:  # a rank's process groups and loaders take a moment to go a
 
 teardown = SlowTeardown()
 try:
-    with StopOnSignal() as stop:
+    with StopOnSignal(data_wait_s=10) as stop:
         if sys.argv[1] == "this process":
             os.kill(os.getpid(), signal.SIGTERM)
         raise Preempted("stopped at step 3 of 9 on a signal")  # another rank's signal, agreed: raised all the same

@@ -367,7 +367,7 @@ def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_pat
     token = f"{200000 + os.getpid() % 50000 * 2 + workers}"
     run = subprocess.Popen([sys.executable, "launch.py", "pretrain", f"data.shards=pipe:sleep {token}",
                             f"output_dir={tmp_path / 'run'}", *TINY, f"data.num_workers={workers}", "train.steps=5",
-                            "train.warmup_steps=1", "train.batch_size=4"],
+                            "train.warmup_steps=1", "train.batch_size=4", "train.stop_data_wait_s=2"],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -381,6 +381,7 @@ def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_pat
         except subprocess.TimeoutExpired:
             pytest.fail(f"{STOP_S}s after SIGTERM the run, or a pipe command holding its output open, still runs")
         assert run.returncode == EXIT_STATUS, stderr[-3000:]
+        assert "no data came within 2 s of SIGTERM: stopping without it" in stderr
         assert "stopped at step 0 of 5 on SIGTERM while waiting for data" in stderr
         assert not ended("sleep", token), "the pipe command outlived the run"
     finally:

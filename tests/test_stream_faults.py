@@ -19,7 +19,7 @@ from mpp.data.readers import expand_shards
 from mpp.model.objectives import MaskedPatchPrediction
 import mpp.training.loop
 from mpp.training.runtime import make_accelerator
-from mpp.training.preemption import Preempted, StopOnSignal
+from mpp.training.preemption import Preempted
 from mpp.rundir import RunDir, complete_checkpoints
 from mpp.training.loop import next_batch, train
 from mpp.model.vit import build_backbone
@@ -203,8 +203,8 @@ def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its
     # With several processes, a rank that gave up its wait at once left the others in the step's all-reduce; the batch
     # that comes within the grace period is trained on and the stop is agreed at the step's end, with its checkpoint.
     cfg, accelerator = fifty_step_run(tmp_path)
-    signal_during_the_fourth_wait(monkeypatch)  # the 4th batch takes 3 s to come
-    batches = lambda state: DataLoader(SlowAfter(3, delay=3), batch_size=None, num_workers=1)
+    signal_during_the_fourth_wait(monkeypatch)  # the 4th batch takes 2 s to come (the signal at 1 s), within the 10 s grace
+    batches = lambda state: DataLoader(SlowAfter(3, delay=2), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 4 of 50 on a signal; checkpoint saved"):
         train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, RunDir(Path(cfg.output_dir)))
     assert [p.name for p in complete_checkpoints(cfg.output_dir)] == ["step_00000004"]
@@ -213,7 +213,7 @@ def test_a_signal_while_a_batch_is_on_its_way_finishes_the_step_and_stops_at_its
 def test_a_signal_while_waiting_for_data_saves_and_stops(tmp_path, monkeypatch, signal_handlers_restored):
     cfg, accelerator = fifty_step_run(tmp_path)
     signal_during_the_fourth_wait(monkeypatch)  # the 4th batch never comes
-    monkeypatch.setattr(StopOnSignal, "WAIT_GRACE_S", 1.0)  # the wait given up sooner: 10 s of nothing otherwise
+    cfg.train.stop_data_wait_s = 1.0  # the wait given up sooner than the default's 10 s of nothing
     batches = lambda state: DataLoader(StallsAfter(3), batch_size=None, num_workers=1)
     with fails_if_stuck(), pytest.raises(Preempted, match="stopped at step 3 of 50 on SIGTERM while waiting for data"):
         train(accelerator, MaskedPatchPrediction(build_backbone(cfg.model)), batches, cfg.train, cfg.log, RunDir(Path(cfg.output_dir)))

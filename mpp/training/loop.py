@@ -190,7 +190,7 @@ def train(accelerator: Accelerator, objective: Objective, make_batches: Callable
 
     objective.train()
     # The bar is closed before anything propagates, so an error's line does not share a line with it.
-    with StopOnSignal() as stop, contextlib.closing(bar):
+    with StopOnSignal(cfg.stop_data_wait_s) as stop, contextlib.closing(bar):
         while progress.step < cfg.steps:
             try:
                 result = train_step(accelerator, model, forward, optimizer, scheduler, feed.micro_batches(cfg.grad_accum, window, stop),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import multiprocessing
 import os
 import signal
 import sys
@@ -52,17 +53,16 @@ class StopOnSignal:
     before the kill that follows. After a stop they change nothing until the process exits.
 
     A signal that arrives while the loop waits for data usually finds the batch moments away (being decoded): the
-    step finishes and every rank stops at its boundary together. A stream that has not delivered WAIT_GRACE_S after
-    the signal (a `pipe:` command that hangs, a stalled network read) is given up: SignalWhileWaiting is raised out of
-    the wait, so it cannot keep the process alive.
+    step finishes and every rank stops at its boundary together. A stream that has not delivered `data_wait_s`
+    (train.stop_data_wait_s) after the signal (a `pipe:` command that hangs, a stalled network read) is given up:
+    SignalWhileWaiting is raised out of the wait, so it cannot keep the process alive.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
     REPEATED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # the ones schedulers and launchers send again
-    # Long enough for a slow remote batch, short beside the 30 s or more a preemption notice gives before the kill.
-    WAIT_GRACE_S = 10.0
 
-    def __init__(self) -> None:
+    def __init__(self, data_wait_s: float) -> None:
+        self.data_wait_s = data_wait_s
         self.requested = False
         self.waiting = False
         self.signal_name = ""
@@ -108,7 +108,7 @@ class StopOnSignal:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.setitimer(signal.ITIMER_REAL, self.WAIT_GRACE_S)  # a wait for data still going on then is given up
+        signal.setitimer(signal.ITIMER_REAL, self.data_wait_s)  # a wait for data still going on then is given up
         print(f"\nreceived {self.signal_name}: saving a checkpoint at the end of this step "
               "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
 
@@ -117,7 +117,7 @@ class StopOnSignal:
             signal.setitimer(signal.ITIMER_REAL, 1.0)  # the step is on its way to its boundary; look again in a second
             return
         self.waiting = False
-        print(f"\nno data came within {self.WAIT_GRACE_S:g} s of {self.signal_name}: stopping without it",
+        print(f"\nno data came within {self.data_wait_s:g} s of {self.signal_name}: stopping without it",
               file=sys.stderr, flush=True)
         raise SignalWhileWaiting(self.signal_name)
 
@@ -186,7 +186,14 @@ def stopped_waiting(accelerator: Accelerator, run_dir: RunDir, step: int, steps:
     Between steps of a single process everything up to `step` is consistent, so it is checkpointed as at any step
     end. Several processes cannot save together (the others are not at the barrier), nor can a half-accumulated
     step: then the newest checkpoint is what a resume starts from.
+
+    The data workers are ended first: a worker blocked on the stalled stream never reads its loader's request to
+    stop, and the loader waits 5 s (torch's join timeout) before ending it, time a preemption notice does not spare.
+    A process's multiprocessing children are its loaders' workers; each ends its `pipe:` commands as it goes
+    (mpp.data.stream.worker_signals).
     """
+    for worker in multiprocessing.active_children():
+        worker.terminate()
     newest = complete_checkpoints(run_dir.root)
     if signalled.at_step_boundary and accelerator.num_processes == 1 and step > 0:
         if not newest or newest[-1].name != run_dir.checkpoint(step).name:

@@ -400,11 +400,11 @@ def pretrain_config(cc: CompareConfig, arm: Arm, **keys) -> Config:
 
 
 def settings(cfg: Config) -> dict:
-    """What a stage's result depends on: its run config, less the directory it writes to, how often it logs and the
+    """What a stage's result depends on: its run config, less the directory it writes to, how often it logs, the
     CPU threads it computes with (so arms run side by side on a small machine, one thread each, are the stages a
-    later plain run of the plan finds finished)."""
+    later plain run of the plan finds finished) and how long a stop signal waits for data."""
     values = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("output_dir", "log")}
-    values["train"] = {k: v for k, v in values["train"].items() if k != "cpu_threads"}
+    values["train"] = {k: v for k, v in values["train"].items() if k not in ("cpu_threads", "stop_data_wait_s")}
     return result_settings(values)
 
 
