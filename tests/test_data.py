@@ -1,7 +1,6 @@
 import io
 import itertools
 import json
-import multiprocessing
 import random
 
 import numpy as np
@@ -49,48 +48,18 @@ def test_labels_stream_with_images(make_shards):
     assert next(iter(make_loader(unlabelled, NO_WORKERS, EvalTransform(8), 3, one_pass=True))).labels.tolist() == [-1] * 3
 
 
-STALL_S = 300  # no batch from any rank for this long is a hang; a slow but moving stream never reaches it
-
-
-def _take(urls, rank, world, resampled, n, queue):
-    """Report each batch as it comes (the parent judges progress, not elapsed time), then shut the workers down."""
-    loader = make_loader(urls, DataConfig(num_workers=2, resampled=resampled, shuffle_buffer=0), TrainTransform(8), 4, rank=rank, world=world)
-    batches = iter(loader)  # forks the workers before the queue's feeder thread exists
-    for _ in range(n):
-        next(batches)
-        queue.put(rank)
-    del batches  # workers stop here, not during interpreter shutdown
-
-
 @pytest.mark.parametrize("resampled", [True, False])
 def test_uneven_shards_never_run_dry(make_shards, resampled):
-    """3 shards over 2 ranks of 2 workers: each rank keeps producing batches for as many steps as asked."""
-    import queue as queues
-
+    """3 shards over 2 ranks of 2 workers: each rank keeps producing batches for as many steps as asked. The ranks'
+    streams share nothing (each reads its own shards), so they are taken one after the other here; a stream that ran
+    dry would end (StopIteration), not hang. Two processes end to end: test_distributed.py's uneven-shard runs."""
     urls = make_shards([9, 2, 5])
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_take, args=(urls, rank, 2, resampled, 30, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    counts, stalled = [0, 0], 0
-    try:
-        while sum(counts) < 60:
-            try:
-                counts[queue.get(timeout=5)] += 1
-                stalled = 0
-            except queues.Empty:
-                stalled += 5
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not failed, f"a rank died (exit codes {failed}; -6 is SIGABRT) after {counts} batches"
-            assert stalled < STALL_S, f"no rank produced a batch for {STALL_S}s (batches per rank: {counts})"
-        for p in procs:
-            p.join(timeout=STALL_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert counts == [30, 30] and [p.exitcode for p in procs] == [0, 0]
+    for rank in range(2):
+        loader = make_loader(urls, DataConfig(num_workers=2, resampled=resampled, shuffle_buffer=0), TrainTransform(8), 4,
+                             rank=rank, world=2)
+        batches = iter(loader)
+        assert len(list(itertools.islice(batches, 30))) == 30, f"rank {rank} ran dry"
+        del batches  # its workers stop here
 
 
 @pytest.mark.parametrize("resampled", [True, False])
