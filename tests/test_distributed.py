@@ -49,21 +49,16 @@ def pretrain_two_processes(tmp_path, *overrides, resume=False):
                 f"output_dir={tmp_path / 'run'}", *TINY, *overrides, *(["--resume"] if resume else [])])
 
 
-def test_uneven_shards_over_two_processes_do_not_hang(tmp_path, make_shards):
-    make_shards([25, 7, 3], size=32)  # rank 0 streams shards 0 and 2 (28 samples), rank 1 shard 1 (7)
-    proc = pretrain_two_processes(tmp_path, "data.resampled=false", "train.steps=12", "train.warmup_steps=1",
-                                  "train.global_batch_size=8", "train.checkpoint_every=12")
-    assert "with 2 process(es)" in proc.stdout and "global batch 8" in proc.stdout
-    assert (tmp_path / "run" / "model.safetensors").is_file()
-
-
-def test_two_process_run_over_uneven_shards_resumes_to_the_same_weights(tmp_path, make_shards):
-    # Rank 0 streams shards 0 and 2 (60 samples a pass), rank 1 shards 1 and 3 (10): their stream positions differ,
-    # and each rank must resume from its own (they used to resume both from rank 0's).
+def test_two_process_run_over_uneven_shards_does_not_hang_and_resumes_to_the_same_weights(tmp_path, make_shards):
+    # Rank 0 streams shards 0 and 2 (60 samples a pass), rank 1 shards 1 and 3 (10): rank 1 ends its pass five times
+    # while rank 0 is in its first, and neither waits for the other (a rank whose stream ran dry would hang the other
+    # in the next all-reduce). Their stream positions differ, and each rank must resume from its own (they used to
+    # resume both from rank 0's).
     make_shards([30, 5, 30, 5], size=32)
-    common = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "train.grad_accum=2", "train.checkpoint_every=3",
-              "train.keep_checkpoints=5", "data.num_workers=1", "data.resampled=false"]
-    pretrain_two_processes(tmp_path, *common)
+    common = ["train.steps=6", "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4",
+              "train.checkpoint_every=3", "train.keep_checkpoints=5", "data.num_workers=1", "data.resampled=false"]
+    proc = pretrain_two_processes(tmp_path, *common)
+    assert "with 2 process(es)" in proc.stdout and "global batch 16 = 2 process(es) x 4 images x 2 accumulation" in proc.stdout
     uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
     checkpoints = complete_checkpoints(tmp_path / "run")
     assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]

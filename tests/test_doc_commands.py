@@ -176,3 +176,13 @@ def test_a_wrong_command_is_named_by_doc_and_line(monkeypatch, capsys):
     assert "unknown config key 'train.stpes'" in found[0] and "refused (exit 2)" in found[1]
     assert "frobnicate --all: neither an mpp command" in found[2] and "knn.k" in found[3]
     assert tally == {"checked": 1, "installs packages": 1, SKIPPED[-1][1]: 1}
+
+
+def test_every_test_the_docs_name_exists():
+    """The guides cite tests as evidence (`test_x.py::test_name`): a renamed or removed test must take its citation
+    along, or the docs promise a check nobody runs."""
+    cited = {(doc.name, file, name) for doc in DOCS
+             for file, name in re.findall(r"(test_\w+\.py)::(test_\w+)", doc.read_text())}
+    defined = {path.name: set(re.findall(r"^def (test_\w+)", path.read_text(), re.M)) for path in (ROOT / "tests").glob("test_*.py")}
+    missing = sorted((doc, f"{file}::{name}") for doc, file, name in cited if name not in defined.get(file, set()))
+    assert cited and not missing, missing
