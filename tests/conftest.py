@@ -42,6 +42,21 @@ ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--main
 TWO_PROCESSES = [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2"]
 
 
+# The suite's longest files, longest first (their time in a full run, from the durations it prints): the two test
+# processes take a whole file at a time, in collection order, and a long file begun last leaves the other process
+# with nothing to do while it runs (xdist's own order, by number of tests, began the two longest last). A file not
+# named runs after these, in collection order; a list gone stale costs time, never a test.
+LONGEST_FIRST = ("test_distributed.py", "test_signals.py", "test_gpu_report.py", "test_reliability.py", "test_compare.py",
+                 "test_prepare_workers.py", "test_hybrid.py", "test_resume.py", "test_compare_lengths.py",
+                 "test_pretrain.py", "test_shard_damage.py", "test_speed.py", "test_packaging.py", "test_downstream.py",
+                 "test_stream_faults.py", "test_checkpointed_state.py")
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each file's tests keep their order
+
+
 def cpu_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
     """The environment for a child process of a CPU test: CPU_ONLY, `threads` OpenMP threads (None: as inherited)."""
     env = {**os.environ, **CPU_ONLY, **extra}
