@@ -3,20 +3,15 @@
 import json
 import math
 import re
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
-import psutil
 import torch
 import webdataset as wds
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mpp.training.preemption import EXIT_STATUS
 from mpp.rundir import complete_checkpoints
 
 from conftest import ROOT, TINY, TWO_PROCESSES, cpu_env, write_test_shards
@@ -157,63 +152,6 @@ def test_two_processes_compiled_with_accumulation_panels_and_evaluations_match_e
     alone = json.loads((tmp_path / "views" / "inspect" / "inspect.json").read_text())["attention_distance_mean_px"]
     final = json.loads((tmp_path / "false" / "results.json").read_text())["final"]
     assert abs(final["inspect/attention_distance_first"] - alone[0]) < 1e-2 and abs(final["inspect/attention_distance_last"] - alone[-1]) < 1e-2
-
-
-def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, make_shards):
-    make_shards([40] * 2, size=32)
-    cmd = [*TWO_PROCESSES, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}",
-           *TINY, "train.steps=100000", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=5"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not complete_checkpoints(tmp_path / "run"):  # both ranks are in the loop
-            time.sleep(0.2)
-        ranks = psutil.Process(proc.pid).children()  # the launcher's children are the two ranks
-        assert len(ranks) == 2, ranks
-        ranks[-1].send_signal(signal.SIGTERM)  # one rank only: the other must learn of it through the all-reduce
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    # Both ranks exit with the stopped status; the launcher, not signalled itself, reports them and exits 1.
-    assert proc.returncode == 1 and stderr.count(f"exitcode  : {EXIT_STATUS} ") == 2, stderr[-3000:]
-    stops = re.findall(r"stopped at step (\d+) of 100000", stderr)
-    assert len(stops) == 2 and stops[0] == stops[1], stderr[-3000:]
-    assert complete_checkpoints(tmp_path / "run")[-1].name == f"step_{int(stops[0]):08d}"
-
-
-def test_sigterm_to_the_launcher_prints_a_resume_command_with_its_processes_and_one_process_is_told_to_relaunch(tmp_path, make_shards):
-    # A rank sees only `launch.py pretrain ...`: its resume command used to drop `--multi_gpu --num_processes 2`, and
-    # following it met "none of the checkpoint(s) verifies ...; move them aside to start afresh".
-    make_shards([40] * 2, size=32)
-    args = ["launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={tmp_path / 'run'}", *TINY,
-            "train.steps=100000", "train.warmup_steps=1", "train.batch_size=4", "train.checkpoint_every=5"]
-    proc = subprocess.Popen([*TWO_PROCESSES, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not complete_checkpoints(tmp_path / "run"):  # both ranks are in the loop
-            time.sleep(0.2)
-        assert len(psutil.Process(proc.pid).children()) == 2
-        proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it on to its ranks
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert "with 2 process(es)" in stdout, stdout[-2000:]
-    stopped = re.findall(r"stopped at step (\d+) of 100000 on a signal; checkpoint saved in \S+; continue with `([^`]*)`", stderr)
-    assert stopped and len(set(stopped)) == 1, stderr[-3000:]  # every rank that says it names the same step and command
-    step, command = int(stopped[0][0]), shlex.split(stopped[0][1])
-    assert command[:7] == ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "launch.py", "pretrain"]
-    assert command[7:] == ["--resume", *args[2:]]
-
-    one = subprocess.run([sys.executable, *command[5:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
-    assert one.returncode == 2 and one.stderr.strip().splitlines() == [one.stderr.strip()], one.stderr[-2000:]
-    assert one.stderr.strip() == (f"error: checkpoint {complete_checkpoints(tmp_path / 'run')[-1]} was saved by 2 process(es) "
-                                  f"and this run has 1; the run sets its batch per process (train.batch_size), so its global "
-                                  f"batch would change with the process count: relaunch the run with 2: `{stopped[0][1]}` (a "
-                                  f"run started with train.global_batch_size resumes on any number of processes)")
-
-    resumed = run([*TWO_PROCESSES, *command[5:], f"train.steps={step + 2}"])  # the printed command, run to an end
-    assert "with 2 process(es)" in resumed.stdout and f"at step {step}" in resumed.stdout, resumed.stdout[-2000:]
-    assert complete_checkpoints(tmp_path / "run")[-1].name == f"step_{step + 2:08d}"
 
 
 def test_the_command_of_a_rank_names_its_launcher_and_process_count(monkeypatch):

@@ -147,6 +147,20 @@ def test_a_stop_signal_with_data_workers_stops_every_rank_at_one_step_and_the_pr
     if target == "one worker":
         assert f"exitcode  : {EXIT_STATUS}" in stderr  # the launcher's report names the ranks' status
 
+    # The command names the launcher and its process count, which a rank only learns from its environment: it used
+    # to be `accelerate launch launch.py pretrain --resume ...` for two processes, which met "none of the checkpoint(s)
+    # verifies". Without the launcher, a run sized per process is told in one line to relaunch with it.
+    args, words = pretrain_args(shards, out), shlex.split(stops[0][1])
+    assert words == ["accelerate", "launch", *(["--multi_gpu", "--num_processes", "2"] if processes == 2 else []),
+                     *args[:2], "--resume", *args[2:]], words
+    if (processes, target) == (2, "launcher"):
+        one = subprocess.run([sys.executable, *words[5:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        assert one.returncode == 2 and one.stderr.strip() == (
+            f"error: checkpoint {complete_checkpoints(out)[-1]} was saved by 2 process(es) and this run has 1; the run "
+            f"sets its batch per process (train.batch_size), so its global batch would change with the process count: "
+            f"relaunch the run with 2: `{stops[0][1]}` (a run started with train.global_batch_size resumes on any "
+            f"number of processes)"), one.stderr[-2000:]
+
     resumed_weights(stops[0][1])
     weights, reference = load_file(out / "model.safetensors"), uninterrupted(processes)
     assert weights.keys() == reference.keys() and all((weights[k] == reference[k]).all() for k in reference)
