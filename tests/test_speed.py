@@ -32,6 +32,7 @@ from mpp.training.runtime import (CompileUnavailable, Device, cpu_threads, make_
                                   resolve_precision)
 from mpp.training.meters import EARLY_STEPS, RECENT_STEPS, LogWindow, StepPace
 from mpp.training.loop import StepResult, train_step
+from mpp.evaluation.views import patch_filters
 from pipelines.stages import prepare
 
 from conftest import ROOT, TINY, write_test_shards
@@ -62,6 +63,18 @@ def test_compiled_step_gives_the_eager_loss_and_gradients(mode):
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     assert torch.allclose(eager_loss, compiled_loss, rtol=1e-4, atol=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(eager_grads, compiled_grads))
+
+
+def test_an_inspection_between_compiled_steps_does_not_recompile_the_model():
+    # The inspection evaluator reads the patch filters through einops, which caches a backend per exact type: a
+    # Parameter's first visit grew the cache that the compiled forward guards on, and the whole model recompiled at
+    # a run's first inspection (on a GPU, inductor's compile again, mid-run).
+    plain = tiny_objective()
+    compiled = runtime.compiled(plain, "aot_eager")
+    compiled(images()).loss.backward()
+    patch_filters(plain.backbone, count=4)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled(images(seed=1)).loss.backward()
 
 
 def test_head_at_corrupted_positions_only_gives_the_loss_of_all_positions_masked():

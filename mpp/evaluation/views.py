@@ -26,7 +26,7 @@ def patch_filters(backbone: VisionTransformer, count: int, grey: bool = False) -
 
     grey=True (for a model trained on grey images, R = G = B): each filter summed over its colour channels first, the
     only part of it a grey image meets; what varies between channels never got a gradient and is initial noise."""
-    filters = backbone.patch_embed.filters().detach().float().cpu()  # (D, h, w, c)
+    filters = backbone.patch_embed.filters().float().cpu()  # (D, h, w, c)
     h, w = filters.shape[1:3]
     if grey:
         filters = filters.sum(dim=-1, keepdim=True)

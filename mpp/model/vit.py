@@ -42,8 +42,10 @@ class PatchEmbed(nn.Module):
         return self.proj(patchify(images, self.patch_size))
 
     def filters(self) -> torch.Tensor:  # (D, P, P, C): each output's weights as the patch it reads
+        # Detached: einops caches a backend per exact type, and a Parameter's first visit grew the cache that a
+        # compiled forward guards on, which recompiled the whole model at the run's first inspection.
         p = self.patch_size
-        return rearrange(self.proj.weight, "d (p1 p2 c) -> d p1 p2 c", p1=p, p2=p)
+        return rearrange(self.proj.weight.detach(), "d (p1 p2 c) -> d p1 p2 c", p1=p, p2=p)
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -163,7 +165,7 @@ class HybridEmbed(nn.Module):
         return self.proj(rearrange(self.stem(images), "b c h w -> b (h w) c"))
 
     def filters(self) -> torch.Tensor:  # (C, 7, 7, 3): the first convolution's kernels, what meets the pixels
-        return rearrange(self.stem.root[0].weight, "d c h w -> d h w c")
+        return rearrange(self.stem.root[0].weight.detach(), "d c h w -> d h w c")  # detached: see PatchEmbed.filters
 
 
 class Attention(nn.Module):
