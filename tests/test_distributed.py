@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -54,6 +55,8 @@ def test_two_process_run_over_uneven_shards_does_not_hang_and_resumes_to_the_sam
               "train.checkpoint_every=3", "train.keep_checkpoints=5", "data.num_workers=1", "data.resampled=false"]
     proc = pretrain_two_processes(tmp_path, *common)
     assert "with 2 process(es)" in proc.stdout and "global batch 16 = 2 process(es) x 4 images x 2 accumulation" in proc.stdout
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the machine's CPUs shared out between the two processes
+    assert re.search(rf"on cpu(:0)? \({threads} thread\(s\) each\)", proc.stdout), proc.stdout[-2000:]
     uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
     checkpoints = complete_checkpoints(tmp_path / "run")
     assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]
