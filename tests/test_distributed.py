@@ -45,52 +45,39 @@ def pretrain_two_processes(tmp_path, *overrides, resume=False):
                 f"output_dir={tmp_path / 'run'}", *TINY, *overrides, *(["--resume"] if resume else [])])
 
 
-def test_two_process_run_over_uneven_shards_does_not_hang_and_resumes_to_the_same_weights(tmp_path, make_shards):
+def test_two_processes_over_uneven_shards_with_workers_do_not_hang_and_resume_to_the_same_weights_and_log(tmp_path, make_shards):
     # Rank 0 streams shards 0 and 2 (60 samples a pass), rank 1 shards 1 and 3 (10): rank 1 ends its pass five times
     # while rank 0 is in its first, and neither waits for the other (a rank whose stream ran dry would hang the other
     # in the next all-reduce). Their stream positions differ, and each rank must resume from its own (they used to
-    # resume both from rank 0's).
+    # resume both from rank 0's). The log window in the checkpoint holds every rank's sums (reduced at the
+    # checkpoint): the line at step 3 spans the resume from the step-2 checkpoint, two ranks with a data worker each,
+    # 2 micro-batches a step.
     make_shards([30, 5, 30, 5], size=32)
+    out = tmp_path / "run"
     common = ["train.steps=6", "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4",
-              "train.checkpoint_every=3", "train.keep_checkpoints=5", "data.num_workers=1", "data.resampled=false"]
+              "train.checkpoint_every=2", "train.keep_checkpoints=5", "data.num_workers=1", "data.resampled=false", "log.every=3"]
+    lines = lambda: [{k: v for k, v in json.loads(line).items() if not k.startswith("train/perf/")}
+                     for line in (out / "log.txt").read_text().splitlines()]
     proc = pretrain_two_processes(tmp_path, *common)
     assert "with 2 process(es)" in proc.stdout and "global batch 16 = 2 process(es) x 4 images x 2 accumulation" in proc.stdout
     threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the machine's CPUs shared out between the two processes
     assert re.search(rf"on cpu(:0)? \({threads} thread\(s\) each\)", proc.stdout), proc.stdout[-2000:]
-    uninterrupted = load_file(tmp_path / "run" / "model.safetensors")
-    checkpoints = complete_checkpoints(tmp_path / "run")
-    assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]
+    uninterrupted, uninterrupted_lines = load_file(out / "model.safetensors"), lines()
+    checkpoints = complete_checkpoints(out)
+    assert [c.name for c in checkpoints] == ["step_00000002", "step_00000004", "step_00000006"]
     positions = [json.loads((checkpoints[0] / f"stream_state_{rank}.json").read_text()) for rank in (0, 1)]
     assert positions[0] != positions[1]
-    shutil.rmtree(checkpoints[-1])  # as if both processes had died after step 3's checkpoint
-    (tmp_path / "run" / "model.safetensors").unlink()
-
-    proc = pretrain_two_processes(tmp_path, *common, resume=True)
-    assert re.search(r"resumed from .*step_00000003 at step 3", proc.stdout)
-    resumed = load_file(tmp_path / "run" / "model.safetensors")
-    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
-
-
-def test_two_processes_with_workers_log_after_a_resume_what_the_uninterrupted_run_logs(tmp_path, make_shards):
-    # The log window in the checkpoint holds every rank's sums (reduced at the checkpoint): the line at step 3 spans
-    # the resume from the step-2 checkpoint, two ranks with a data worker each, 2 micro-batches a step.
-    make_shards([40, 40], size=32)
-    out = tmp_path / "run"
-    cmd = [*TWO_PROCESSES, "launch.py", "pretrain", f"data.shards={tmp_path / 'shards'}", f"output_dir={out}", *TINY,
-           "train.steps=6", "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4",
-           "train.checkpoint_every=2", "train.keep_checkpoints=5", "data.num_workers=1", "log.every=3"]
-    lines = lambda: [{k: v for k, v in json.loads(line).items() if not k.startswith("train/perf/")}
-                     for line in (out / "log.txt").read_text().splitlines()]
-    run(cmd)
-    uninterrupted = lines()
-    for later in complete_checkpoints(out)[1:]:  # as if both ranks had died after the step-2 checkpoint
+    for later in checkpoints[1:]:  # as if both processes had died after step 2's checkpoint
         shutil.rmtree(later)
     (out / "model.safetensors").unlink()
-    proc = run([*cmd, "--resume"])
-    assert "resumed from" in proc.stdout and "with 2 process(es)" in proc.stdout, proc.stdout[-2000:]
-    resumed = lines()
-    assert [line["step"] for line in resumed] == [line["step"] for line in uninterrupted] == [3, 6]
-    for after, before in zip(resumed, uninterrupted):  # the ranks' sums are added in another order: the last digit
+
+    proc = pretrain_two_processes(tmp_path, *common, resume=True)
+    assert re.search(r"resumed from .*step_00000002 at step 2", proc.stdout), proc.stdout[-2000:]
+    resumed = load_file(out / "model.safetensors")
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+    resumed_lines = lines()
+    assert [line["step"] for line in resumed_lines] == [line["step"] for line in uninterrupted_lines] == [3, 6]
+    for after, before in zip(resumed_lines, uninterrupted_lines):  # the ranks' sums are added in another order: the last digit
         assert after.keys() == before.keys() and all(math.isclose(after[k], before[k], rel_tol=1e-6) for k in before), (after, before)
 
 
