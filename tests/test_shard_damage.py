@@ -23,7 +23,7 @@ from mpp.data.stream import DataError, EvalTransform, make_loader
 from mpp.data.tars import CommandOutput, LossEstimate, shard_samples
 from mpp.training.preemption import EXIT_STATUS
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, TWO_PROCESSES, cpu_env
 from test_labels import jpeg
 from test_stream_faults import fails_if_stuck
 
@@ -360,33 +360,43 @@ def test_a_forked_process_that_closes_its_copy_of_a_stream_leaves_the_pipe_comma
     assert not ended("sleep", token), "the pipe command outlived its stream"
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_path, workers):
+# (processes, data workers): one process started by a shell and signalled itself; two under `accelerate launch`,
+# their launcher's process group signalled as a scheduler signals a job, whose elastic agent exits 1 (docs/preemption.md).
+STALLED_RUNS = {"0": (1, 0), "1": (1, 1), "2 processes": (2, 1)}
+
+
+@pytest.mark.parametrize("processes, workers", STALLED_RUNS.values(), ids=STALLED_RUNS.keys())
+def test_sigterm_stops_a_run_waiting_on_a_stalled_pipe_and_ends_the_pipe(tmp_path, processes, workers):
     """`pipe:sleep` never prints: SIGTERM used to be caught as an unreadable shard (no workers: the process lived on
-    until SIGKILL) and the sleeps outlived the run (workers)."""
-    token = f"{200000 + os.getpid() % 50000 * 2 + workers}"
-    run = subprocess.Popen([sys.executable, "launch.py", "pretrain", f"data.shards=pipe:sleep {token}",
+    until SIGKILL) and the sleeps outlived the run (workers). Every rank gives the wait up and its workers are ended."""
+    token = f"{200000 + os.getpid() % 50000 * 4 + processes + workers}"
+    launcher = TWO_PROCESSES if processes == 2 else [sys.executable]
+    run = subprocess.Popen([*launcher, "launch.py", "pretrain", f"data.shards=pipe:sleep {token}",
                             f"output_dir={tmp_path / 'run'}", *TINY, f"data.num_workers={workers}", "train.steps=5",
                             "train.warmup_steps=1", "train.batch_size=4", "train.stop_data_wait_s=2"],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=processes == 2)
     try:
         deadline = time.monotonic() + 300
-        while not processes_running("sleep", token) and run.poll() is None:
-            assert time.monotonic() < deadline, "the run never started its pipe command"
+        while len(processes_running("sleep", token)) < processes and run.poll() is None:
+            assert time.monotonic() < deadline, "the run never started its pipe commands"
             time.sleep(0.2)
         time.sleep(1)  # into the wait for data
-        run.send_signal(signal.SIGTERM)
+        if processes == 2:
+            os.killpg(run.pid, signal.SIGTERM)
+        else:
+            run.send_signal(signal.SIGTERM)
         try:
             _, stderr = run.communicate(timeout=STOP_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{STOP_S}s after SIGTERM the run, or a pipe command holding its output open, still runs")
-        assert run.returncode == EXIT_STATUS, stderr[-3000:]
-        assert "no data came within 2 s of SIGTERM: stopping without it" in stderr
-        assert "stopped at step 0 of 5 on SIGTERM while waiting for data" in stderr
+        assert run.returncode == (1 if processes == 2 else EXIT_STATUS), stderr[-3000:]
+        assert stderr.count("no data came within 2 s of SIGTERM: stopping without it") == processes, stderr[-3000:]
+        assert stderr.count("stopped at step 0 of 5 on SIGTERM while waiting for data") == processes, stderr[-3000:]
         assert not ended("sleep", token), "the pipe command outlived the run"
     finally:
         if run.poll() is None:
-            run.kill()
+            os.killpg(run.pid, signal.SIGKILL) if processes == 2 else run.kill()
             run.wait()
         for pid in processes_running("sleep", token):
             os.kill(pid, signal.SIGKILL)
