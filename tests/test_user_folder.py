@@ -213,11 +213,12 @@ def wandb_offline_run(path: Path) -> tuple[dict, dict]:
     `exit` record: it writes the final summary just before it, and may do so after the run's finish() has returned
     (a read before it missed eval/top1 once in a full suite run)."""
     deadline = time.monotonic() + 60
-    while "exit" not in (kinds := [r.WhichOneof("record_type") for r in wandb_records(path)]) and time.monotonic() < deadline:
+    kinds = lambda records: [record.WhichOneof("record_type") for record in records]
+    while "exit" not in kinds(records := wandb_records(path)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert "exit" in kinds, kinds[-10:]
+    assert "exit" in kinds(records), kinds(records)[-10:]
     summary, config = {}, {}
-    for record in wandb_records(path):
+    for record in records:
         kind = record.WhichOneof("record_type")
         updates = record.summary.update if kind == "summary" else record.config.update if kind == "config" else []
         for item in updates:
